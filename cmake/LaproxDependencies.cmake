@@ -1,0 +1,26 @@
+# Third-party dependencies, all from Debian packages (scripts/install-deps.sh installs them).
+find_package(Threads REQUIRED)
+find_package(absl REQUIRED CONFIG)
+
+# Debian's libopenblas-dev ships an OpenBLASConfig.cmake with variables only; wrap them in a
+# target. Fall back to FindBLAS when the config file is absent (other distributions).
+find_package(OpenBLAS CONFIG QUIET)
+if(OpenBLAS_FOUND)
+  add_library(laprox_openblas INTERFACE IMPORTED)
+  target_include_directories(laprox_openblas INTERFACE ${OpenBLAS_INCLUDE_DIRS})
+  target_link_libraries(laprox_openblas INTERFACE ${OpenBLAS_LIBRARIES})
+else()
+  set(BLA_VENDOR OpenBLAS)
+  find_package(BLAS REQUIRED)
+  add_library(laprox_openblas INTERFACE IMPORTED)
+  target_link_libraries(laprox_openblas INTERFACE BLAS::BLAS)
+endif()
+
+if(LAPROX_BUILD_TESTS)
+  find_package(GTest REQUIRED CONFIG)
+  find_package(nlohmann_json 3.10 REQUIRED CONFIG)
+  find_package(Python3 REQUIRED COMPONENTS Interpreter)
+endif()
+if(LAPROX_BUILD_BENCH)
+  find_package(benchmark REQUIRED CONFIG)
+endif()

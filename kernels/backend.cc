@@ -1,0 +1,179 @@
+#include "laprox/kernels/backend.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "policy/budget.h"
+
+namespace laprox::kernels {
+namespace {
+
+// Checks rank, shape and extent of one input view. `name` is the field path for messages,
+// e.g. "layers[3].keys".
+absl::Status CheckView(const std::string& name, const TensorView& view, const Dims& expected) {
+  if (view.empty()) return absl::InvalidArgumentError(absl::StrCat(name, " is missing"));
+  if (view.shape() != expected) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " has shape ", view.DebugString(),
+                                                   ", expected [", absl::StrJoin(expected, ", "),
+                                                   "]"));
+  }
+  int64_t extent;
+  absl::Status status = view.ElementExtent(&extent);
+  if (!status.ok()) return absl::Status(status.code(), absl::StrCat(name, ": ", status.message()));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::string_view BackendKindName(BackendKind kind) {
+  return kind == BackendKind::kCuda ? "cuda" : "cpu";
+}
+
+absl::StatusOr<PlanShape> ValidateKeepPlanRequest(const ModelGeometry& geometry,
+                                                  const PrepareOptions& prepared,
+                                                  const KeepPlanRequest& request) {
+  LAPROX_RETURN_IF_ERROR(request.policy.Validate());
+  const int64_t n = request.n;
+  if (n < 1 || n > KeepPlanRequest::kMaxTokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("n = ", n, " is outside [1, ", KeepPlanRequest::kMaxTokens, "]"));
+  }
+  const int64_t L = geometry.num_layers, H = geometry.num_heads, Hkv = geometry.num_kv_heads,
+                d = geometry.head_dim;
+  if (static_cast<int64_t>(request.layers.size()) != L) {
+    return absl::InvalidArgumentError(absl::StrCat("request has ", request.layers.size(),
+                                                   " layers, the model has ", L));
+  }
+  // Flat (layer, head, position) indices are 32-bit in the selection.
+  if (L * Hkv * n >= (int64_t{1} << 32)) {
+    return absl::OutOfRangeError(absl::StrCat("L*Hkv*n = ", L * Hkv * n,
+                                              " exceeds the 2^32 tokens one request may score"));
+  }
+  if (request.policy.gqa_value == GqaValue::kExactBlock && !prepared.cross_grams) {
+    return absl::FailedPreconditionError(
+        "policy.gqa_value = EXACT_BLOCK needs a model prepared with cross_grams");
+  }
+
+  PlanShape shape;
+  shape.n = n;
+  shape.num_layers = geometry.num_layers;
+  shape.num_kv_heads = geometry.num_kv_heads;
+  shape.group_size = geometry.group_size();
+  shape.head_dim = geometry.head_dim;
+
+  const LayerInputs& first = request.layers[0];
+  shape.attention_given = first.window_queries.empty();
+  shape.lse_given = !first.window_lse.empty();
+  const TensorView& first_window = shape.attention_given ? first.window_attention
+                                                         : first.window_queries;
+  if (first_window.empty()) {
+    return absl::InvalidArgumentError(
+        "layers[0] has neither window_queries nor window_attention");
+  }
+  if (first_window.rank() != 3) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layers[0].", shape.attention_given ? "window_attention" : "window_queries",
+        " has shape ", first_window.DebugString(), ", expected rank 3"));
+  }
+  const int64_t wq = first_window.dim(1);
+  if (wq < 1 || wq > PolicySpec::kMaxWindow) {
+    return absl::InvalidArgumentError(absl::StrCat("window rows given = ", wq,
+                                                   " is outside [1, ", PolicySpec::kMaxWindow,
+                                                   "]"));
+  }
+  if (request.policy.window > wq) {
+    return absl::InvalidArgumentError(absl::StrCat("policy.window = ", request.policy.window,
+                                                   " is larger than the ", wq,
+                                                   " window rows given"));
+  }
+  shape.window_rows = static_cast<int32_t>(wq);
+
+  for (int64_t l = 0; l < L; ++l) {
+    const LayerInputs& layer = request.layers[l];
+    const std::string prefix = absl::StrCat("layers[", l, "].");
+    LAPROX_RETURN_IF_ERROR(CheckView(prefix + "keys", layer.keys, {Hkv, n, d}));
+    LAPROX_RETURN_IF_ERROR(CheckView(prefix + "values", layer.values, {Hkv, n, d}));
+    if (!layer.window_queries.empty() && !layer.window_attention.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(prefix, "window_queries and window_attention are both given"));
+    }
+    if (shape.attention_given) {
+      if (!layer.window_queries.empty()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            prefix, "window_queries given but layers[0] gave window_attention"));
+      }
+      LAPROX_RETURN_IF_ERROR(
+          CheckView(prefix + "window_attention", layer.window_attention, {H, wq, n}));
+      if (!layer.window_lse.empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(prefix, "window_lse goes with window_queries, not window_attention"));
+      }
+    } else {
+      if (!layer.window_attention.empty()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            prefix, "window_attention given but layers[0] gave window_queries"));
+      }
+      LAPROX_RETURN_IF_ERROR(
+          CheckView(prefix + "window_queries", layer.window_queries, {H, wq, d}));
+      if (layer.window_lse.empty() == shape.lse_given) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            prefix, "window_lse must be given for every layer or for none"));
+      }
+      if (shape.lse_given) {
+        LAPROX_RETURN_IF_ERROR(CheckView(prefix + "window_lse", layer.window_lse, {H, wq}));
+      }
+    }
+  }
+  policy::DeriveBudget(request.policy, shape);
+  return shape;
+}
+
+absl::StatusOr<std::shared_ptr<const PreparedModel>> Backend::PrepareModel(
+    const ModelGeometry& geometry, absl::Span<const TensorView> o_proj,
+    const PrepareOptions& options) {
+  LAPROX_RETURN_IF_ERROR(geometry.Validate());
+  if (static_cast<int64_t>(o_proj.size()) != geometry.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("o_proj has ", o_proj.size(),
+                                                   " layers, geometry.num_layers = ",
+                                                   geometry.num_layers));
+  }
+  const Dims expected = {geometry.hidden_size,
+                         int64_t{geometry.num_heads} * geometry.head_dim};
+  for (size_t l = 0; l < o_proj.size(); ++l) {
+    const std::string name = absl::StrCat("o_proj[", l, "]");
+    LAPROX_RETURN_IF_ERROR(CheckView(name, o_proj[l], expected));
+    if (!CanRead(o_proj[l].space())) {
+      return absl::UnimplementedError(
+          absl::StrCat(name, " is in a memory space the ", BackendKindName(kind()),
+                       " backend cannot read"));
+    }
+  }
+  return PrepareModelImpl(geometry, o_proj, options);
+}
+
+absl::StatusOr<KeepPlan> Backend::ComputeKeepPlan(const PreparedModel& model,
+                                                  const KeepPlanRequest& request) {
+  if (model.backend() != kind()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("model was prepared by the ", BackendKindName(model.backend()),
+                     " backend, not ", BackendKindName(kind())));
+  }
+  LAPROX_ASSIGN_OR_RETURN(PlanShape shape,
+                          ValidateKeepPlanRequest(model.geometry(), model.options(), request));
+  for (size_t l = 0; l < request.layers.size(); ++l) {
+    const LayerInputs& layer = request.layers[l];
+    for (const TensorView* view : {&layer.keys, &layer.values, &layer.window_queries,
+                                   &layer.window_attention, &layer.window_lse}) {
+      if (!view->empty() && !CanRead(view->space())) {
+        return absl::UnimplementedError(
+            absl::StrCat("layers[", l, "] has a tensor in a memory space the ",
+                         BackendKindName(kind()), " backend cannot read"));
+      }
+    }
+  }
+  return ComputeKeepPlanImpl(model, request, shape);
+}
+
+}  // namespace laprox::kernels

@@ -1,0 +1,149 @@
+#include "cpu/cpu_backend.h"
+
+#include <algorithm>
+#include <atomic>
+#include <limits>
+#include <vector>
+
+#include <cblas.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/parallel.h"
+#include "common/status_macros.h"
+#include "cpu/factors.h"
+#include "cpu/rows.h"
+#include "cpu/score.h"
+#include "policy/select.h"
+
+namespace laprox::kernels::cpu {
+namespace {
+
+// Runs task(item, worker) for every item, stopping early after a failure, and returns the
+// failure of the lowest-numbered failing item (so the error does not depend on thread timing:
+// items are claimed in increasing order, and items above a known failure are skipped).
+template <typename Task>
+absl::Status RunAll(int64_t count, int threads, Task&& task) {
+  std::vector<absl::Status> statuses(count);
+  std::atomic<int64_t> first_failure{std::numeric_limits<int64_t>::max()};
+  ParallelFor(count, threads, [&](int64_t item, int worker) {
+    if (item > first_failure.load(std::memory_order_relaxed)) return;
+    statuses[item] = task(item, worker);
+    if (!statuses[item].ok()) {
+      int64_t seen = first_failure.load();
+      while (item < seen && !first_failure.compare_exchange_weak(seen, item)) {
+      }
+    }
+  });
+  const int64_t failed = first_failure.load();
+  return failed < count ? statuses[failed] : absl::OkStatus();
+}
+
+// Fills the factor matrices of one layer from its o_proj [D, H*d] (converted to fp32 `w`).
+void LayerFactors(const ModelGeometry& g, const float* w, bool cross, int64_t layer,
+                  CpuPreparedModel& model, std::vector<float>& summed) {
+  const int64_t D = g.hidden_size, d = g.head_dim, G = g.group_size(), Hd = int64_t{g.num_heads} * d;
+  const int ld = static_cast<int>(model.row_stride());
+  for (int64_t kv = 0; kv < g.num_kv_heads; ++kv) {
+    float* f = model.mutable_factors(layer, kv);
+    const float* group = w + kv * G * d;  // columns of head kv*G
+    // Block 0: S^T S with S = sum_h W[:, h-block] (D x d).
+    summed.assign(D * d, 0.f);
+    for (int64_t r = 0; r < D; ++r) {
+      for (int64_t h = 0; h < G; ++h) {
+        for (int64_t k = 0; k < d; ++k) summed[r * d + k] += group[r * Hd + h * d + k];
+      }
+    }
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(d), static_cast<int>(d),
+                static_cast<int>(D), 1.f, summed.data(), static_cast<int>(d), summed.data(),
+                static_cast<int>(d), 0.f, f, ld);
+    // Blocks 1..G: W_h^T W_h; then the cross pairs W_h^T W_h' for h < h'.
+    int64_t block = 1;
+    for (int64_t a = 0; a < G; ++a, ++block) {
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(d),
+                  static_cast<int>(d), static_cast<int>(D), 1.f, group + a * d,
+                  static_cast<int>(Hd), group + a * d, static_cast<int>(Hd), 0.f, f + block * d,
+                  ld);
+    }
+    if (!cross) continue;
+    for (int64_t a = 0; a < G; ++a) {
+      for (int64_t b = a + 1; b < G; ++b, ++block) {
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(d),
+                    static_cast<int>(d), static_cast<int>(D), 1.f, group + a * d,
+                    static_cast<int>(Hd), group + b * d, static_cast<int>(Hd), 0.f,
+                    f + block * d, ld);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+CpuPreparedModel::CpuPreparedModel(const ModelGeometry& geometry, const PrepareOptions& options)
+    : PreparedModel(geometry, options, BackendKind::kCpu) {
+  const int64_t G = geometry.group_size();
+  blocks_ = 1 + G + (options.cross_grams ? G * (G - 1) / 2 : 0);
+  factors_.resize(int64_t{geometry.num_layers} * geometry.num_kv_heads * matrix_size());
+}
+
+CpuBackend::CpuBackend(int threads) : threads_(std::max(threads, 1)) {
+  // Parallelism comes from our workers over (layer, head) pairs; nested BLAS threads would
+  // oversubscribe the cores.
+  openblas_set_num_threads(1);
+}
+
+std::string CpuBackend::Describe() const {
+  return absl::StrCat("cpu: ", threads_, " threads, ", openblas_get_config());
+}
+
+absl::StatusOr<std::shared_ptr<const PreparedModel>> CpuBackend::PrepareModelImpl(
+    const ModelGeometry& geometry, absl::Span<const TensorView> o_proj,
+    const PrepareOptions& options) {
+  auto model = std::make_shared<CpuPreparedModel>(geometry, options);
+  const int64_t D = geometry.hidden_size, Hd = int64_t{geometry.num_heads} * geometry.head_dim;
+  struct Scratch {
+    std::vector<float> weights, summed;
+  };
+  std::vector<Scratch> scratch(threads_);
+  LAPROX_RETURN_IF_ERROR(RunAll(geometry.num_layers, threads_, [&](int64_t l, int worker) {
+    // View the [D, H*d] weight as one "head" of D rows so that LoadRows converts and checks it.
+    const TensorView& w = o_proj[l];
+    const TensorView rows(w.data(), w.dtype(), {1, D, Hd}, {0, w.stride(0), w.stride(1)});
+    RowBlock block;
+    std::vector<float>& buffer = scratch[worker].weights;
+    LAPROX_RETURN_IF_ERROR(LoadRows(rows, 0, 0, D, {l, "o_proj"}, buffer, &block));
+    if (block.ld != Hd) {  // used in place with padded rows: make it dense
+      buffer.resize(D * Hd);
+      for (int64_t r = 0; r < D; ++r) {
+        std::copy(block.data + r * block.ld, block.data + r * block.ld + Hd, &buffer[r * Hd]);
+      }
+      block.data = buffer.data();
+    }
+    LayerFactors(geometry, block.data, options.cross_grams, l, *model, scratch[worker].summed);
+    return absl::OkStatus();
+  }));
+  return std::shared_ptr<const PreparedModel>(std::move(model));
+}
+
+absl::StatusOr<KeepPlan> CpuBackend::ComputeKeepPlanImpl(const PreparedModel& model,
+                                                         const KeepPlanRequest& request,
+                                                         const PlanShape& shape) {
+  const auto& prepared = static_cast<const CpuPreparedModel&>(model);
+  const int64_t Hkv = shape.num_kv_heads, n = shape.n;
+  std::vector<float> raw(shape.num_layers * Hkv * n, 0.f);
+  std::vector<ScoreWorkspace> workspaces(threads_);
+  const float scale = model.geometry().EffectiveScale();
+  LAPROX_RETURN_IF_ERROR(
+      RunAll(shape.num_layers * Hkv, threads_, [&](int64_t item, int worker) {
+        HeadTask task;
+        task.layer = item / Hkv;
+        task.kv_head = item % Hkv;
+        task.inputs = &request.layers[task.layer];
+        task.factors = prepared.factors(task.layer, task.kv_head);
+        task.factor_ld = prepared.row_stride();
+        task.scale = scale;
+        return ScoreHead(shape, request.policy, task, workspaces[worker], raw.data() + item * n);
+      }));
+  return policy::SelectKeepPlan(shape, request.policy, raw, request.outputs);
+}
+
+}  // namespace laprox::kernels::cpu

@@ -1,0 +1,37 @@
+// CpuBackend: the reference backend. fp32 math on host memory, OpenBLAS sgemm for Q.K^T and
+// V.M, worker threads over (layer, KV head) pairs with single-threaded BLAS inside.
+#ifndef LAPROX_KERNELS_CPU_CPU_BACKEND_H_
+#define LAPROX_KERNELS_CPU_CPU_BACKEND_H_
+
+#include <memory>
+#include <string>
+
+#include "laprox/kernels/backend.h"
+
+namespace laprox::kernels::cpu {
+
+class CpuBackend final : public Backend {
+ public:
+  // `threads` >= 1 workers over (layer, KV head) pairs. Sets OpenBLAS to one thread per call
+  // (a process-wide OpenBLAS setting).
+  explicit CpuBackend(int threads);
+
+  BackendKind kind() const override { return BackendKind::kCpu; }
+  std::string Describe() const override;
+
+ protected:
+  bool CanRead(MemorySpace space) const override { return space == MemorySpace::kHost; }
+  absl::StatusOr<std::shared_ptr<const PreparedModel>> PrepareModelImpl(
+      const ModelGeometry& geometry, absl::Span<const TensorView> o_proj,
+      const PrepareOptions& options) override;
+  absl::StatusOr<KeepPlan> ComputeKeepPlanImpl(const PreparedModel& model,
+                                               const KeepPlanRequest& request,
+                                               const PlanShape& shape) override;
+
+ private:
+  int threads_;
+};
+
+}  // namespace laprox::kernels::cpu
+
+#endif  // LAPROX_KERNELS_CPU_CPU_BACKEND_H_

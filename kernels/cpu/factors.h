@@ -1,0 +1,44 @@
+// Per-(layer, KV head) value factors of the CPU backend, prepared once per model.
+//
+// For KV head g with query heads h in g, the factor matrix is row-major [d, blocks * d]:
+//   block 0            M_sum = S S^T with S = sum_h W_O^h        (SUMMED_PROJECTION)
+//   blocks 1 .. G      M_h   = W_O^h W_O^h^T                      (MEAN_HEAD_*)
+//   blocks G+1 ..      C_hh' = W_O^h W_O^h'^T for h < h', pairs in (0,1),(0,2),..,(1,2),..
+//                      order (EXACT_BLOCK; only with PrepareOptions::cross_grams)
+// so that ||v W_O^h||^2 = v M_h v^T and one sgemm of V with a column range covers a mode.
+#ifndef LAPROX_KERNELS_CPU_FACTORS_H_
+#define LAPROX_KERNELS_CPU_FACTORS_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "laprox/kernels/backend.h"
+
+namespace laprox::kernels::cpu {
+
+class CpuPreparedModel final : public PreparedModel {
+ public:
+  CpuPreparedModel(const ModelGeometry& geometry, const PrepareOptions& options);
+
+  int64_t ByteSize() const override { return static_cast<int64_t>(factors_.size()) * 4; }
+  // Blocks per (layer, KV head): 1 + G (+ G(G-1)/2 with cross-Grams).
+  int64_t blocks() const { return blocks_; }
+  // Row stride of a factor matrix in floats: blocks() * d.
+  int64_t row_stride() const { return blocks_ * geometry().head_dim; }
+  const float* factors(int64_t layer, int64_t kv_head) const {
+    return factors_.data() + (layer * geometry().num_kv_heads + kv_head) * matrix_size();
+  }
+  float* mutable_factors(int64_t layer, int64_t kv_head) {
+    return factors_.data() + (layer * geometry().num_kv_heads + kv_head) * matrix_size();
+  }
+
+ private:
+  int64_t matrix_size() const { return int64_t{geometry().head_dim} * row_stride(); }
+
+  int64_t blocks_;
+  std::vector<float> factors_;
+};
+
+}  // namespace laprox::kernels::cpu
+
+#endif  // LAPROX_KERNELS_CPU_FACTORS_H_

@@ -1,0 +1,124 @@
+#include "cpu/rows.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/half.h"
+#include "cpu/vector_ops.h"
+
+namespace laprox::kernels::cpu {
+namespace {
+
+template <typename Convert>
+void ConvertRow(const uint16_t* src, int64_t stride, int64_t cols, Convert convert, float* dst) {
+  if (stride == 1) {
+    for (int64_t c = 0; c < cols; ++c) dst[c] = convert(src[c]);
+  } else {
+    for (int64_t c = 0; c < cols; ++c) dst[c] = convert(src[c * stride]);
+  }
+}
+
+// Converts rows into dst (ld = cols).
+void ConvertRows(const TensorView& view, int64_t head, int64_t row0, int64_t count, float* dst) {
+  const int64_t cols = view.dim(2);
+  const int64_t s0 = view.stride(0), s1 = view.stride(1), s2 = view.stride(2);
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t offset = head * s0 + (row0 + r) * s1;
+    float* row = dst + r * cols;
+    switch (view.dtype()) {
+      case DType::kF32: {
+        const float* src = static_cast<const float*>(view.data()) + offset;
+        for (int64_t c = 0; c < cols; ++c) row[c] = src[c * s2];
+        break;
+      }
+      case DType::kF16:
+        ConvertRow(static_cast<const uint16_t*>(view.data()) + offset, s2, cols, F16ToFloat, row);
+        break;
+      case DType::kBF16:
+        ConvertRow(static_cast<const uint16_t*>(view.data()) + offset, s2, cols, Bf16ToFloat,
+                   row);
+        break;
+    }
+  }
+}
+
+// Finds the first non-finite element of the block and names it.
+absl::Status NonFiniteError(const float* data, int64_t ld, int64_t count, int64_t cols,
+                            int64_t head, int64_t row0, TensorName name) {
+  for (int64_t r = 0; r < count; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = data[r * ld + c];
+      if (!std::isfinite(v)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "layers[", name.layer, "].", name.field, " has a non-finite value (", v, ") at [",
+            head, ", ", row0 + r, ", ", c, "]"));
+      }
+    }
+  }
+  return absl::InternalError("non-finite value vanished");
+}
+
+bool BlockFinite(const float* data, int64_t ld, int64_t count, int64_t cols) {
+  if (ld == cols) return AllFinite(data, count * cols);
+  for (int64_t r = 0; r < count; ++r) {
+    if (!AllFinite(data + r * ld, cols)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+absl::Status LoadRows(const TensorView& view, int64_t head, int64_t row0, int64_t count,
+                      TensorName name, std::vector<float>& scratch, RowBlock* out) {
+  const int64_t cols = view.dim(2);
+  if (view.dtype() == DType::kF32 && view.stride(2) == 1 && view.stride(1) >= cols) {
+    out->data = static_cast<const float*>(view.data()) + head * view.stride(0) +
+                row0 * view.stride(1);
+    out->ld = view.stride(1);
+  } else {
+    if (static_cast<int64_t>(scratch.size()) < count * cols) scratch.resize(count * cols);
+    ConvertRows(view, head, row0, count, scratch.data());
+    out->data = scratch.data();
+    out->ld = cols;
+  }
+  if (!BlockFinite(out->data, out->ld, count, cols)) {
+    return NonFiniteError(out->data, out->ld, count, cols, head, row0, name);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckRowsFinite(const TensorView& view, int64_t head, int64_t row0, int64_t count,
+                             TensorName name, std::vector<float>& scratch) {
+  constexpr int64_t kChunk = 512;
+  RowBlock block;
+  for (int64_t r = row0; r < row0 + count; r += kChunk) {
+    const int64_t rows = std::min(kChunk, row0 + count - r);
+    if (auto s = LoadRows(view, head, r, rows, name, scratch, &block); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LoadAll(const TensorView& view, TensorName name, std::vector<float>& out) {
+  const int64_t total = view.num_elements();
+  out.resize(total);
+  const int rank = view.rank();
+  Dims index(rank, 0);
+  for (int64_t e = 0; e < total; ++e) {
+    int64_t offset = 0;
+    for (int i = 0; i < rank; ++i) offset += index[i] * view.stride(i);
+    out[e] = view.LoadAsFloat(offset);
+    if (!std::isfinite(out[e])) {
+      return absl::InvalidArgumentError(absl::StrCat("layers[", name.layer, "].", name.field,
+                                                     " has a non-finite value (", out[e],
+                                                     ") at [", absl::StrJoin(index, ", "), "]"));
+    }
+    for (int i = rank - 1; i >= 0; --i) {
+      if (++index[i] < view.dim(i)) break;
+      index[i] = 0;
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace laprox::kernels::cpu

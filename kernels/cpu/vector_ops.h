@@ -1,0 +1,33 @@
+// Element loops of the CPU backend. Each is compiled twice (AVX2+FMA and baseline x86-64) and
+// chosen at load time, so one binary runs everywhere and is fast where AVX2 exists.
+// All pointers are host memory; no function allocates or keeps a pointer.
+#ifndef LAPROX_KERNELS_CPU_VECTOR_OPS_H_
+#define LAPROX_KERNELS_CPU_VECTOR_OPS_H_
+
+#include <cstdint>
+
+namespace laprox::kernels::cpu {
+
+// True when every one of `count` fp32 values is finite.
+bool AllFinite(const float* values, int64_t count);
+
+// x[i] = exp(x[i] - max(x)) in place for i < count; returns the sum of the new values (float64
+// accumulation). Relative error of each exp below 2e-7.
+double ExpShiftedInPlace(float* x, int64_t count);
+
+// x[i] = exp(x[i] - shift) in place.
+void ExpInPlace(float* x, int64_t count, float shift);
+
+// acc[i] += (sum_r rows[r][i] * scales[r])^2 for r < num_rows, i < count.
+void AccumulateSquaredSum(const float* const* rows, const float* scales, int num_rows,
+                          int64_t count, float* acc);
+
+// acc[i] += a[i] * b[i] * scale.
+void AccumulateProduct(const float* a, const float* b, float scale, int64_t count, float* acc);
+
+// dot of two length-d vectors, fp32 with 8 partial sums.
+float Dot(const float* a, const float* b, int64_t d);
+
+}  // namespace laprox::kernels::cpu
+
+#endif  // LAPROX_KERNELS_CPU_VECTOR_OPS_H_

@@ -1,0 +1,150 @@
+// Backend: the one interface every compute backend (CPU, CUDA) implements.
+//
+// A backend turns a model's output projections into prepared per-head factors once
+// (PrepareModel), then answers keep-plan requests against them (ComputeKeepPlan). The public
+// methods are non-virtual: they validate everything that can be checked without reading tensor
+// data (shapes, strides, dtypes, memory spaces, options, integer overflow) and then call the
+// protected ...Impl methods with those preconditions guaranteed. The Impl methods check what
+// needs the data itself (NaN/Inf, probability rows) while they read it.
+//
+// Every backend returns the same KeepPlan for the same inputs (the CPU backend is the
+// reference); see tests/reference/SEMANTICS.md for the exact algorithm.
+//
+// Thread safety: a Backend may be used from several threads at once; a PreparedModel is
+// immutable after PrepareModel returns and may be shared by concurrent requests.
+#ifndef LAPROX_KERNELS_BACKEND_H_
+#define LAPROX_KERNELS_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "laprox/kernels/geometry.h"
+#include "laprox/kernels/keep_plan.h"
+#include "laprox/kernels/policy.h"
+#include "laprox/kernels/tensor_view.h"
+
+namespace laprox::kernels {
+
+enum class BackendKind { kCpu, kCuda };
+absl::string_view BackendKindName(BackendKind kind);
+
+struct PrepareOptions {
+  // Also precompute the cross-Grams W_O^h W_O^h'^T within each KV group, which the EXACT_BLOCK
+  // gqa_value needs: (G-1)/2 times more memory than the per-head factors.
+  bool cross_grams = false;
+};
+
+// A model's per-head factors, prepared by one backend and usable only with that backend.
+class PreparedModel {
+ public:
+  virtual ~PreparedModel() = default;
+  PreparedModel(const PreparedModel&) = delete;
+  PreparedModel& operator=(const PreparedModel&) = delete;
+
+  const ModelGeometry& geometry() const { return geometry_; }
+  const PrepareOptions& options() const { return options_; }
+  BackendKind backend() const { return backend_; }
+  // Bytes the prepared factors occupy (host or device memory of the backend).
+  virtual int64_t ByteSize() const = 0;
+
+ protected:
+  PreparedModel(const ModelGeometry& geometry, const PrepareOptions& options, BackendKind backend)
+      : geometry_(geometry), options_(options), backend_(backend) {}
+
+ private:
+  ModelGeometry geometry_;
+  PrepareOptions options_;
+  BackendKind backend_;
+};
+
+// The tensors of one layer. Shapes are logical; strides may be anything non-negative, so
+// [1, Hkv, n, d] and [n, Hkv, d] engine layouts both fit without a copy.
+struct LayerInputs {
+  TensorView keys;              // [Hkv, n, d], post-RoPE
+  TensorView values;            // [Hkv, n, d]
+  TensorView window_queries;    // [H, wq, d], post-RoPE queries of the last wq positions, or
+  TensorView window_attention;  // [H, wq, n], softmax rows of those queries (give one of the two)
+  TensorView window_lse;        // optional [H, wq], natural-log normaliser of each query row
+};
+
+struct KeepPlanRequest {
+  int64_t n = 0;                    // prompt tokens, 1 <= n <= kMaxTokens
+  std::vector<LayerInputs> layers;  // one per model layer
+  PolicySpec policy;
+  OutputOptions outputs;
+
+  static constexpr int64_t kMaxTokens = (int64_t{1} << 30);
+};
+
+// Everything derived from a validated request before any data is read.
+struct PlanShape {
+  int64_t n = 0;
+  int32_t num_layers = 0;
+  int32_t num_kv_heads = 0;
+  int32_t group_size = 0;
+  int32_t head_dim = 0;
+  int32_t window_rows = 0;  // wq, rows given per query head
+  int32_t window = 0;       // we = min(w, n), rows used (the last we of wq)
+  int32_t sinks = 0;        // se = min(sinks, n - we)
+  int64_t candidates = 0;   // m = n - we - se per (layer, head)
+  int64_t quota = 0;        // q = clamp(B - we - se, 0, m)
+  bool attention_given = false;  // window_attention instead of window_queries
+  bool lse_given = false;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  Backend(const Backend&) = delete;
+  Backend& operator=(const Backend&) = delete;
+
+  virtual BackendKind kind() const = 0;
+  // One line for logs and GetServerInfo, e.g. "cpu: 2 threads, OpenBLAS 0.3.21".
+  virtual std::string Describe() const = 0;
+
+  // Precomputes the per-head factors from each layer's o_proj.weight [D, H*d] (any dtype,
+  // strides, memory space the backend reads). Blocks until done; the views are not retained.
+  // INVALID_ARGUMENT: bad geometry, wrong layer count, shape or non-finite weights (naming the
+  // layer); UNIMPLEMENTED: a memory space this backend cannot read; RESOURCE_EXHAUSTED: no memory.
+  absl::StatusOr<std::shared_ptr<const PreparedModel>> PrepareModel(
+      const ModelGeometry& geometry, absl::Span<const TensorView> o_proj,
+      const PrepareOptions& options = {});
+
+  // Computes the keep-plan of one sequence. Blocks until the plan is complete; reads the input
+  // views only during the call. Deterministic: the same inputs give the same plan, whatever the
+  // thread count. INVALID_ARGUMENT names the field and values for every malformed input
+  // (shape, stride, dtype, option, NaN/Inf, attention rows that are not probabilities);
+  // FAILED_PRECONDITION when the model was prepared by another backend or without cross-Grams
+  // for EXACT_BLOCK; OUT_OF_RANGE when a view's extent overflows int64; UNIMPLEMENTED for a
+  // memory space the backend cannot read.
+  absl::StatusOr<KeepPlan> ComputeKeepPlan(const PreparedModel& model,
+                                           const KeepPlanRequest& request);
+
+ protected:
+  Backend() = default;
+
+  virtual bool CanRead(MemorySpace space) const = 0;
+  // Preconditions: geometry valid, o_proj.size() == L, each [D, H*d] in a readable space.
+  virtual absl::StatusOr<std::shared_ptr<const PreparedModel>> PrepareModelImpl(
+      const ModelGeometry& geometry, absl::Span<const TensorView> o_proj,
+      const PrepareOptions& options) = 0;
+  // Preconditions: everything ValidateKeepPlanRequest checks; `shape` derived from `request`.
+  virtual absl::StatusOr<KeepPlan> ComputeKeepPlanImpl(const PreparedModel& model,
+                                                       const KeepPlanRequest& request,
+                                                       const PlanShape& shape) = 0;
+};
+
+// The checks ComputeKeepPlan runs before any data is read, exposed for callers (the service)
+// that want to reject a request early. Returns the derived shape.
+absl::StatusOr<PlanShape> ValidateKeepPlanRequest(const ModelGeometry& geometry,
+                                                  const PrepareOptions& prepared,
+                                                  const KeepPlanRequest& request);
+
+}  // namespace laprox::kernels
+
+#endif  // LAPROX_KERNELS_BACKEND_H_

@@ -1,0 +1,45 @@
+// KeepPlan: the answer to one keep-plan request — which positions each (layer, KV head) keeps.
+#ifndef LAPROX_KERNELS_KEEP_PLAN_H_
+#define LAPROX_KERNELS_KEEP_PLAN_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/types/span.h"
+
+namespace laprox::kernels {
+
+// Which optional outputs a request wants. Counts, offsets and layer sums are always returned.
+struct OutputOptions {
+  bool positions = true;  // kept positions, ascending, concatenated in (layer, head) order
+  bool bitmask = false;   // [L, Hkv, ceil(n/8)] bytes, bit i%8 of byte i/8 (LSB first)
+  bool scores = false;    // [L, Hkv, n] fp32 competing scores; +inf for sinks and window
+};
+
+struct KeepPlan {
+  int32_t num_layers = 0;
+  int32_t num_kv_heads = 0;
+  int64_t n = 0;
+  int32_t window = 0;  // effective window min(w, n)
+  int32_t sinks = 0;   // effective sinks min(sinks, n - window)
+  int64_t quota = 0;   // q: selected candidates per head under a uniform split
+  int64_t selected_total = 0;  // K = L * Hkv * q
+
+  std::vector<int32_t> counts;     // [L * Hkv] kept tokens per (layer, head)
+  std::vector<int64_t> offsets;    // [L * Hkv + 1] into positions (filled even without positions)
+  std::vector<int32_t> positions;  // kept positions, when requested
+  std::vector<uint8_t> bitmask;    // when requested
+  std::vector<float> scores;       // when requested
+  std::vector<double> layer_sums;  // [L] sum of raw scores p over the layer's candidates
+
+  int32_t count(int layer, int kv_head) const { return counts[layer * num_kv_heads + kv_head]; }
+  // Kept positions of one (layer, head); requires OutputOptions::positions.
+  absl::Span<const int32_t> kept(int layer, int kv_head) const {
+    const int64_t i = int64_t{layer} * num_kv_heads + kv_head;
+    return absl::MakeConstSpan(positions).subspan(offsets[i], offsets[i + 1] - offsets[i]);
+  }
+};
+
+}  // namespace laprox::kernels
+
+#endif  // LAPROX_KERNELS_KEEP_PLAN_H_

@@ -1,0 +1,32 @@
+// CreateBackend: the one place a backend is chosen. Only kernels/registry.cc knows whether the
+// CUDA backend was built.
+#ifndef LAPROX_KERNELS_REGISTRY_H_
+#define LAPROX_KERNELS_REGISTRY_H_
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "laprox/kernels/backend.h"
+
+namespace laprox::kernels {
+
+struct BackendOptions {
+  int threads = 2;  // CPU worker threads over (layer, KV head) pairs; BLAS runs single-threaded
+  int device = 0;   // CUDA device ordinal
+};
+
+// Whether this build contains the CUDA backend.
+bool CudaBackendBuilt();
+
+// "cpu" or "cuda"; "auto" picks cuda when built and a device is present, else cpu.
+// INVALID_ARGUMENT for an unknown name; UNIMPLEMENTED when cuda is asked for but not built;
+// UNAVAILABLE when cuda is built but no device is usable.
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(absl::string_view name,
+                                                       const BackendOptions& options = {});
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(BackendKind kind,
+                                                       const BackendOptions& options = {});
+
+}  // namespace laprox::kernels
+
+#endif  // LAPROX_KERNELS_REGISTRY_H_

@@ -1,0 +1,169 @@
+#include "policy/select.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace laprox::kernels::policy {
+namespace {
+
+// Selection state over the flat [L, Hkv, n] index space.
+class Selector {
+ public:
+  Selector(const PlanShape& shape, const std::vector<float>& scores)
+      : shape_(shape), scores_(scores), selected_(scores.size(), 0) {}
+
+  const std::vector<uint8_t>& selected() const { return selected_; }
+
+  // Appends the not-yet-selected candidates of (layer, head) to `out`.
+  void Gather(int64_t layer, int64_t head, std::vector<ScoredToken>& out) const {
+    const int64_t base = (layer * shape_.num_kv_heads + head) * shape_.n;
+    const int64_t begin = base + shape_.sinks, end = begin + shape_.candidates;
+    for (int64_t i = begin; i < end; ++i) {
+      if (!selected_[i]) out.push_back({scores_[i], static_cast<uint32_t>(i)});
+    }
+  }
+
+  // Selects the best `k` of `pool` (cleared afterwards).
+  void Take(std::vector<ScoredToken>& pool, int64_t k) {
+    k = std::min<int64_t>(k, static_cast<int64_t>(pool.size()));
+    PartitionBest(absl::MakeSpan(pool), k);
+    for (int64_t j = 0; j < k; ++j) selected_[pool[j].index] = 1;
+    pool.clear();
+  }
+
+  // Each head of `layer` selects its own best k (head 0..Hkv-1 get `per_head` plus one for the
+  // first `extra` heads).
+  void TakePerHead(int64_t layer, int64_t per_head, int64_t extra,
+                   std::vector<ScoredToken>& pool) {
+    for (int64_t g = 0; g < shape_.num_kv_heads; ++g) {
+      Gather(layer, g, pool);
+      Take(pool, per_head + (g < extra ? 1 : 0));
+    }
+  }
+
+  int64_t CountInLayer(int64_t layer) const {
+    const auto begin = selected_.begin() + layer * shape_.num_kv_heads * shape_.n;
+    return std::count(begin, begin + shape_.num_kv_heads * shape_.n, 1);
+  }
+
+  void ClearLayer(int64_t layer) {
+    const auto begin = selected_.begin() + layer * shape_.num_kv_heads * shape_.n;
+    std::fill(begin, begin + shape_.num_kv_heads * shape_.n, 0);
+  }
+
+ private:
+  const PlanShape& shape_;
+  const std::vector<float>& scores_;
+  std::vector<uint8_t> selected_;
+};
+
+}  // namespace
+
+void PartitionBest(absl::Span<ScoredToken> tokens, int64_t k) {
+  if (k <= 0 || k >= static_cast<int64_t>(tokens.size())) return;
+  std::nth_element(tokens.begin(), tokens.begin() + k, tokens.end(), SelectedBefore);
+}
+
+KeepPlan SelectKeepPlan(const PlanShape& shape, const PolicySpec& policy,
+                        absl::Span<const float> raw, const OutputOptions& outputs) {
+  const int64_t L = shape.num_layers, Hkv = shape.num_kv_heads, n = shape.n;
+  const int64_t se = shape.sinks, m = shape.candidates, q = shape.quota;
+  const int64_t candidates_end = se + m;
+
+  KeepPlan plan;
+  plan.num_layers = shape.num_layers;
+  plan.num_kv_heads = shape.num_kv_heads;
+  plan.n = n;
+  plan.window = shape.window;
+  plan.sinks = shape.sinks;
+  plan.quota = q;
+  plan.selected_total = L * Hkv * q;
+
+  // Competing scores: +inf marks forced tokens (sinks, window) in the output.
+  std::vector<float> scores(raw.size(), std::numeric_limits<float>::infinity());
+  plan.layer_sums.assign(L, 0.0);
+  for (int64_t l = 0; l < L; ++l) {
+    double sum = 0.0;
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const float* p = raw.data() + (l * Hkv + g) * n;
+      for (int64_t i = se; i < candidates_end; ++i) sum += p[i];
+    }
+    plan.layer_sums[l] = sum;
+    const bool uniform = !(sum > 0.0) || !std::isfinite(sum);
+    const double uniform_score = m > 0 ? 1.0 / static_cast<double>(Hkv * m) : 0.0;
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const int64_t base = (l * Hkv + g) * n;
+      for (int64_t i = se; i < candidates_end; ++i) {
+        double s;
+        if (policy.allocation == Allocation::kGlobalRaw) {
+          s = raw[base + i];
+        } else {
+          s = uniform ? uniform_score : raw[base + i] / sum;
+        }
+        scores[base + i] = static_cast<float>(s);
+      }
+    }
+  }
+
+  Selector selector(shape, scores);
+  std::vector<ScoredToken> pool;
+  const int64_t reserve = std::min<int64_t>(policy.min_per_head, q);
+  switch (policy.allocation) {
+    case Allocation::kGlobalNormalized:
+    case Allocation::kGlobalRaw:
+      if (reserve > 0) {
+        for (int64_t l = 0; l < L; ++l) selector.TakePerHead(l, reserve, 0, pool);
+      }
+      pool.reserve(L * Hkv * m);
+      for (int64_t l = 0; l < L; ++l) {
+        for (int64_t g = 0; g < Hkv; ++g) selector.Gather(l, g, pool);
+      }
+      selector.Take(pool, L * Hkv * (q - reserve));
+      break;
+    case Allocation::kPerLayer:
+      for (int64_t l = 0; l < L; ++l) {
+        if (reserve > 0) selector.TakePerHead(l, reserve, 0, pool);
+        for (int64_t g = 0; g < Hkv; ++g) selector.Gather(l, g, pool);
+        selector.Take(pool, Hkv * (q - reserve));
+      }
+      break;
+    case Allocation::kUniform:
+      for (int64_t l = 0; l < L; ++l) selector.TakePerHead(l, q, 0, pool);
+      break;
+  }
+  if (policy.head_uniform_layers) {
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t total = selector.CountInLayer(l);
+      selector.ClearLayer(l);
+      selector.TakePerHead(l, total / Hkv, total % Hkv, pool);
+    }
+  }
+
+  // Outputs: forced tokens (sinks, window) and the selected candidates, ascending.
+  const std::vector<uint8_t>& selected = selector.selected();
+  auto kept = [&](int64_t base, int64_t i) {
+    return i < se || i >= candidates_end || selected[base + i] != 0;
+  };
+  plan.counts.resize(L * Hkv);
+  plan.offsets.resize(L * Hkv + 1);
+  plan.offsets[0] = 0;
+  const int64_t mask_bytes = (n + 7) / 8;
+  if (outputs.bitmask) plan.bitmask.assign(L * Hkv * mask_bytes, 0);
+  for (int64_t lg = 0; lg < L * Hkv; ++lg) {
+    const int64_t base = lg * n;
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (!kept(base, i)) continue;
+      ++count;
+      if (outputs.positions) plan.positions.push_back(static_cast<int32_t>(i));
+      if (outputs.bitmask) plan.bitmask[lg * mask_bytes + i / 8] |= uint8_t{1} << (i % 8);
+    }
+    plan.counts[lg] = static_cast<int32_t>(count);
+    plan.offsets[lg + 1] = plan.offsets[lg] + count;
+  }
+  if (outputs.scores) plan.scores = std::move(scores);
+  return plan;
+}
+
+}  // namespace laprox::kernels::policy

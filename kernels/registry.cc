@@ -1,0 +1,46 @@
+// The only translation unit that knows whether the CUDA backend was built.
+#include "laprox/kernels/registry.h"
+
+#include "absl/strings/str_cat.h"
+#include "cpu/cpu_backend.h"
+#if LAPROX_HAVE_CUDA
+#include "cuda/cuda_backend.h"
+#endif
+
+namespace laprox::kernels {
+
+bool CudaBackendBuilt() { return LAPROX_HAVE_CUDA != 0; }
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(BackendKind kind,
+                                                       const BackendOptions& options) {
+  switch (kind) {
+    case BackendKind::kCpu:
+      return std::make_unique<cpu::CpuBackend>(options.threads);
+    case BackendKind::kCuda:
+#if LAPROX_HAVE_CUDA
+    {
+      auto backend = cuda::CudaBackend::Create(options.device);
+      if (!backend.ok()) return backend.status();
+      return std::unique_ptr<Backend>(std::move(backend).value());
+    }
+#else
+      return absl::UnimplementedError("this build has no CUDA backend (built without nvcc)");
+#endif
+  }
+  return absl::InvalidArgumentError("unknown backend kind");
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(absl::string_view name,
+                                                       const BackendOptions& options) {
+  if (name == "cpu") return CreateBackend(BackendKind::kCpu, options);
+  if (name == "cuda") return CreateBackend(BackendKind::kCuda, options);
+  if (name == "auto") {
+    // The CUDA backend is a skeleton that answers UNIMPLEMENTED; until it computes plans,
+    // "auto" means the CPU backend.
+    return CreateBackend(BackendKind::kCpu, options);
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown backend \"", name, "\"; expected auto, cpu or cuda"));
+}
+
+}  // namespace laprox::kernels

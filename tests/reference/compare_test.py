@@ -1,0 +1,370 @@
+#!/usr/bin/python3
+"""Compares the C++ CPU backend with the float64 oracle on a grid of random cases.
+
+How it works
+    For every case of the grid this script draws random tensors (seeded; the seed is printed),
+    rounds them to the case's dtype, writes them as .npy files in the layout the case asks for
+    (contiguous, [n, Hkv, d] order, padded rows, transposed), and writes case.json. It then runs
+    the C++ backend over all case directories in one process (`laprox_case_runner`), runs the
+    oracle (laprox_ref.keep_plan) on the same stored values in float64, and compares:
+
+    - both reject the same invalid cases (the C++ side with INVALID_ARGUMENT);
+    - quota and total selected are equal; counts equal the kept masks; the bitmask equals the
+      kept positions;
+    - competing scores agree to a relative 2e-4 of the layer's largest score;
+    - kept sets are equal up to swaps among near-ties: every position kept by one side only is
+      paired with one kept by the other side only, in the same competition (model, layer or
+      head, depending on the allocation), whose oracle scores differ by less than 1e-5 relative.
+
+Run it
+    ctest -R reference_compare         (from the build tree), or
+    /usr/bin/python3 tests/reference/compare_test.py --runner build/tests/reference/laprox_case_runner
+    Options: --seed N, --only SUBSTRING (case names), --keep DIR (keep the case directories),
+    --plant-bug raw|reserve (sends C++ a wrong policy: GLOBAL_RAW while the oracle normalises,
+    or min_per_head 10 while the oracle has 0; the script then succeeds only if cases fail,
+    which proves the score and the kept-set comparisons can fail).
+
+Extend it
+    Add a case to build_grid(): a name and a dict of overrides of BASE_CASE.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import laprox_ref  # noqa: E402
+
+NEAR_TIE_RTOL = 1e-5
+SCORE_RTOL = 2e-4
+
+BASE_CASE = dict(
+    L=2, H=4, Hkv=2, d=16, D=32, n=300, wq=None, dtype="f32", layout="contiguous",
+    inputs="queries", logit_scale=2.0,
+    policy=dict(allocation="GLOBAL_NORMALIZED", indicator="ATTENTION_X_PROJECTED_VALUE",
+                gqa_value="MEAN_HEAD_NORM", window=32, pooling="AVG", pool_kernel=7, sinks=0,
+                min_per_head=0, head_uniform_layers=False, tokens_per_head=64,
+                compression_ratio=None),
+)
+
+
+def case(name, policy=None, **kw):
+    c = json.loads(json.dumps(BASE_CASE))
+    c.update(kw)
+    c["policy"].update(policy or {})
+    c["name"] = name
+    return c
+
+
+def build_grid():
+    grid = []
+    # Group sizes (MHA and GQA) with every gqa_value.
+    for G, (H, Hkv) in ((1, (3, 3)), (3, (6, 2)), (4, (8, 2)), (8, (8, 1))):
+        for gqa in laprox_ref.GQA_VALUES:
+            grid.append(case(f"G{G}-{gqa}", H=H, Hkv=Hkv, policy=dict(gqa_value=gqa)))
+    # Indicators and allocations, each crossed with a few budgets.
+    for ind in laprox_ref.INDICATORS:
+        for alloc in laprox_ref.ALLOCATIONS:
+            for b in (20, 64, 200):
+                grid.append(case(f"{ind}-{alloc}-B{b}", H=6, Hkv=2, n=257,
+                                 policy=dict(indicator=ind, allocation=alloc,
+                                             tokens_per_head=b)))
+    # Sequence lengths from 1 to 5000 against windows 1, 8, 32, 64 and sinks 0, 4.
+    for n in (1, 2, 7, 33, 100, 1000, 5000):
+        for w in (1, 8, 32, 64):
+            for sinks in (0, 4):
+                if n == 5000 and (w, sinks) not in ((64, 4), (32, 0)):
+                    continue
+                grid.append(case(f"n{n}-w{w}-s{sinks}", n=n, L=2 if n < 5000 else 3,
+                                 H=8 if n == 5000 else 4, wq=w + (3 if n % 2 else 0),
+                                 policy=dict(window=w, sinks=sinks,
+                                             tokens_per_head=max(1, n // 3))))
+    # Budgets: below the window, at it, around n, above n, and compression ratios.
+    for b in (0, 5, 32, 36, 150, 299, 300, 301, 10_000):
+        grid.append(case(f"budget{b}-s4", policy=dict(tokens_per_head=b, sinks=4)))
+    for cr in (0.0, 0.5, 0.9, 0.99):
+        grid.append(case(f"cr{cr}", n=1000, policy=dict(tokens_per_head=None,
+                                                         compression_ratio=cr)))
+    # dtypes and strided layouts, with the three ways of giving the window.
+    for dtype in ("f32", "f16", "bf16"):
+        for layout in ("contiguous", "nhd", "padded", "dmajor"):
+            for inputs in ("queries", "lse", "attention"):
+                grid.append(case(f"{dtype}-{layout}-{inputs}", dtype=dtype, layout=layout,
+                                 inputs=inputs, H=6, Hkv=2, n=200))
+    # Pooling variants.
+    for pooling, k in (("AVG", 1), ("AVG", 3), ("AVG", 31), ("MAX", 7), ("NONE", 7)):
+        grid.append(case(f"pool-{pooling}{k}", policy=dict(pooling=pooling, pool_kernel=k)))
+    # min_per_head and head_uniform_layers with every allocation.
+    for alloc in laprox_ref.ALLOCATIONS:
+        for mph in (0, 3, 100):
+            for hu in (False, True):
+                grid.append(case(f"mph{mph}-hu{int(hu)}-{alloc}", H=6, Hkv=3, L=3,
+                                 policy=dict(allocation=alloc, min_per_head=mph,
+                                             head_uniform_layers=hu)))
+    # Degenerate data: an all-zero value layer (uniform layer), identical keys (ties).
+    grid.append(case("zero-values-layer", special="zero_values", policy=dict(sinks=2)))
+    grid.append(case("equal-scores", special="equal", policy=dict(pooling="NONE")))
+    grid.append(case("llama-like", L=2, H=32, Hkv=8, d=32, D=128, n=600,
+                     policy=dict(tokens_per_head=100, sinks=4)))
+    # Invalid policies both sides must reject.
+    grid.append(case("bad-window-gt-rows", wq=8, policy=dict(window=16), expect_error=True))
+    grid.append(case("bad-indicator-gqa", policy=dict(indicator="ATTENTION",
+                                                      gqa_value="EXACT_BLOCK"),
+                     expect_error=True))
+    grid.append(case("bad-even-kernel", policy=dict(pool_kernel=4), expect_error=True))
+    return grid
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing cases
+# ----------------------------------------------------------------------------------------------
+
+def to_bf16_bits(x):
+    """Round-to-nearest-even float32 -> bfloat16 bit patterns (uint16)."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return rounded.astype(np.uint16)
+
+
+def store(case_dir, name, logical, dtype, layout):
+    """Writes `logical` (float32) in `dtype` and `layout`; returns the tensor reference."""
+    ref = {"file": f"{name}.npy", "dtype": dtype, "slice_last": None, "permute": None}
+    arr = logical
+    if logical.ndim == 3 and layout == "nhd":
+        arr = np.ascontiguousarray(logical.transpose(1, 0, 2))
+        ref["permute"] = [1, 0, 2]
+    elif logical.ndim == 3 and layout == "dmajor":
+        arr = np.ascontiguousarray(logical.transpose(0, 2, 1))
+        ref["permute"] = [0, 2, 1]
+    elif logical.ndim >= 2 and layout == "padded":
+        pad = np.full(logical.shape[:-1] + (3,), 7.0, dtype=np.float32)
+        arr = np.concatenate([logical, pad], axis=-1)
+        ref["slice_last"] = logical.shape[-1]
+    elif logical.ndim == 2 and layout == "dmajor":
+        arr = np.ascontiguousarray(logical.T)
+        ref["permute"] = [1, 0]
+    if dtype == "f32":
+        stored = arr.astype(np.float32)
+    elif dtype == "f16":
+        stored = arr.astype(np.float16)
+    else:
+        stored = to_bf16_bits(arr)
+    np.save(os.path.join(case_dir, ref["file"]), stored)
+    return ref
+
+
+def quantised(x, dtype):
+    if dtype == "f16":
+        return x.astype(np.float16).astype(np.float32)
+    if dtype == "bf16":
+        return (to_bf16_bits(x).astype(np.uint32) << 16).view(np.float32)
+    return x.astype(np.float32)
+
+
+def write_case(case_dir, c, rng, plant_bug):
+    L, H, Hkv, d, D, n = c["L"], c["H"], c["Hkv"], c["d"], c["D"], c["n"]
+    wq = c["wq"] or max(c["policy"]["window"], 1)
+    scale = 1.0 / np.sqrt(d)
+    layers = []
+    for layer in range(L):
+        keys = rng.standard_normal((Hkv, n, d)).astype(np.float32)
+        values = rng.standard_normal((Hkv, n, d)).astype(np.float32)
+        # Post-RoPE queries of the last wq positions; a larger logit scale makes attention peaky.
+        queries = (c["logit_scale"] * rng.standard_normal((H, wq, d))).astype(np.float32)
+        o_proj = (rng.standard_normal((D, H * d)) / np.sqrt(H * d)).astype(np.float32)
+        if c.get("special") == "zero_values" and layer == 0:
+            values[:] = 0.0
+        if c.get("special") == "equal":
+            keys[:] = keys[:, :1, :]
+            values[:] = values[:, :1, :]
+        dtype, layout = c["dtype"], c["layout"]
+        spec = {
+            "keys": store(case_dir, f"keys_{layer}", keys, dtype, layout),
+            "values": store(case_dir, f"values_{layer}", values, dtype, layout),
+            "o_proj": store(case_dir, f"o_proj_{layer}", o_proj, dtype, layout),
+            "queries": None, "attention": None, "lse": None,
+        }
+        if c["inputs"] in ("queries", "lse"):
+            spec["queries"] = store(case_dir, f"queries_{layer}", queries, dtype, layout)
+        if c["inputs"] in ("lse", "attention"):
+            # Exact float64 attention / LSE of the stored (rounded) values.
+            q = quantised(queries, dtype).astype(np.float64)
+            k = quantised(keys, dtype).astype(np.float64)
+            G = H // Hkv
+            logits = np.einsum("hwd,hnd->hwn", q, np.repeat(k, G, axis=0)) * scale
+            we = min(wq, n)
+            for t in range(wq):
+                limit = n - wq + t  # causal for the row at position n - wq + t
+                logits[:, t, max(limit + 1, 0):] = -np.inf
+            mx = logits.max(axis=2, keepdims=True)
+            lse = (mx[..., 0] + np.log(np.exp(logits - mx).sum(axis=2)))
+            if c["inputs"] == "lse":
+                spec["lse"] = store(case_dir, f"lse_{layer}", lse.astype(np.float32), "f32",
+                                    "contiguous")
+            else:
+                attn = np.exp(logits - lse[..., None]).astype(np.float32)
+                spec["attention"] = store(case_dir, f"attention_{layer}", attn, "f32",
+                                          "contiguous")
+                del we
+        layers.append(spec)
+    policy = dict(c["policy"])
+    doc = {"geometry": dict(L=L, H=H, Hkv=Hkv, d=d, D=D, scale=float(scale)), "n": n,
+           "policy": policy, "layers": layers}
+    with open(os.path.join(case_dir, "case.json"), "w") as fh:
+        json.dump(doc, fh)
+    if plant_bug:
+        # The C++ side gets a wrong policy; the oracle reads the original from ref_case.json.
+        # "raw" switches normalisation off (scores and kept sets change); "reserve" makes every
+        # head reserve 10 candidates (same scores, only the selection changes).
+        with open(os.path.join(case_dir, "ref_case.json"), "w") as fh:
+            json.dump(doc, fh)
+        if plant_bug == "raw" and policy["allocation"] == "GLOBAL_NORMALIZED":
+            doc["policy"] = dict(policy, allocation="GLOBAL_RAW")
+        if plant_bug == "reserve":
+            doc["policy"] = dict(policy, min_per_head=10)
+        with open(os.path.join(case_dir, "case.json"), "w") as fh:
+            json.dump(doc, fh)
+
+
+# ----------------------------------------------------------------------------------------------
+# Comparing
+# ----------------------------------------------------------------------------------------------
+
+def scope_of(policy, l, g):
+    """The competition a selected candidate took part in."""
+    if policy["allocation"] == "UNIFORM" or policy["head_uniform_layers"]:
+        return (l, g)
+    if policy["allocation"] == "PER_LAYER":
+        return (l,)
+    return ()
+
+
+def compare(case_dir, c):
+    """Returns a list of failure messages (empty when the case passes)."""
+    geometry, policy, layers, n = laprox_ref.load_case(case_dir)
+    ref_case = os.path.join(case_dir, "ref_case.json")
+    if os.path.exists(ref_case):
+        with open(ref_case) as fh:
+            policy = json.load(fh)["policy"]
+    error_path = os.path.join(case_dir, "cpp_error.json")
+    cpp_error = None
+    if os.path.exists(error_path):
+        with open(error_path) as fh:
+            cpp_error = json.load(fh)
+    try:
+        ref = laprox_ref.keep_plan(geometry, policy, layers, n)
+    except ValueError as e:
+        if cpp_error is None:
+            return [f"oracle rejects ({e}) but C++ accepts"]
+        if cpp_error["code"] != "INVALID_ARGUMENT":
+            return [f"C++ rejects with {cpp_error['code']}, expected INVALID_ARGUMENT"]
+        return []
+    if cpp_error is not None:
+        return [f"C++ rejects a case the oracle accepts: {cpp_error}"]
+    if c.get("expect_error"):
+        return ["case was expected to be rejected"]
+
+    load = lambda name: np.load(os.path.join(case_dir, name))  # noqa: E731
+    counts, kept = load("cpp_counts.npy"), load("cpp_kept.npy").astype(bool)
+    bitmask, scores = load("cpp_bitmask.npy"), load("cpp_scores.npy")
+    with open(os.path.join(case_dir, "cpp_meta.json")) as fh:
+        meta = json.load(fh)
+    failures = []
+    if meta["quota"] != ref["quota"] or meta["total_selected"] != ref["total_selected"]:
+        failures.append(f"quota/K C++ {meta['quota']}/{meta['total_selected']} vs oracle "
+                        f"{ref['quota']}/{ref['total_selected']}")
+    if not np.array_equal(counts, kept.sum(axis=2)):
+        failures.append("C++ counts differ from its kept positions")
+    unpacked = np.unpackbits(bitmask, axis=2, bitorder="little")[:, :, :n].astype(bool)
+    if not np.array_equal(unpacked, kept):
+        failures.append("C++ bitmask differs from its kept positions")
+
+    cand = ~np.isnan(ref["scores"])
+    if cand.any():
+        s_ref, s_cpp = ref["scores"], scores.astype(np.float64)
+        for l in range(s_ref.shape[0]):
+            m = cand[l]
+            if not m.any():
+                continue
+            top = np.abs(s_ref[l][m]).max()
+            err = np.abs(s_cpp[l][m] - s_ref[l][m]).max()
+            if err > SCORE_RTOL * max(top, 1e-30):
+                failures.append(f"layer {l}: scores differ by {err:.3g} (largest {top:.3g})")
+                break
+    if not np.all(np.isinf(scores[~cand])):
+        failures.append("C++ scores of forced tokens are not +inf")
+
+    only_cpp = np.argwhere(kept & ~ref["kept"])
+    only_ref = np.argwhere(ref["kept"] & ~kept)
+    if len(only_cpp) or len(only_ref):
+        by_scope = {}
+        for side, idx in ((0, only_cpp), (1, only_ref)):
+            for l, g, i in idx:
+                if not cand[l, g, i]:
+                    failures.append(f"forced token ({l},{g},{i}) differs")
+                    continue
+                key = scope_of(policy, int(l), int(g))
+                by_scope.setdefault(key, ([], []))[side].append(ref["scores"][l, g, i])
+        for key, (a, b) in by_scope.items():
+            if len(a) != len(b):
+                failures.append(f"scope {key}: {len(a)} kept only by C++, {len(b)} only by "
+                                f"the oracle")
+                continue
+            for x, y in zip(sorted(a), sorted(b)):
+                gap = abs(x - y) / max(abs(x), abs(y), 1e-300)
+                if gap >= NEAR_TIE_RTOL:
+                    failures.append(f"scope {key}: kept sets differ beyond near-ties "
+                                    f"(scores {x:.9g} vs {y:.9g}, gap {gap:.2g})")
+                    break
+    return failures
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runner", required=True)
+    ap.add_argument("--seed", type=int, default=20261130)
+    ap.add_argument("--only", default="")
+    ap.add_argument("--keep", default="")
+    ap.add_argument("--plant-bug", choices=("raw", "reserve"), default=None)
+    args = ap.parse_args()
+
+    grid = [c for c in build_grid() if args.only in c["name"]]
+    root = args.keep or tempfile.mkdtemp(prefix="laprox-compare-")
+    os.makedirs(root, exist_ok=True)
+    print(f"seed {args.seed}, {len(grid)} cases, in {root}")
+    rng = np.random.default_rng(args.seed)
+    dirs = []
+    for c in grid:
+        case_dir = os.path.join(root, c["name"])
+        shutil.rmtree(case_dir, ignore_errors=True)
+        os.makedirs(case_dir)
+        write_case(case_dir, c, rng, args.plant_bug)
+        dirs.append(case_dir)
+    subprocess.run([args.runner] + dirs, check=True)
+
+    passed, failed = 0, 0
+    for c, case_dir in zip(grid, dirs):
+        failures = compare(case_dir, c)
+        if failures:
+            failed += 1
+            print(f"FAIL {c['name']}: " + "; ".join(failures[:3]))
+        else:
+            passed += 1
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    if args.plant_bug:
+        # The planted bug must be caught: this mode succeeds only when cases fail.
+        print(f"planted bug {args.plant_bug!r}: {failed} of {len(grid)} cases detect it")
+        return 0 if failed else 1
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
