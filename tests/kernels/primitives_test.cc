@@ -1,0 +1,138 @@
+// Building blocks checked against straightforward definitions: 16-bit float conversion, view
+// extents, the exact threshold select, budget arithmetic and the vectorised element loops.
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/half.h"
+#include "cpu/vector_ops.h"
+#include "laprox/kernels/tensor_view.h"
+#include "policy/budget.h"
+#include "policy/select.h"
+
+namespace laprox::kernels {
+namespace {
+
+TEST(HalfTest, F16ToFloatMatchesCompilerConversionForEveryPattern) {
+  for (uint32_t bits = 0; bits < 65536; ++bits) {
+    const float expected = static_cast<float>(std::bit_cast<_Float16>(static_cast<uint16_t>(bits)));
+    const float got = F16ToFloat(static_cast<uint16_t>(bits));
+    if (std::isnan(expected)) {
+      EXPECT_TRUE(std::isnan(got)) << bits;
+    } else {
+      EXPECT_EQ(std::bit_cast<uint32_t>(got), std::bit_cast<uint32_t>(expected)) << bits;
+    }
+  }
+}
+
+TEST(HalfTest, Bf16RoundsToNearestEven) {
+  EXPECT_EQ(FloatToBf16(1.0f), 0x3f80);
+  // 1 + 2^-8 is halfway between bf16 1.0 and 1.0078125: ties to even (1.0).
+  EXPECT_EQ(FloatToBf16(1.00390625f), 0x3f80);
+  // 1 + 3 * 2^-8 is halfway between 1.0078125 (odd) and 1.015625 (even).
+  EXPECT_EQ(FloatToBf16(1.01171875f), 0x3f82);
+  EXPECT_EQ(Bf16ToFloat(FloatToBf16(-2.5f)), -2.5f);
+  EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(std::nanf("")))));
+}
+
+TEST(TensorViewTest, ExtentOfStridedViews) {
+  int64_t extent = 0;
+  ASSERT_TRUE(TensorView(nullptr, DType::kF32, {2, 3, 4}).ElementExtent(&extent).ok());
+  EXPECT_EQ(extent, 24);
+  // [n, Hkv, d] memory seen as [Hkv, n, d]: strides {d, Hkv*d, 1}.
+  ASSERT_TRUE(TensorView(nullptr, DType::kBF16, {2, 5, 4}, {4, 8, 1}).ElementExtent(&extent).ok());
+  EXPECT_EQ(extent, 40);
+  ASSERT_TRUE(TensorView(nullptr, DType::kF32, {3, 0}).ElementExtent(&extent).ok());
+  EXPECT_EQ(extent, 0);
+  const int64_t big = std::numeric_limits<int64_t>::max() / 2;
+  EXPECT_EQ(TensorView(nullptr, DType::kF32, {4}, {big}).ElementExtent(&extent).code(),
+            absl::StatusCode::kOutOfRange);
+}
+
+TEST(SelectTest, PartitionBestMatchesFullSortWithTies) {
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> few_values(0, 9);  // many ties
+  for (int trial = 0; trial < 50; ++trial) {
+    std::vector<policy::ScoredToken> tokens(1 + rng() % 300);
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      tokens[i] = {static_cast<float>(few_values(rng)), static_cast<uint32_t>(rng() % 100000)};
+    }
+    std::vector<policy::ScoredToken> sorted = tokens;
+    std::sort(sorted.begin(), sorted.end(), policy::SelectedBefore);
+    const int64_t k = rng() % (tokens.size() + 2);
+    policy::PartitionBest(absl::MakeSpan(tokens), k);
+    const int64_t kept = std::min<int64_t>(k, tokens.size());
+    std::vector<uint64_t> got, want;
+    for (int64_t i = 0; i < kept; ++i) {
+      got.push_back(uint64_t{tokens[i].index} << 8 | static_cast<uint64_t>(tokens[i].score));
+      want.push_back(uint64_t{sorted[i].index} << 8 | static_cast<uint64_t>(sorted[i].score));
+    }
+    std::sort(got.begin(), got.end());
+    std::sort(want.begin(), want.end());
+    EXPECT_EQ(got, want) << "trial " << trial << " k " << k;
+  }
+}
+
+TEST(BudgetTest, DerivesWindowSinksAndQuota) {
+  PolicySpec p;
+  p.window = 32;
+  p.sinks = 4;
+  p.budget = Budget::TokensPerHead(128);
+  PlanShape s{.n = 1000, .window_rows = 32};
+  policy::DeriveBudget(p, s);
+  EXPECT_EQ(s.window, 32);
+  EXPECT_EQ(s.sinks, 4);
+  EXPECT_EQ(s.candidates, 964);
+  EXPECT_EQ(s.quota, 92);
+
+  s = {.n = 20, .window_rows = 32};  // n < w: all window, no sinks, no candidates
+  policy::DeriveBudget(p, s);
+  EXPECT_EQ(s.window, 20);
+  EXPECT_EQ(s.sinks, 0);
+  EXPECT_EQ(s.candidates, 0);
+  EXPECT_EQ(s.quota, 0);
+
+  EXPECT_EQ(policy::BudgetTokensPerHead(Budget::CompressionRatio(0.9), 1000), 99);
+  EXPECT_EQ(policy::BudgetTokensPerHead(Budget::CompressionRatio(0.0), 1000), 1000);
+  EXPECT_EQ(policy::BudgetTokensPerHead(Budget::CompressionRatio(0.5), 7), 3);
+}
+
+TEST(VectorOpsTest, ExpShiftedMatchesLibm) {
+  std::mt19937 rng(9);
+  std::uniform_real_distribution<float> u(-100.f, 20.f);
+  std::vector<float> x(1000);
+  for (float& v : x) v = u(rng);
+  std::vector<float> y = x;
+  const double sum = cpu::ExpShiftedInPlace(y.data(), static_cast<int64_t>(y.size()));
+  const float max = *std::max_element(x.begin(), x.end());
+  double want_sum = 0.0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    // The shift itself is an fp32 subtraction, as in any fp32 softmax; the exp is what is tested.
+    const double want = std::exp(static_cast<double>(x[i] - max));
+    want_sum += want;
+    if (x[i] - max > -80.f) {
+      EXPECT_NEAR(y[i], want, 3e-7 * want) << x[i];
+    }
+  }
+  EXPECT_NEAR(sum, want_sum, 1e-6 * want_sum);
+}
+
+TEST(VectorOpsTest, AllFiniteFindsNaNAndInfAnywhere) {
+  std::vector<float> x(37, 1.f);
+  EXPECT_TRUE(cpu::AllFinite(x.data(), 37));
+  for (float bad : {std::numeric_limits<float>::infinity(), std::nanf("")}) {
+    for (int at : {0, 17, 36}) {
+      x[at] = bad;
+      EXPECT_FALSE(cpu::AllFinite(x.data(), 37));
+      x[at] = 1.f;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace laprox::kernels
