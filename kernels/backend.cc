@@ -43,13 +43,13 @@ absl::StatusOr<PlanShape> ValidateKeepPlanRequest(const ModelGeometry& geometry,
   const int64_t L = geometry.num_layers, H = geometry.num_heads, Hkv = geometry.num_kv_heads,
                 d = geometry.head_dim;
   if (static_cast<int64_t>(request.layers.size()) != L) {
-    return absl::InvalidArgumentError(absl::StrCat("request has ", request.layers.size(),
-                                                   " layers, the model has ", L));
+    return absl::InvalidArgumentError(
+        absl::StrCat("request has ", request.layers.size(), " layers, the model has ", L));
   }
   // Flat (layer, head, position) indices are 32-bit in the selection.
   if (L * Hkv * n >= (int64_t{1} << 32)) {
-    return absl::OutOfRangeError(absl::StrCat("L*Hkv*n = ", L * Hkv * n,
-                                              " exceeds the 2^32 tokens one request may score"));
+    return absl::OutOfRangeError(
+        absl::StrCat("L*Hkv*n = ", L * Hkv * n, " exceeds the 2^32 tokens one request may score"));
   }
   if (request.policy.gqa_value == GqaValue::kExactBlock && !prepared.cross_grams) {
     return absl::FailedPreconditionError(
@@ -66,22 +66,20 @@ absl::StatusOr<PlanShape> ValidateKeepPlanRequest(const ModelGeometry& geometry,
   const LayerInputs& first = request.layers[0];
   shape.attention_given = first.window_queries.empty();
   shape.lse_given = !first.window_lse.empty();
-  const TensorView& first_window = shape.attention_given ? first.window_attention
-                                                         : first.window_queries;
+  const TensorView& first_window =
+      shape.attention_given ? first.window_attention : first.window_queries;
   if (first_window.empty()) {
-    return absl::InvalidArgumentError(
-        "layers[0] has neither window_queries nor window_attention");
+    return absl::InvalidArgumentError("layers[0] has neither window_queries nor window_attention");
   }
   if (first_window.rank() != 3) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "layers[0].", shape.attention_given ? "window_attention" : "window_queries",
-        " has shape ", first_window.DebugString(), ", expected rank 3"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("layers[0].", shape.attention_given ? "window_attention" : "window_queries",
+                     " has shape ", first_window.DebugString(), ", expected rank 3"));
   }
   const int64_t wq = first_window.dim(1);
   if (wq < 1 || wq > PolicySpec::kMaxWindow) {
-    return absl::InvalidArgumentError(absl::StrCat("window rows given = ", wq,
-                                                   " is outside [1, ", PolicySpec::kMaxWindow,
-                                                   "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("window rows given = ", wq, " is outside [1, ", PolicySpec::kMaxWindow, "]"));
   }
   if (request.policy.window > wq) {
     return absl::InvalidArgumentError(absl::StrCat("policy.window = ", request.policy.window,
@@ -101,8 +99,8 @@ absl::StatusOr<PlanShape> ValidateKeepPlanRequest(const ModelGeometry& geometry,
     }
     if (shape.attention_given) {
       if (!layer.window_queries.empty()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            prefix, "window_queries given but layers[0] gave window_attention"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(prefix, "window_queries given but layers[0] gave window_attention"));
       }
       LAPROX_RETURN_IF_ERROR(
           CheckView(prefix + "window_attention", layer.window_attention, {H, wq, n}));
@@ -112,14 +110,14 @@ absl::StatusOr<PlanShape> ValidateKeepPlanRequest(const ModelGeometry& geometry,
       }
     } else {
       if (!layer.window_attention.empty()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            prefix, "window_attention given but layers[0] gave window_queries"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(prefix, "window_attention given but layers[0] gave window_queries"));
       }
       LAPROX_RETURN_IF_ERROR(
           CheckView(prefix + "window_queries", layer.window_queries, {H, wq, d}));
       if (layer.window_lse.empty() == shape.lse_given) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            prefix, "window_lse must be given for every layer or for none"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(prefix, "window_lse must be given for every layer or for none"));
       }
       if (shape.lse_given) {
         LAPROX_RETURN_IF_ERROR(CheckView(prefix + "window_lse", layer.window_lse, {H, wq}));
@@ -135,19 +133,16 @@ absl::StatusOr<std::shared_ptr<const PreparedModel>> Backend::PrepareModel(
     const PrepareOptions& options) {
   LAPROX_RETURN_IF_ERROR(geometry.Validate());
   if (static_cast<int64_t>(o_proj.size()) != geometry.num_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("o_proj has ", o_proj.size(),
-                                                   " layers, geometry.num_layers = ",
-                                                   geometry.num_layers));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "o_proj has ", o_proj.size(), " layers, geometry.num_layers = ", geometry.num_layers));
   }
-  const Dims expected = {geometry.hidden_size,
-                         int64_t{geometry.num_heads} * geometry.head_dim};
+  const Dims expected = {geometry.hidden_size, int64_t{geometry.num_heads} * geometry.head_dim};
   for (size_t l = 0; l < o_proj.size(); ++l) {
     const std::string name = absl::StrCat("o_proj[", l, "]");
     LAPROX_RETURN_IF_ERROR(CheckView(name, o_proj[l], expected));
     if (!CanRead(o_proj[l].space())) {
-      return absl::UnimplementedError(
-          absl::StrCat(name, " is in a memory space the ", BackendKindName(kind()),
-                       " backend cannot read"));
+      return absl::UnimplementedError(absl::StrCat(
+          name, " is in a memory space the ", BackendKindName(kind()), " backend cannot read"));
     }
   }
   return PrepareModelImpl(geometry, o_proj, options);
@@ -156,9 +151,9 @@ absl::StatusOr<std::shared_ptr<const PreparedModel>> Backend::PrepareModel(
 absl::StatusOr<KeepPlan> Backend::ComputeKeepPlan(const PreparedModel& model,
                                                   const KeepPlanRequest& request) {
   if (model.backend() != kind()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("model was prepared by the ", BackendKindName(model.backend()),
-                     " backend, not ", BackendKindName(kind())));
+    return absl::FailedPreconditionError(absl::StrCat("model was prepared by the ",
+                                                      BackendKindName(model.backend()),
+                                                      " backend, not ", BackendKindName(kind())));
   }
   LAPROX_ASSIGN_OR_RETURN(PlanShape shape,
                           ValidateKeepPlanRequest(model.geometry(), model.options(), request));

@@ -30,20 +30,19 @@ absl::Status ModelGeometry::Validate() const {
   if (auto s = CheckRange("head_dim", head_dim, kMaxWidth); !s.ok()) return s;
   if (auto s = CheckRange("hidden_size", hidden_size, kMaxWidth); !s.ok()) return s;
   if (num_heads % num_kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("geometry.num_heads = ", num_heads,
-                                                   " is not a multiple of num_kv_heads = ",
-                                                   num_kv_heads));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry.num_heads = ", num_heads, " is not a multiple of num_kv_heads = ", num_kv_heads));
   }
   if (!std::isfinite(softmax_scale) || softmax_scale < 0.f) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "geometry.softmax_scale = ", softmax_scale, " must be finite and >= 0 (0: 1/sqrt(d))"));
+    return absl::InvalidArgumentError(absl::StrCat("geometry.softmax_scale = ", softmax_scale,
+                                                   " must be finite and >= 0 (0: 1/sqrt(d))"));
   }
   return absl::OkStatus();
 }
 
 std::string ModelGeometry::DebugString() const {
-  return absl::StrCat("L=", num_layers, " H=", num_heads, " Hkv=", num_kv_heads,
-                      " d=", head_dim, " D=", hidden_size, " scale=", EffectiveScale());
+  return absl::StrCat("L=", num_layers, " H=", num_heads, " Hkv=", num_kv_heads, " d=", head_dim,
+                      " D=", hidden_size, " scale=", EffectiveScale());
 }
 
 }  // namespace laprox::kernels

@@ -64,9 +64,8 @@ absl::Status PolicySpec::Validate() const {
         absl::StrCat("policy.window = ", window, " is outside [1, ", kMaxWindow, "]"));
   }
   if (pool_kernel < 1 || pool_kernel > kMaxPoolKernel || pool_kernel % 2 == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("policy.pool_kernel = ", pool_kernel,
-                                                   " must be odd and in [1, ", kMaxPoolKernel,
-                                                   "]"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.pool_kernel = ", pool_kernel, " must be odd and in [1, ", kMaxPoolKernel, "]"));
   }
   if (sinks < 0) {
     return absl::InvalidArgumentError(absl::StrCat("policy.sinks = ", sinks, " is negative"));
@@ -83,9 +82,9 @@ absl::Status PolicySpec::Validate() const {
   switch (budget.kind) {
     case Budget::Kind::kTokensPerHead:
       if (budget.tokens_per_head < 0 || budget.tokens_per_head > kMaxTokensPerHead) {
-        return absl::InvalidArgumentError(absl::StrCat("budget.tokens_per_head = ",
-                                                       budget.tokens_per_head,
-                                                       " is outside [0, ", kMaxTokensPerHead, "]"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("budget.tokens_per_head = ", budget.tokens_per_head, " is outside [0, ",
+                         kMaxTokensPerHead, "]"));
       }
       break;
     case Budget::Kind::kCompressionRatio:

@@ -47,8 +47,7 @@ TensorView::TensorView(const void* data, DType dtype, Dims shape, MemorySpace sp
   strides_ = ContiguousStrides(shape_);
 }
 
-TensorView::TensorView(const void* data, DType dtype, Dims shape, Dims strides,
-                       MemorySpace space)
+TensorView::TensorView(const void* data, DType dtype, Dims shape, Dims strides, MemorySpace space)
     : data_(data),
       dtype_(dtype),
       shape_(std::move(shape)),
@@ -63,15 +62,13 @@ int64_t TensorView::num_elements() const {
 
 absl::Status TensorView::ElementExtent(int64_t* extent) const {
   if (strides_.size() != shape_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor has ", shape_.size(),
-                                                   " dimensions but ", strides_.size(),
-                                                   " strides"));
+    return absl::InvalidArgumentError(absl::StrCat("tensor has ", shape_.size(), " dimensions but ",
+                                                   strides_.size(), " strides"));
   }
   int64_t last = 0;  // largest element offset
   for (size_t i = 0; i < shape_.size(); ++i) {
     if (shape_[i] < 0 || strides_[i] < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("negative size or stride in ", DebugString()));
+      return absl::InvalidArgumentError(absl::StrCat("negative size or stride in ", DebugString()));
     }
     if (shape_[i] == 0) {
       *extent = 0;

@@ -7,6 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
+// NOLINTBEGIN(bugprone-macro-parentheses): `lhs` is a declaration, not an expression.
 #define LAPROX_STATUS_CONCAT_INNER_(a, b) a##b
 #define LAPROX_STATUS_CONCAT_(a, b) LAPROX_STATUS_CONCAT_INNER_(a, b)
 
@@ -28,5 +29,7 @@
   auto statusor = (rexpr);                                  \
   if (!statusor.ok()) return std::move(statusor).status();  \
   lhs = std::move(statusor).value()
+
+// NOLINTEND(bugprone-macro-parentheses)
 
 #endif  // LAPROX_KERNELS_COMMON_STATUS_MACROS_H_

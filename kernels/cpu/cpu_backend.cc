@@ -41,7 +41,8 @@ absl::Status RunAll(int64_t count, int threads, Task&& task) {
 // Fills the factor matrices of one layer from its o_proj [D, H*d] (converted to fp32 `w`).
 void LayerFactors(const ModelGeometry& g, const float* w, bool cross, int64_t layer,
                   CpuPreparedModel& model, std::vector<float>& summed) {
-  const int64_t D = g.hidden_size, d = g.head_dim, G = g.group_size(), Hd = int64_t{g.num_heads} * d;
+  const int64_t D = g.hidden_size, d = g.head_dim, G = g.group_size(),
+                Hd = int64_t{g.num_heads} * d;
   const int ld = static_cast<int>(model.row_stride());
   for (int64_t kv = 0; kv < g.num_kv_heads; ++kv) {
     float* f = model.mutable_factors(layer, kv);
@@ -59,18 +60,17 @@ void LayerFactors(const ModelGeometry& g, const float* w, bool cross, int64_t la
     // Blocks 1..G: W_h^T W_h; then the cross pairs W_h^T W_h' for h < h'.
     int64_t block = 1;
     for (int64_t a = 0; a < G; ++a, ++block) {
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(d),
-                  static_cast<int>(d), static_cast<int>(D), 1.f, group + a * d,
-                  static_cast<int>(Hd), group + a * d, static_cast<int>(Hd), 0.f, f + block * d,
-                  ld);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(d), static_cast<int>(d),
+                  static_cast<int>(D), 1.f, group + a * d, static_cast<int>(Hd), group + a * d,
+                  static_cast<int>(Hd), 0.f, f + block * d, ld);
     }
     if (!cross) continue;
     for (int64_t a = 0; a < G; ++a) {
       for (int64_t b = a + 1; b < G; ++b, ++block) {
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(d),
                     static_cast<int>(d), static_cast<int>(D), 1.f, group + a * d,
-                    static_cast<int>(Hd), group + b * d, static_cast<int>(Hd), 0.f,
-                    f + block * d, ld);
+                    static_cast<int>(Hd), group + b * d, static_cast<int>(Hd), 0.f, f + block * d,
+                    ld);
       }
     }
   }
@@ -132,17 +132,16 @@ absl::StatusOr<KeepPlan> CpuBackend::ComputeKeepPlanImpl(const PreparedModel& mo
   std::vector<float> raw(shape.num_layers * Hkv * n, 0.f);
   std::vector<ScoreWorkspace> workspaces(threads_);
   const float scale = model.geometry().EffectiveScale();
-  LAPROX_RETURN_IF_ERROR(
-      RunAll(shape.num_layers * Hkv, threads_, [&](int64_t item, int worker) {
-        HeadTask task;
-        task.layer = item / Hkv;
-        task.kv_head = item % Hkv;
-        task.inputs = &request.layers[task.layer];
-        task.factors = prepared.factors(task.layer, task.kv_head);
-        task.factor_ld = prepared.row_stride();
-        task.scale = scale;
-        return ScoreHead(shape, request.policy, task, workspaces[worker], raw.data() + item * n);
-      }));
+  LAPROX_RETURN_IF_ERROR(RunAll(shape.num_layers * Hkv, threads_, [&](int64_t item, int worker) {
+    HeadTask task;
+    task.layer = item / Hkv;
+    task.kv_head = item % Hkv;
+    task.inputs = &request.layers[task.layer];
+    task.factors = prepared.factors(task.layer, task.kv_head);
+    task.factor_ld = prepared.row_stride();
+    task.scale = scale;
+    return ScoreHead(shape, request.policy, task, workspaces[worker], raw.data() + item * n);
+  }));
   return policy::SelectKeepPlan(shape, request.policy, raw, request.outputs);
 }
 

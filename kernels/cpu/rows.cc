@@ -36,8 +36,7 @@ void ConvertRows(const TensorView& view, int64_t head, int64_t row0, int64_t cou
         ConvertRow(static_cast<const uint16_t*>(view.data()) + offset, s2, cols, F16ToFloat, row);
         break;
       case DType::kBF16:
-        ConvertRow(static_cast<const uint16_t*>(view.data()) + offset, s2, cols, Bf16ToFloat,
-                   row);
+        ConvertRow(static_cast<const uint16_t*>(view.data()) + offset, s2, cols, Bf16ToFloat, row);
         break;
     }
   }
@@ -50,9 +49,9 @@ absl::Status NonFiniteError(const float* data, int64_t ld, int64_t count, int64_
     for (int64_t c = 0; c < cols; ++c) {
       const float v = data[r * ld + c];
       if (!std::isfinite(v)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "layers[", name.layer, "].", name.field, " has a non-finite value (", v, ") at [",
-            head, ", ", row0 + r, ", ", c, "]"));
+        return absl::InvalidArgumentError(absl::StrCat("layers[", name.layer, "].", name.field,
+                                                       " has a non-finite value (", v, ") at [",
+                                                       head, ", ", row0 + r, ", ", c, "]"));
       }
     }
   }
@@ -73,8 +72,8 @@ absl::Status LoadRows(const TensorView& view, int64_t head, int64_t row0, int64_
                       TensorName name, std::vector<float>& scratch, RowBlock* out) {
   const int64_t cols = view.dim(2);
   if (view.dtype() == DType::kF32 && view.stride(2) == 1 && view.stride(1) >= cols) {
-    out->data = static_cast<const float*>(view.data()) + head * view.stride(0) +
-                row0 * view.stride(1);
+    out->data =
+        static_cast<const float*>(view.data()) + head * view.stride(0) + row0 * view.stride(1);
     out->ld = view.stride(1);
   } else {
     if (static_cast<int64_t>(scratch.size()) < count * cols) scratch.resize(count * cols);
@@ -110,8 +109,8 @@ absl::Status LoadAll(const TensorView& view, TensorName name, std::vector<float>
     out[e] = view.LoadAsFloat(offset);
     if (!std::isfinite(out[e])) {
       return absl::InvalidArgumentError(absl::StrCat("layers[", name.layer, "].", name.field,
-                                                     " has a non-finite value (", out[e],
-                                                     ") at [", absl::StrJoin(index, ", "), "]"));
+                                                     " has a non-finite value (", out[e], ") at [",
+                                                     absl::StrJoin(index, ", "), "]"));
     }
     for (int i = rank - 1; i >= 0; --i) {
       if (++index[i] < view.dim(i)) break;

@@ -102,9 +102,9 @@ absl::Status LoadGivenAttention(const PlanShape& shape, const HeadTask& task, in
         sum += block.data[j];
       }
       if (std::abs(sum - 1.0) > kRowSumTolerance) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "layers[", task.layer, "].window_attention row [", h, ", ", row,
-            "] sums to ", sum, ", not 1 (tolerance ", kRowSumTolerance, ")"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("layers[", task.layer, "].window_attention row [", h, ", ", row,
+                         "] sums to ", sum, ", not 1 (tolerance ", kRowSumTolerance, ")"));
       }
       const int64_t t = row - (wq - we);
       if (t < 0) continue;
@@ -126,8 +126,8 @@ absl::Status ComputeAttention(const PlanShape& shape, const HeadTask& task, int6
   for (int64_t hi = 0; hi < G; ++hi) {
     const int64_t h = task.kv_head * G + hi;
     RowBlock block;
-    LAPROX_RETURN_IF_ERROR(LoadRows(in.window_queries, h, 0, wq,
-                                    {task.layer, "window_queries"}, ws.rows, &block));
+    LAPROX_RETURN_IF_ERROR(
+        LoadRows(in.window_queries, h, 0, wq, {task.layer, "window_queries"}, ws.rows, &block));
     for (int64_t t = 0; t < we; ++t) {
       const float* src = block.data + (wq - we + t) * block.ld;
       float* dst = queries + (hi * we + t) * d;
@@ -144,9 +144,9 @@ absl::Status ComputeAttention(const PlanShape& shape, const HeadTask& task, int6
       for (int64_t row = 0; row < wq; ++row) {
         const float v = view.LoadAsFloat(h * view.stride(0) + row * view.stride(1));
         if (!std::isfinite(v)) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("layers[", task.layer, "].window_lse has a non-finite value (", v,
-                           ") at [", h, ", ", row, "]"));
+          return absl::InvalidArgumentError(absl::StrCat("layers[", task.layer,
+                                                         "].window_lse has a non-finite value (", v,
+                                                         ") at [", h, ", ", row, "]"));
         }
         const int64_t t = row - (wq - we);
         if (t >= 0) lse[hi * we + t] = v;
@@ -262,9 +262,9 @@ absl::Status ValueStatistics(const PlanShape& shape, const HeadTask& task, const
       continue;
     }
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(count),
-                static_cast<int>(F * d), static_cast<int>(d), 1.f, v.data,
-                static_cast<int>(v.ld), task.factors + modes.first_block * d,
-                static_cast<int>(task.factor_ld), 0.f, projected, static_cast<int>(F * d));
+                static_cast<int>(F * d), static_cast<int>(d), 1.f, v.data, static_cast<int>(v.ld),
+                task.factors + modes.first_block * d, static_cast<int>(task.factor_ld), 0.f,
+                projected, static_cast<int>(F * d));
     for (int64_t j = 0; j < count; ++j) {
       const float* row = v.data + j * v.ld;
       for (int64_t f = 0; f < F; ++f) {

@@ -34,8 +34,7 @@ class Selector {
 
   // Each head of `layer` selects its own best k (head 0..Hkv-1 get `per_head` plus one for the
   // first `extra` heads).
-  void TakePerHead(int64_t layer, int64_t per_head, int64_t extra,
-                   std::vector<ScoredToken>& pool) {
+  void TakePerHead(int64_t layer, int64_t per_head, int64_t extra, std::vector<ScoredToken>& pool) {
     for (int64_t g = 0; g < shape_.num_kv_heads; ++g) {
       Gather(layer, g, pool);
       Take(pool, per_head + (g < extra ? 1 : 0));

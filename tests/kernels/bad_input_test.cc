@@ -8,14 +8,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/match.h"
 #include "laprox/kernels/registry.h"
 #include "tiny_model.h"
 
 namespace laprox::kernels {
 namespace {
 
-using ::testing::AllOf;
-using ::testing::HasSubstr;
 using testing::TinyCase;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
@@ -53,14 +52,14 @@ class BadInputTest : public ::testing::Test {
 
 MATCHER_P2(IsStatus, code, substring, "") {
   *result_listener << "status " << arg;
-  return arg.code() == code && std::string(arg.message()).find(substring) != std::string::npos;
+  return arg.code() == code && absl::StrContains(arg.message(), substring);
 }
 
 TEST_F(BadInputTest, RejectsKeysWithWrongShape) {
   KeepPlanRequest r = case_.Request();
   r.layers[1].keys = TensorView(case_.keys[1].data(), DType::kF32, {2, 64, 7});
-  EXPECT_THAT(Compute(r), IsStatus(absl::StatusCode::kInvalidArgument,
-                                   "layers[1].keys has shape [2, 64, 7]"));
+  EXPECT_THAT(Compute(r),
+              IsStatus(absl::StatusCode::kInvalidArgument, "layers[1].keys has shape [2, 64, 7]"));
   EXPECT_THAT(Compute(r), IsStatus(absl::StatusCode::kInvalidArgument, "expected [2, 64, 8]"));
 }
 
@@ -84,11 +83,15 @@ TEST_F(BadInputTest, RejectsNaNAndInfInEveryTensor) {
     float value;
     const char* expected;
   } plants[] = {
-      {&case_.keys, 1, 8 * 64 + 8 * 5 + 3, kNaN, "layers[1].keys has a non-finite value (nan) at [1, 5, 3]"},
+      {&case_.keys, 1, 8 * 64 + 8 * 5 + 3, kNaN,
+       "layers[1].keys has a non-finite value (nan) at [1, 5, 3]"},
       {&case_.keys, 0, 8 * 63, kInf, "layers[0].keys has a non-finite value (inf) at [0, 63, 0]"},
-      {&case_.values, 0, 8 * 10 + 1, -kInf, "layers[0].values has a non-finite value (-inf) at [0, 10, 1]"},
-      {&case_.values, 1, 8 * 62, kNaN, "layers[1].values has a non-finite value (nan) at [0, 62, 0]"},
-      {&case_.queries, 0, 8 * 8 * 3 + 2, kNaN, "layers[0].window_queries has a non-finite value (nan) at [3, 0, 2]"},
+      {&case_.values, 0, 8 * 10 + 1, -kInf,
+       "layers[0].values has a non-finite value (-inf) at [0, 10, 1]"},
+      {&case_.values, 1, 8 * 62, kNaN,
+       "layers[1].values has a non-finite value (nan) at [0, 62, 0]"},
+      {&case_.queries, 0, 8 * 8 * 3 + 2, kNaN,
+       "layers[0].window_queries has a non-finite value (nan) at [3, 0, 2]"},
       {&case_.o_proj, 1, 5, kInf, "layers[1].o_proj has a non-finite value (inf) at [0, 0, 5]"},
   };
   for (const Plant& p : plants) {
@@ -119,8 +122,7 @@ TEST_F(BadInputTest, RejectsBadBudgets) {
                                   "budget.tokens_per_head = 1099511627776 is outside"));
   for (double cr : {1.0, -0.1, 2.0, std::nan("")}) {
     case_.policy.budget = Budget::CompressionRatio(cr);
-    EXPECT_THAT(Compute(), IsStatus(absl::StatusCode::kInvalidArgument,
-                                    "budget.compression_ratio"))
+    EXPECT_THAT(Compute(), IsStatus(absl::StatusCode::kInvalidArgument, "budget.compression_ratio"))
         << cr;
   }
 }
@@ -168,8 +170,8 @@ TEST_F(BadInputTest, RejectsAttentionRowsThatAreNotProbabilities) {
 TEST_F(BadInputTest, RejectsMixedOrMissingWindowInputs) {
   KeepPlanRequest r = case_.Request();
   r.layers[1].window_queries = TensorView();
-  EXPECT_THAT(Compute(r), IsStatus(absl::StatusCode::kInvalidArgument,
-                                   "layers[1].window_queries is missing"));
+  EXPECT_THAT(Compute(r),
+              IsStatus(absl::StatusCode::kInvalidArgument, "layers[1].window_queries is missing"));
   r = case_.Request();
   std::vector<float> lse(4 * 8, 1.f);
   r.layers[1].window_lse = TensorView(lse.data(), DType::kF32, {4, 8});
@@ -180,16 +182,14 @@ TEST_F(BadInputTest, RejectsMixedOrMissingWindowInputs) {
 TEST_F(BadInputTest, RejectsExtentThatOverflows) {
   KeepPlanRequest r = case_.Request();
   const int64_t huge = std::numeric_limits<int64_t>::max() - 10;
-  r.layers[0].values = TensorView(case_.values[0].data(), DType::kF32, {2, 64, 8},
-                                  {huge, 8, 1});
+  r.layers[0].values = TensorView(case_.values[0].data(), DType::kF32, {2, 64, 8}, {huge, 8, 1});
   EXPECT_THAT(Compute(r), IsStatus(absl::StatusCode::kOutOfRange, "layers[0].values: extent"));
 }
 
 TEST_F(BadInputTest, RejectsNegativeStrides) {
   KeepPlanRequest r = case_.Request();
   r.layers[0].keys = TensorView(case_.keys[0].data(), DType::kF32, {2, 64, 8}, {512, -8, 1});
-  EXPECT_THAT(Compute(r), IsStatus(absl::StatusCode::kInvalidArgument,
-                                   "negative size or stride"));
+  EXPECT_THAT(Compute(r), IsStatus(absl::StatusCode::kInvalidArgument, "negative size or stride"));
 }
 
 TEST_F(BadInputTest, RejectsExactBlockWithoutCrossGrams) {
@@ -199,8 +199,8 @@ TEST_F(BadInputTest, RejectsExactBlockWithoutCrossGrams) {
 
 TEST_F(BadInputTest, CpuBackendCannotReadDeviceMemory) {
   KeepPlanRequest r = case_.Request();
-  r.layers[0].keys = TensorView(case_.keys[0].data(), DType::kF32, {2, 64, 8},
-                                MemorySpace::kDevice);
+  r.layers[0].keys =
+      TensorView(case_.keys[0].data(), DType::kF32, {2, 64, 8}, MemorySpace::kDevice);
   EXPECT_THAT(Compute(r), IsStatus(absl::StatusCode::kUnimplemented, "cannot read"));
 }
 

@@ -38,7 +38,7 @@ class GoldenTest : public ::testing::Test {
 // One head, d = 1, all keys 0: attention is uniform (1/n), so p_i = |v_i| / n and the plan
 // keeps the largest |v| among candidates [0, n - w) plus the window.
 TEST_F(GoldenTest, KeepsLargestProjectedValuesWithUniformAttention) {
-  TinyCase c(/*L=*/1, /*H=*/1, /*Hkv=*/1, /*d=*/1, /*D=*/1, /*n=*/7, /*wq=*/1);
+  TinyCase c(/*L=*/1, /*H=*/1, /*Hkv=*/1, /*d=*/1, /*D=*/1, /*n=*/7, /*window_rows=*/1);
   c.values[0] = {3, 1, 4, 1, 5, 9, 2};
   c.policy.window = 1;
   c.policy.pooling = Pooling::kNone;

@@ -18,16 +18,38 @@
 namespace laprox::kernels {
 namespace {
 
-TEST(HalfTest, F16ToFloatMatchesCompilerConversionForEveryPattern) {
+// IEEE binary16 by its definition: sign, 5-bit exponent (bias 15), 10-bit mantissa.
+double F16ByDefinition(uint16_t bits) {
+  const int exponent = (bits >> 10) & 0x1f, mantissa = bits & 0x3ff;
+  const double sign = (bits & 0x8000) ? -1.0 : 1.0;
+  if (exponent == 0x1f) return mantissa ? std::nan("") : sign * INFINITY;
+  if (exponent == 0) return sign * std::ldexp(mantissa, -24);
+  return sign * std::ldexp(1024 + mantissa, exponent - 25);
+}
+
+TEST(HalfTest, F16ConversionsAreExactForEveryPattern) {
   for (uint32_t bits = 0; bits < 65536; ++bits) {
-    const float expected = static_cast<float>(std::bit_cast<_Float16>(static_cast<uint16_t>(bits)));
-    const float got = F16ToFloat(static_cast<uint16_t>(bits));
+    const uint16_t h = static_cast<uint16_t>(bits);
+    const double expected = F16ByDefinition(h);
+    const float got = F16ToFloat(h);
     if (std::isnan(expected)) {
       EXPECT_TRUE(std::isnan(got)) << bits;
-    } else {
-      EXPECT_EQ(std::bit_cast<uint32_t>(got), std::bit_cast<uint32_t>(expected)) << bits;
+      continue;
     }
+    EXPECT_EQ(static_cast<double>(got), expected) << bits;
+    EXPECT_EQ(FloatToF16(got), h) << bits;  // round trip
   }
+}
+
+TEST(HalfTest, FloatToF16RoundsToNearestEven) {
+  // 1 + 2^-11 lies halfway between 1 and 1 + 2^-10: ties to even (1.0 = 0x3c00).
+  EXPECT_EQ(FloatToF16(1.f + 0x1p-11f), 0x3c00);
+  EXPECT_EQ(FloatToF16(1.f + 3 * 0x1p-11f), 0x3c02);
+  EXPECT_EQ(FloatToF16(65519.f), 0x7bff);   // largest finite
+  EXPECT_EQ(FloatToF16(65520.f), 0x7c00);   // halfway to 2^16: infinity
+  EXPECT_EQ(FloatToF16(0x1p-25f), 0x0000);  // half the smallest subnormal: ties to zero
+  EXPECT_EQ(FloatToF16(3 * 0x1p-25f), 0x0002);
+  EXPECT_EQ(FloatToF16(-0x1p-14f), 0x8400);  // smallest normal
 }
 
 TEST(HalfTest, Bf16RoundsToNearestEven) {

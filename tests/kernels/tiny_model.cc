@@ -4,8 +4,12 @@ namespace laprox::kernels::testing {
 
 TinyCase::TinyCase(int L, int H, int Hkv, int d, int D, int64_t n_tokens, int64_t rows)
     : n(n_tokens), window_rows(rows) {
-  geometry = {.num_layers = L, .num_heads = H, .num_kv_heads = Hkv, .head_dim = d,
-              .hidden_size = D, .softmax_scale = 1.f};
+  geometry = {.num_layers = L,
+              .num_heads = H,
+              .num_kv_heads = Hkv,
+              .head_dim = d,
+              .hidden_size = D,
+              .softmax_scale = 1.f};
   for (int l = 0; l < L; ++l) {
     keys.emplace_back(int64_t{Hkv} * n * d, 0.f);
     values.emplace_back(int64_t{Hkv} * n * d, 0.f);

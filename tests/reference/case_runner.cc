@@ -7,6 +7,7 @@
 // cpp_meta.json — or cpp_error.json {"code", "message"} when the backend rejects the case.
 // Driven by compare_test.py; LAPROX_CASE_THREADS sets the worker count (default 2).
 #include <cstdlib>
+#include <exception>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -30,8 +31,8 @@ using kernels::TensorView;
 using nlohmann::json;
 
 template <typename Enum>
-absl::Status ParseEnum(const json& j, const char* key,
-                       const std::map<std::string, Enum>& names, Enum* out) {
+absl::Status ParseEnum(const json& j, const char* key, const std::map<std::string, Enum>& names,
+                       Enum* out) {
   if (!j.contains(key)) return absl::OkStatus();
   const std::string value = j.at(key).get<std::string>();
   auto it = names.find(value);
@@ -53,12 +54,12 @@ absl::StatusOr<kernels::PolicySpec> ParsePolicy(const json& p) {
                                   {"PER_LAYER", Allocation::kPerLayer},
                                   {"UNIFORM", Allocation::kUniform}},
                                  &spec.allocation));
-  s.Update(ParseEnum<Indicator>(
-      p, "indicator",
-      {{"ATTENTION_X_PROJECTED_VALUE", Indicator::kAttentionXProjectedValue},
-       {"ATTENTION_X_VALUE", Indicator::kAttentionXValue},
-       {"ATTENTION", Indicator::kAttention}},
-      &spec.indicator));
+  s.Update(
+      ParseEnum<Indicator>(p, "indicator",
+                           {{"ATTENTION_X_PROJECTED_VALUE", Indicator::kAttentionXProjectedValue},
+                            {"ATTENTION_X_VALUE", Indicator::kAttentionXValue},
+                            {"ATTENTION", Indicator::kAttention}},
+                           &spec.indicator));
   s.Update(ParseEnum<GqaValue>(p, "gqa_value",
                                {{"MEAN_HEAD_NORM", GqaValue::kMeanHeadNorm},
                                 {"SUMMED_PROJECTION", GqaValue::kSummedProjection},
@@ -178,7 +179,7 @@ absl::Status RunCase(const std::string& dir, kernels::Backend& backend) {
   if (!plan.ok()) {
     return WriteJson(dir + "/cpp_error.json",
                      {{"code", absl::StatusCodeToString(plan.status().code())},
-                      {"message", std::string(plan.status().message())}});
+                      {"message", plan.status().message()}});
   }
   const int64_t L = plan->num_layers, Hkv = plan->num_kv_heads, n = plan->n;
   std::vector<uint8_t> kept(L * Hkv * n, 0);
@@ -191,8 +192,8 @@ absl::Status RunCase(const std::string& dir, kernels::Backend& backend) {
   s.Update(WriteNpy(dir + "/cpp_counts.npy", "<i4", {L, Hkv}, plan->counts.data(),
                     plan->counts.size() * 4));
   s.Update(WriteNpy(dir + "/cpp_kept.npy", "|u1", {L, Hkv, n}, kept.data(), kept.size()));
-  s.Update(WriteNpy(dir + "/cpp_bitmask.npy", "|u1", {L, Hkv, (n + 7) / 8},
-                    plan->bitmask.data(), plan->bitmask.size()));
+  s.Update(WriteNpy(dir + "/cpp_bitmask.npy", "|u1", {L, Hkv, (n + 7) / 8}, plan->bitmask.data(),
+                    plan->bitmask.size()));
   s.Update(WriteNpy(dir + "/cpp_scores.npy", "<f4", {L, Hkv, n}, plan->scores.data(),
                     plan->scores.size() * 4));
   s.Update(WriteNpy(dir + "/cpp_layer_sums.npy", "<f8", {L}, plan->layer_sums.data(),
@@ -209,7 +210,9 @@ absl::Status RunCase(const std::string& dir, kernels::Backend& backend) {
 
 int main(int argc, char** argv) {
   laprox::kernels::BackendOptions options;
-  if (const char* threads = std::getenv("LAPROX_CASE_THREADS")) options.threads = std::atoi(threads);
+  if (const char* threads = std::getenv("LAPROX_CASE_THREADS")) {
+    options.threads = std::atoi(threads);
+  }
   auto backend = laprox::kernels::CreateBackend("cpu", options);
   if (!backend.ok()) {
     std::cerr << backend.status() << "\n";
@@ -217,7 +220,12 @@ int main(int argc, char** argv) {
   }
   int failures = 0;
   for (int i = 1; i < argc; ++i) {
-    absl::Status s = laprox::testing::RunCase(argv[i], **backend);
+    absl::Status s;
+    try {
+      s = laprox::testing::RunCase(argv[i], **backend);
+    } catch (const std::exception& e) {  // nlohmann::json reports malformed case files by throwing
+      s = absl::InvalidArgumentError(e.what());
+    }
     if (!s.ok()) {
       std::cerr << argv[i] << ": " << s << "\n";
       ++failures;

@@ -18,7 +18,7 @@ std::string HeaderField(const std::string& header, const std::string& key) {
   if (at == std::string::npos) return "";
   size_t start = header.find(':', at) + 1;
   while (start < header.size() && header[start] == ' ') ++start;
-  size_t end = start;
+  size_t end;
   if (header[start] == '(') {
     end = header.find(')', start) + 1;
   } else {
@@ -48,7 +48,8 @@ absl::StatusOr<NpyArray> ReadNpy(const std::string& path) {
   std::string header(header_len, '\0');
   in.read(header.data(), header_len);
   NpyArray array;
-  array.descr = std::string(absl::StripSuffix(absl::StripPrefix(HeaderField(header, "descr"), "'"), "'"));
+  array.descr =
+      std::string(absl::StripSuffix(absl::StripPrefix(HeaderField(header, "descr"), "'"), "'"));
   if (HeaderField(header, "fortran_order") != "False") {
     return absl::InvalidArgumentError(absl::StrCat(path, ": Fortran order is not supported"));
   }

@@ -88,11 +88,11 @@ struct PlanShape {
   int32_t num_kv_heads = 0;
   int32_t group_size = 0;
   int32_t head_dim = 0;
-  int32_t window_rows = 0;  // wq, rows given per query head
-  int32_t window = 0;       // we = min(w, n), rows used (the last we of wq)
-  int32_t sinks = 0;        // se = min(sinks, n - we)
-  int64_t candidates = 0;   // m = n - we - se per (layer, head)
-  int64_t quota = 0;        // q = clamp(B - we - se, 0, m)
+  int32_t window_rows = 0;       // wq, rows given per query head
+  int32_t window = 0;            // we = min(w, n), rows used (the last we of wq)
+  int32_t sinks = 0;             // se = min(sinks, n - we)
+  int64_t candidates = 0;        // m = n - we - se per (layer, head)
+  int64_t quota = 0;             // q = clamp(B - we - se, 0, m)
   bool attention_given = false;  // window_attention instead of window_queries
   bool lse_given = false;
 };

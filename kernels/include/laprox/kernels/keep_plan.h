@@ -20,9 +20,9 @@ struct KeepPlan {
   int32_t num_layers = 0;
   int32_t num_kv_heads = 0;
   int64_t n = 0;
-  int32_t window = 0;  // effective window min(w, n)
-  int32_t sinks = 0;   // effective sinks min(sinks, n - window)
-  int64_t quota = 0;   // q: selected candidates per head under a uniform split
+  int32_t window = 0;          // effective window min(w, n)
+  int32_t sinks = 0;           // effective sinks min(sinks, n - window)
+  int64_t quota = 0;           // q: selected candidates per head under a uniform split
   int64_t selected_total = 0;  // K = L * Hkv * q
 
   std::vector<int32_t> counts;     // [L * Hkv] kept tokens per (layer, head)

@@ -53,11 +53,11 @@ struct PolicySpec {
   Allocation allocation = Allocation::kGlobalNormalized;
   Indicator indicator = Indicator::kAttentionXProjectedValue;
   GqaValue gqa_value = GqaValue::kMeanHeadNorm;
-  int32_t window = 32;           // w: observation window, 1 <= w <= rows given
+  int32_t window = 32;  // w: observation window, 1 <= w <= rows given
   Pooling pooling = Pooling::kAvg;
-  int32_t pool_kernel = 7;       // odd, 1..kMaxPoolKernel
-  int32_t sinks = 0;             // first positions always kept, outside the competition
-  int32_t min_per_head = 0;      // candidates each head reserves before the global competition
+  int32_t pool_kernel = 7;           // odd, 1..kMaxPoolKernel
+  int32_t sinks = 0;                 // first positions always kept, outside the competition
+  int32_t min_per_head = 0;          // candidates each head reserves before the global competition
   bool head_uniform_layers = false;  // keep the layer's share but spread it evenly over heads
   Budget budget;
 

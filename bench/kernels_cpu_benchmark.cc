@@ -1,0 +1,486 @@
+// kernels_cpu_benchmark: the CPU backend's keep-plan time against this machine's floor.
+//
+// What it measures. For each case (a model geometry and a prompt length n) it times
+// Backend::ComputeKeepPlan of the CPU backend (2 worker threads, single-threaded OpenBLAS
+// inside) on random-normal fp32 keys, values and window queries, with the default LaProx policy
+// (GLOBAL_NORMALIZED, ATTENTION_X_PROJECTED_VALUE, MEAN_HEAD_NORM, w = 32, avg pool 7) and a
+// budget of B = 128 tokens per KV head. PrepareModel (the d x d factors of o_proj) runs once,
+// untimed, as it does when a model is registered. Every case is warmed up with one untimed call.
+//
+// Beside each time it reports the floor of this machine, measured in the same process
+// (DESIGN.md section 8):
+//   floor = max(FLOPs / sgemm rate, fp32 K+V bytes / read bandwidth)
+//   FLOPs = L * (2*H*w*n*d  [Q.K^T]  +  2*H*n*d*d  [V times one d x d factor per query head])
+//   bytes = 2 * L * Hkv * n * d * 4  [K and V read once]
+// The sgemm rate is two threads each running a single-threaded 1024^3 sgemm at the same time,
+// summed (the backend runs single-threaded BLAS on two workers). The bandwidth is two threads
+// summing the halves of a 1 GiB array. Both are measured at start-up and again before each case,
+// and the best trial so far is used (the machine may be shared; the floor is what it can do, so
+// a busy moment must not lower the bar). For diagnosis it also measures, at start-up, the rate
+// of the sgemm shapes the backend actually issues (qk_GFLOPs for the Q.K^T chunks, vm_GFLOPs
+// for the V.M chunks); those do not enter the floor.
+//
+// Counters per case (--benchmark_counters_tabular=true prints them as columns): GFLOP, KV_MB,
+// flop_ms, byte_ms, floor_ms, x_floor (time / floor), ours_GFLOPs (achieved), sgemm_GFLOPs,
+// read_GBs, qk_GFLOPs, vm_GFLOPs. The Time column is the mean of the timed calls.
+//
+// Running it:
+//   bench/run_cpu_bench.sh BUILD_DIR   # this benchmark + the numpy timing, one table
+//   BUILD_DIR/bench/kernels_cpu_benchmark --benchmark_counters_tabular=true
+// With LAPROX_BENCH_DUMP=DIR set, each case writes its inputs and the kept bitmask of its plan
+// to DIR/<case>/ (raw little-endian fp32 / uint8 files and meta.json), which
+// bench/numpy_laprox.py reads so that both sides score identical inputs.
+#include <algorithm>
+#include <barrier>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#include <benchmark/benchmark.h>
+#include <cblas.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "laprox/kernels/backend.h"
+#include "laprox/kernels/registry.h"
+
+namespace laprox::kernels {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int kThreads = 2;
+constexpr int kWindow = 32;
+constexpr int64_t kTokensPerHead = 128;
+constexpr int kPoolKernel = 7;
+constexpr uint64_t kSeed = 20261130;
+// Iterations per case: the Llama and 32K cases take seconds per call on 2 cores, and the whole
+// C++ run should stay within a few minutes.
+constexpr int kIterations = 3;
+
+struct Geometry {
+  const char* name;
+  int L, H, Hkv, d, D;
+};
+constexpr Geometry kSmolLM2{"SmolLM2-135M", 30, 9, 3, 64, 576};
+constexpr Geometry kLlama{"Llama-3.1-8B", 32, 32, 8, 128, 4096};
+
+struct Case {
+  Geometry geometry;
+  int64_t n;
+  std::string Name() const { return absl::StrCat(geometry.name, "_n", n); }
+  double Flops() const {
+    const Geometry& g = geometry;
+    const double per_layer = 2.0 * g.H * kWindow * n * g.d + 2.0 * g.H * n * g.d * g.d;
+    return per_layer * g.L;
+  }
+  double KvBytes() const { return 2.0 * geometry.L * geometry.Hkv * n * geometry.d * 4; }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Random data. Counter-based (each value depends only on seed, stream and index) so the inputs
+// do not depend on the thread count, and fast enough to make ~1e9 values in seconds.
+
+uint64_t SplitMix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// Runs fn(thread) on kThreads threads and waits for all of them.
+template <typename Fn>
+void OnThreads(Fn&& fn) {
+  std::vector<std::thread> threads;
+  threads.reserve(kThreads);
+  for (int t = 0; t < kThreads; ++t) threads.emplace_back(fn, t);
+  for (std::thread& t : threads) t.join();
+}
+
+// Fills out[0, count) with N(0, stddev^2) values (Box-Muller on pairs of 24-bit uniforms).
+void FillNormal(float* out, int64_t count, uint64_t stream, float stddev) {
+  const int64_t pairs = (count + 1) / 2;
+  const uint64_t key = SplitMix64(kSeed ^ SplitMix64(stream));
+  OnThreads([&](int t) {
+    const int64_t begin = pairs * t / kThreads, end = pairs * (t + 1) / kThreads;
+    for (int64_t p = begin; p < end; ++p) {
+      const uint64_t bits = SplitMix64(key + static_cast<uint64_t>(p));
+      const float u1 = static_cast<float>((bits >> 40) + 1) * 0x1p-24f;  // (0, 1]
+      const float u2 = static_cast<float>(bits & 0xFFFFFF) * 0x1p-24f;   // [0, 1)
+      const float r = stddev * std::sqrt(-2.f * std::log(u1));
+      const float theta = 6.2831853f * u2;
+      out[2 * p] = r * std::cos(theta);
+      if (2 * p + 1 < count) out[2 * p + 1] = r * std::sin(theta);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// The machine's floor.
+
+// Wall seconds of fn(thread) run on kThreads threads released together.
+template <typename Fn>
+double TimeConcurrent(Fn&& fn) {
+  std::barrier start(kThreads + 1);
+  std::vector<std::thread> threads;
+  threads.reserve(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      start.arrive_and_wait();
+      fn(t);
+    });
+  }
+  start.arrive_and_wait();
+  const Clock::time_point begin = Clock::now();
+  for (std::thread& t : threads) t.join();
+  return std::chrono::duration<double>(Clock::now() - begin).count();
+}
+
+// Summed FLOP rate of kThreads threads each calling single-threaded sgemm C[m,n] = A[m,k] B
+// concurrently, B given as [k, n] or transposed as [n, k]; best of `trials` after a warm-up.
+double SgemmRate(int m, int n, int k, bool transpose_b, int trials) {
+  const double flops_per_call = 2.0 * m * n * k;
+  // About 1 GFLOP per thread per trial: long enough to time, short enough to repeat.
+  const int reps = std::max(1, static_cast<int>(1e9 / flops_per_call));
+  struct Buffers {
+    std::vector<float> a, b, c;
+  };
+  std::vector<Buffers> buffers(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    buffers[t].a.resize(int64_t{m} * k);
+    buffers[t].b.resize(int64_t{k} * n);
+    buffers[t].c.resize(int64_t{m} * n);
+    FillNormal(buffers[t].a.data(), int64_t{m} * k, 1000 + t, 1.f);
+    FillNormal(buffers[t].b.data(), int64_t{k} * n, 2000 + t, 1.f);
+  }
+  auto run = [&](int t) {
+    Buffers& buf = buffers[t];
+    for (int r = 0; r < reps; ++r) {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans, m, n, k,
+                  1.f, buf.a.data(), k, buf.b.data(), transpose_b ? k : n, 0.f, buf.c.data(), n);
+    }
+  };
+  TimeConcurrent(run);  // warm-up: OpenBLAS allocates its buffers on the first call
+  double best = 0.0;
+  for (int trial = 0; trial < trials; ++trial) {
+    best = std::max(best, kThreads * reps * flops_per_call / TimeConcurrent(run));
+  }
+  return best;
+}
+
+// Sum of x[0, count); several independent accumulators so the loads, not the add latency,
+// limit it.
+float SumFloats(const float* x, int64_t count) {
+  int64_t i = 0;
+#if defined(__SSE2__)
+  const int64_t vector_end = count - count % 16;
+  __m128 s0 = _mm_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  for (; i < vector_end; i += 16) {
+    s0 = _mm_add_ps(s0, _mm_loadu_ps(x + i));
+    s1 = _mm_add_ps(s1, _mm_loadu_ps(x + i + 4));
+    s2 = _mm_add_ps(s2, _mm_loadu_ps(x + i + 8));
+    s3 = _mm_add_ps(s3, _mm_loadu_ps(x + i + 12));
+  }
+  alignas(16) float lanes[4];
+  _mm_store_ps(lanes, _mm_add_ps(_mm_add_ps(s0, s1), _mm_add_ps(s2, s3)));
+  float sum = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+#else
+  float sum = 0.f;
+#endif
+  for (; i < count; ++i) sum += x[i];
+  return sum;
+}
+
+// Read bandwidth in bytes/s: kThreads threads each summing half of a 1 GiB array (far larger
+// than the caches), best of `trials`.
+double ReadBandwidth(int trials) {
+  constexpr int64_t kCount = (int64_t{1} << 30) / sizeof(float);
+  std::unique_ptr<float[]> data(new float[kCount]);
+  // Each thread touches its own half first so that the pages exist before timing.
+  OnThreads([&](int t) {
+    const int64_t begin = kCount * t / kThreads, end = kCount * (t + 1) / kThreads;
+    std::fill(data.get() + begin, data.get() + end, 1.f);
+  });
+  std::vector<float> sums(kThreads);
+  double best = 0.0;
+  for (int trial = 0; trial < trials; ++trial) {
+    const double seconds = TimeConcurrent([&](int t) {
+      const int64_t begin = kCount * t / kThreads, end = kCount * (t + 1) / kThreads;
+      sums[t] = SumFloats(data.get() + begin, end - begin);
+    });
+    benchmark::DoNotOptimize(sums.data());
+    best = std::max(best, kCount * sizeof(float) / seconds);
+  }
+  return best;
+}
+
+struct MachineRates {
+  double sgemm_flops = 0;  // FLOP/s, large sgemm, both threads
+  double read_bytes = 0;   // bytes/s, both threads
+};
+
+// Rates of the sgemm shapes the CPU backend issues for one geometry (kernels/cpu/score.cc:
+// 256-token chunks; Q.K^T is [G*w, d] x [256, d]^T, V.M is [256, d] x [d, G*d]).
+struct ShapedRates {
+  double qk_flops = 0;
+  double vm_flops = 0;
+};
+
+ShapedRates MeasureShaped(const Geometry& g) {
+  const int G = g.H / g.Hkv, chunk = 256;
+  return {SgemmRate(G * kWindow, chunk, g.d, /*transpose_b=*/true, /*trials=*/5),
+          SgemmRate(chunk, G * g.d, g.d, /*transpose_b=*/false, /*trials=*/5)};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Inputs of one case, built when its benchmark first runs (only one case lives at a time: the
+// Llama and 32K cases are more than a gigabyte each).
+
+void WriteRaw(const std::filesystem::path& path, const void* data, size_t bytes) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(static_cast<const char*>(data), static_cast<std::streamsize>(bytes));
+  if (!out) {
+    std::fprintf(stderr, "kernels_cpu_benchmark: cannot write %s\n", path.c_str());
+    std::exit(1);
+  }
+}
+
+// LAPROX_BENCH_DUMP, or empty when inputs are not to be written.
+std::string DumpRoot() {
+  const char* dir = std::getenv("LAPROX_BENCH_DUMP");
+  return dir == nullptr ? std::string() : std::string(dir);
+}
+
+class CaseData {
+ public:
+  CaseData(const Case& c, Backend& backend) : case_(c) {
+    const Geometry& g = c.geometry;
+    const int64_t kv = int64_t{g.L} * g.Hkv * c.n * g.d;
+    const int64_t q = int64_t{g.L} * g.H * kWindow * g.d;
+    const int64_t o = int64_t{g.L} * g.D * g.H * g.d;
+    keys_.resize(kv);
+    values_.resize(kv);
+    queries_.resize(q);
+    // Streams are fixed per tensor kind and geometry, so 4K and 32K share nothing but the method.
+    const uint64_t stream = static_cast<uint64_t>(c.n) * 16 + (g.d == 128 ? 8 : 0);
+    FillNormal(keys_.data(), kv, stream + 1, 1.f);
+    FillNormal(values_.data(), kv, stream + 2, 1.f);
+    FillNormal(queries_.data(), q, stream + 3, 1.f);
+    // Weight scale as a typical initialisation; only ratios of value factors matter.
+    std::vector<float> o_proj(o);
+    FillNormal(o_proj.data(), o, stream + 4, 0.02f);
+
+    ModelGeometry geometry;
+    geometry.num_layers = g.L;
+    geometry.num_heads = g.H;
+    geometry.num_kv_heads = g.Hkv;
+    geometry.head_dim = g.d;
+    geometry.hidden_size = g.D;
+    std::vector<TensorView> o_views;
+    o_views.reserve(g.L);
+    for (int l = 0; l < g.L; ++l) {
+      o_views.emplace_back(o_proj.data() + int64_t{l} * g.D * g.H * g.d, DType::kF32,
+                           Dims{g.D, int64_t{g.H} * g.d});
+    }
+    auto model = backend.PrepareModel(geometry, o_views);
+    if (!model.ok()) {
+      status_ = model.status();
+      return;
+    }
+    model_ = *std::move(model);
+
+    request_.n = c.n;
+    request_.policy.window = kWindow;
+    request_.policy.pool_kernel = kPoolKernel;
+    request_.policy.budget = Budget::TokensPerHead(kTokensPerHead);
+    for (int l = 0; l < g.L; ++l) {
+      LayerInputs in;
+      const int64_t kv_offset = int64_t{l} * g.Hkv * c.n * g.d;
+      in.keys = TensorView(keys_.data() + kv_offset, DType::kF32, Dims{g.Hkv, c.n, g.d});
+      in.values = TensorView(values_.data() + kv_offset, DType::kF32, Dims{g.Hkv, c.n, g.d});
+      in.window_queries = TensorView(queries_.data() + int64_t{l} * g.H * kWindow * g.d,
+                                     DType::kF32, Dims{g.H, kWindow, g.d});
+      request_.layers.push_back(in);
+    }
+
+    // Warm-up call, which also gives the bitmask numpy compares its kept set with.
+    KeepPlanRequest warm = request_;
+    warm.outputs.bitmask = true;
+    absl::StatusOr<KeepPlan> plan = backend.ComputeKeepPlan(*model_, warm);
+    if (!plan.ok()) {
+      status_ = plan.status();
+      return;
+    }
+    if (const std::string root = DumpRoot(); !root.empty()) Dump(root, o_proj, *plan);
+  }
+
+  const absl::Status& status() const { return status_; }
+  const PreparedModel& model() const { return *model_; }
+  const KeepPlanRequest& request() const { return request_; }
+
+ private:
+  void Dump(const std::string& root, const std::vector<float>& o_proj, const KeepPlan& plan) {
+    const std::filesystem::path dir = std::filesystem::path(root) / case_.Name();
+    std::filesystem::create_directories(dir);
+    WriteRaw(dir / "keys.f32", keys_.data(), keys_.size() * sizeof(float));
+    WriteRaw(dir / "values.f32", values_.data(), values_.size() * sizeof(float));
+    WriteRaw(dir / "queries.f32", queries_.data(), queries_.size() * sizeof(float));
+    WriteRaw(dir / "o_proj.f32", o_proj.data(), o_proj.size() * sizeof(float));
+    WriteRaw(dir / "kept_bitmask.u8", plan.bitmask.data(), plan.bitmask.size());
+    const Geometry& g = case_.geometry;
+    const std::string meta = absl::StrFormat(
+        "{\"case\": \"%s\", \"model\": \"%s\", \"L\": %d, \"H\": %d, \"Hkv\": %d, \"d\": %d, "
+        "\"D\": %d, \"n\": %d, \"w\": %d, \"tokens_per_head\": %d, \"pool_kernel\": %d, "
+        "\"seed\": %d,\n \"files\": {\"keys\": \"[L, Hkv, n, d]\", \"values\": \"[L, Hkv, n, d]\", "
+        "\"queries\": \"[L, H, w, d]\", \"o_proj\": \"[L, D, H*d]\", "
+        "\"kept_bitmask\": \"[L, Hkv, ceil(n/8)] LSB first\"}}\n",
+        case_.Name(), g.name, g.L, g.H, g.Hkv, g.d, g.D, case_.n, kWindow, kTokensPerHead,
+        kPoolKernel, kSeed);
+    WriteRaw(dir / "meta.json", meta.data(), meta.size());
+  }
+
+  Case case_;
+  absl::Status status_;
+  std::vector<float> keys_, values_, queries_;
+  std::shared_ptr<const PreparedModel> model_;
+  KeepPlanRequest request_;
+};
+
+struct Globals {
+  std::unique_ptr<Backend> backend;
+  MachineRates rates;
+  std::vector<std::pair<std::string, ShapedRates>> shaped;  // by geometry name
+  std::unique_ptr<CaseData> current;
+  std::string current_name;
+};
+
+Globals& Global() {
+  static Globals* globals = new Globals;
+  return *globals;
+}
+
+// Measures the floor's two rates again and keeps the best seen in this run: the floor is what
+// the machine can do, and a shared machine is sometimes busy while one measurement runs.
+void RefreshRates(int trials) {
+  MachineRates& rates = Global().rates;
+  rates.sgemm_flops = std::max(rates.sgemm_flops, SgemmRate(1024, 1024, 1024, false, trials));
+  rates.read_bytes = std::max(rates.read_bytes, ReadBandwidth(trials));
+}
+
+CaseData& GetCase(const Case& c) {
+  Globals& s = Global();
+  if (s.current_name != c.Name()) {
+    s.current.reset();  // free the previous case before building the next
+    s.current = std::make_unique<CaseData>(c, *s.backend);
+    s.current_name = c.Name();
+  }
+  return *s.current;
+}
+
+void BM_KeepPlan(benchmark::State& state, const Case& c) {
+  CaseData& data = GetCase(c);
+  if (!data.status().ok()) {
+    state.SkipWithError(data.status().ToString().c_str());
+    return;
+  }
+  RefreshRates(/*trials=*/3);
+  Backend& backend = *Global().backend;
+  double total = 0.0;
+  for (auto _ : state) {  // NOLINT(clang-analyzer-deadcode.DeadStores): Google Benchmark idiom
+    const Clock::time_point begin = Clock::now();
+    absl::StatusOr<KeepPlan> plan = backend.ComputeKeepPlan(data.model(), data.request());
+    const double seconds = std::chrono::duration<double>(Clock::now() - begin).count();
+    if (!plan.ok()) {
+      state.SkipWithError(plan.status().ToString().c_str());
+      break;
+    }
+    benchmark::DoNotOptimize(plan->positions.data());
+    state.SetIterationTime(seconds);
+    total += seconds;
+  }
+  if (state.iterations() == 0) return;
+
+  const MachineRates& rates = Global().rates;
+  const double mean = total / static_cast<double>(state.iterations());
+  const double flop_s = c.Flops() / rates.sgemm_flops;
+  const double byte_s = c.KvBytes() / rates.read_bytes;
+  const double floor_s = std::max(flop_s, byte_s);
+  state.counters["GFLOP"] = c.Flops() * 1e-9;
+  state.counters["KV_MB"] = c.KvBytes() * 1e-6;
+  state.counters["flop_ms"] = flop_s * 1e3;
+  state.counters["byte_ms"] = byte_s * 1e3;
+  state.counters["floor_ms"] = floor_s * 1e3;
+  state.counters["x_floor"] = mean / floor_s;
+  state.counters["ours_GFLOPs"] = c.Flops() / mean * 1e-9;
+  state.counters["sgemm_GFLOPs"] = rates.sgemm_flops * 1e-9;
+  state.counters["read_GBs"] = rates.read_bytes * 1e-9;
+  for (const auto& [name, shaped] : Global().shaped) {
+    if (name != c.geometry.name) continue;
+    state.counters["qk_GFLOPs"] = shaped.qk_flops * 1e-9;
+    state.counters["vm_GFLOPs"] = shaped.vm_flops * 1e-9;
+  }
+}
+
+int Run(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+
+  Globals& s = Global();
+  absl::StatusOr<std::unique_ptr<Backend>> backend = CreateBackend("cpu", {.threads = kThreads});
+  if (!backend.ok()) {
+    std::fprintf(stderr, "kernels_cpu_benchmark: %s\n", backend.status().ToString().c_str());
+    return 1;
+  }
+  s.backend = *std::move(backend);
+  // The backend already set this process-wide; say it again because the floor depends on it.
+  openblas_set_num_threads(1);
+
+  const std::vector<Case> cases = {{kSmolLM2, 4096}, {kSmolLM2, 32768}, {kLlama, 4096}};
+
+  // The floor, measured before the cases so that no case's memory is in the way.
+  RefreshRates(/*trials=*/5);
+  for (const Geometry& g : {kSmolLM2, kLlama}) s.shaped.emplace_back(g.name, MeasureShaped(g));
+
+  std::printf("Machine floor at start-up (%d threads, single-threaded OpenBLAS each)\n", kThreads);
+  std::printf("  sgemm 1024^3:     %7.1f GFLOP/s\n", s.rates.sgemm_flops * 1e-9);
+  std::printf("  read bandwidth:   %7.1f GB/s\n", s.rates.read_bytes * 1e-9);
+  for (const auto& [name, shaped] : s.shaped) {
+    std::printf("  %s sgemm shapes: Q.K^T chunk %.1f GFLOP/s, V.M chunk %.1f GFLOP/s\n",
+                name.c_str(), shaped.qk_flops * 1e-9, shaped.vm_flops * 1e-9);
+  }
+  std::printf("  backend:          %s\n\n", s.backend->Describe().c_str());
+  std::fflush(stdout);
+  benchmark::AddCustomContext("laprox_backend", s.backend->Describe());
+  benchmark::AddCustomContext("laprox_sgemm_gflops", absl::StrCat(s.rates.sgemm_flops * 1e-9));
+  benchmark::AddCustomContext("laprox_read_gbs", absl::StrCat(s.rates.read_bytes * 1e-9));
+
+  for (const Case& c : cases) {
+    benchmark::RegisterBenchmark(absl::StrCat("KeepPlan/", c.geometry.name, "/n:", c.n).c_str(),
+                                 [c](benchmark::State& state) { BM_KeepPlan(state, c); })
+        ->Iterations(kIterations)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  Global().current.reset();
+  return 0;
+}
+
+}  // namespace
+}  // namespace laprox::kernels
+
+int main(int argc, char** argv) { return laprox::kernels::Run(argc, argv); }

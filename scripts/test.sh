@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The test command: installs what is missing, configures, builds and runs every test.
+#
+#   scripts/test.sh                      # build/ with CUDA when nvcc is present
+#   BUILD_DIR=build-asan LAPROX_CMAKE_ARGS="-DLAPROX_SANITIZE=ON" scripts/test.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/install-deps.sh
+build_dir=${BUILD_DIR:-build}
+jobs=$(nproc)
+# shellcheck disable=SC2086  # LAPROX_CMAKE_ARGS is a list of flags
+cmake -S . -B "$build_dir" -G Ninja ${LAPROX_CMAKE_ARGS:-}
+cmake --build "$build_dir" -j "$jobs"
+ctest --test-dir "$build_dir" --output-on-failure -j "$jobs"
