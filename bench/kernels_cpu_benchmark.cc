@@ -39,6 +39,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -69,7 +70,7 @@ constexpr int kPoolKernel = 7;
 constexpr uint64_t kSeed = 20261130;
 // Iterations per case: the Llama and 32K cases take seconds per call on 2 cores, and the whole
 // C++ run should stay within a few minutes.
-constexpr int kIterations = 3;
+constexpr int kIterations = 5;
 
 struct Geometry {
   const char* name;
@@ -399,6 +400,7 @@ void BM_KeepPlan(benchmark::State& state, const Case& c) {
   RefreshRates(/*trials=*/3);
   Backend& backend = *Global().backend;
   double total = 0.0;
+  double best = std::numeric_limits<double>::infinity();
   for (auto _ : state) {  // NOLINT(clang-analyzer-deadcode.DeadStores): Google Benchmark idiom
     const Clock::time_point begin = Clock::now();
     absl::StatusOr<KeepPlan> plan = backend.ComputeKeepPlan(data.model(), data.request());
@@ -410,6 +412,7 @@ void BM_KeepPlan(benchmark::State& state, const Case& c) {
     benchmark::DoNotOptimize(plan->positions.data());
     state.SetIterationTime(seconds);
     total += seconds;
+    best = std::min(best, seconds);
   }
   if (state.iterations() == 0) return;
 
@@ -423,8 +426,12 @@ void BM_KeepPlan(benchmark::State& state, const Case& c) {
   state.counters["flop_ms"] = flop_s * 1e3;
   state.counters["byte_ms"] = byte_s * 1e3;
   state.counters["floor_ms"] = floor_s * 1e3;
-  state.counters["x_floor"] = mean / floor_s;
-  state.counters["ours_GFLOPs"] = c.Flops() / mean * 1e-9;
+  // The best call is compared with the floor, as the floor uses the best rates measured: on a
+  // shared machine both are the least disturbed figures (the mean is reported beside them).
+  state.counters["best_ms"] = best * 1e3;
+  state.counters["mean_ms"] = mean * 1e3;
+  state.counters["x_floor"] = best / floor_s;
+  state.counters["ours_GFLOPs"] = c.Flops() / best * 1e-9;
   state.counters["sgemm_GFLOPs"] = rates.sgemm_flops * 1e-9;
   state.counters["read_GBs"] = rates.read_bytes * 1e-9;
   for (const auto& [name, shaped] : Global().shaped) {

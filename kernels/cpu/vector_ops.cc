@@ -1,26 +1,35 @@
 #include "cpu/vector_ops.h"
 
+#include <atomic>
 #include <bit>
 #include <cstring>
 
-#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
-#define LAPROX_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define LAPROX_HAVE_X86 1
 #else
-#define LAPROX_VECTOR_CLONES
+#define LAPROX_HAVE_X86 0
 #endif
+
+// Each operation has a portable scalar version and, on x86-64, an AVX2+FMA version written with
+// intrinsics (GCC at -O2 vectorises none of these loops: the exp needs fast-math to vectorise
+// and the reductions need reassociation). The AVX2 versions carry a target attribute instead of
+// file-wide -mavx2, so nothing compiled for AVX2 can leak into code that runs on other CPUs;
+// the public functions pick one at run time.
 
 namespace laprox::kernels::cpu {
 namespace {
 
+// ---- Portable versions ------------------------------------------------------------------------
+
 // Cephes-style expf: range reduction by ln 2, degree-6 polynomial, exponent by bit shift.
-// Branch-free so that it vectorises; inputs below -87 give ~0 (well under fp32's precision of
-// any softmax row sum), inputs are never above 0 here (shifted by the row maximum).
-inline float ExpApprox(float x) {
+// Inputs below -87 give ~2^-126 (far below fp32 precision of a softmax row sum); inputs here are
+// never above 0 (shifted by the row maximum).
+inline float ExpScalar(float x) {
   x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
   float fx = x * 1.44269504088896341f + 0.5f;
-  // floor() without libm so that it vectorises on baseline x86-64.
-  float t = static_cast<float>(static_cast<int32_t>(fx));
-  fx = t > fx ? t - 1.0f : t;
+  const float t = static_cast<float>(static_cast<int32_t>(fx));
+  fx = t > fx ? t - 1.0f : t;  // floor
   x -= fx * 0.693359375f;
   x -= fx * -2.12194440e-4f;
   const float z = x * x;
@@ -35,9 +44,7 @@ inline float ExpApprox(float x) {
   return y * std::bit_cast<float>(e);
 }
 
-}  // namespace
-
-LAPROX_VECTOR_CLONES bool AllFinite(const float* values, int64_t count) {
+bool AllFiniteScalar(const float* values, int64_t count) {
   uint32_t bad = 0;
   for (int64_t i = 0; i < count; ++i) {
     uint32_t bits;
@@ -47,15 +54,21 @@ LAPROX_VECTOR_CLONES bool AllFinite(const float* values, int64_t count) {
   return bad == 0;
 }
 
-LAPROX_VECTOR_CLONES double ExpShiftedInPlace(float* x, int64_t count) {
+float MaxScalar(const float* x, int64_t count) {
   float max = x[0];
   for (int64_t i = 1; i < count; ++i) max = x[i] > max ? x[i] : max;
-  ExpInPlace(x, count, max);
-  // Blocked partial sums in float, combined in double: accurate and still vectorised.
+  return max;
+}
+
+void ExpInPlaceScalar(float* x, int64_t count, float shift) {
+  for (int64_t i = 0; i < count; ++i) x[i] = ExpScalar(x[i] - shift);
+}
+
+// Sum in blocks of 256 floats combined in double: accurate without a double per element.
+double SumScalar(const float* x, int64_t count) {
   double sum = 0.0;
-  constexpr int64_t kBlock = 256;
-  for (int64_t b = 0; b < count; b += kBlock) {
-    const int64_t end = b + kBlock < count ? b + kBlock : count;
+  for (int64_t b = 0; b < count; b += 256) {
+    const int64_t end = b + 256 < count ? b + 256 : count;
     float part = 0.f;
     for (int64_t i = b; i < end; ++i) part += x[i];
     sum += part;
@@ -63,41 +76,195 @@ LAPROX_VECTOR_CLONES double ExpShiftedInPlace(float* x, int64_t count) {
   return sum;
 }
 
-LAPROX_VECTOR_CLONES void ExpInPlace(float* x, int64_t count, float shift) {
-  for (int64_t i = 0; i < count; ++i) x[i] = ExpApprox(x[i] - shift);
-}
-
-LAPROX_VECTOR_CLONES void AccumulateSquaredSum(const float* const* rows, const float* scales,
-                                               int num_rows, int64_t count, float* acc) {
-  constexpr int64_t kBlock = 1024;
-  float sum[kBlock];
-  for (int64_t b = 0; b < count; b += kBlock) {
-    const int64_t len = b + kBlock < count ? kBlock : count - b;
-    for (int64_t i = 0; i < len; ++i) sum[i] = rows[0][b + i] * scales[0];
-    for (int r = 1; r < num_rows; ++r) {
-      const float* row = rows[r] + b;
-      const float s = scales[r];
-      for (int64_t i = 0; i < len; ++i) sum[i] += row[i] * s;
-    }
-    for (int64_t i = 0; i < len; ++i) acc[b + i] += sum[i] * sum[i];
+void AccumulateSquaredSumScalar(const float* const* rows, const float* scales, int num_rows,
+                                int64_t begin, int64_t count, float* acc) {
+  for (int64_t i = begin; i < count; ++i) {
+    float s = rows[0][i] * scales[0];
+    for (int r = 1; r < num_rows; ++r) s += rows[r][i] * scales[r];
+    acc[i] += s * s;
   }
 }
 
-LAPROX_VECTOR_CLONES void AccumulateProduct(const float* a, const float* b, float scale,
-                                            int64_t count, float* acc) {
-  for (int64_t i = 0; i < count; ++i) acc[i] += a[i] * b[i] * scale;
+void AccumulateProductScalar(const float* a, const float* b, float scale, int64_t begin,
+                             int64_t count, float* acc) {
+  for (int64_t i = begin; i < count; ++i) acc[i] += a[i] * b[i] * scale;
 }
 
-LAPROX_VECTOR_CLONES float Dot(const float* a, const float* b, int64_t d) {
-  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+float DotScalar(const float* a, const float* b, int64_t begin, int64_t d) {
+  float sum = 0.f;
+  for (int64_t k = begin; k < d; ++k) sum += a[k] * b[k];
+  return sum;
+}
+
+// ---- AVX2 + FMA versions ----------------------------------------------------------------------
+
+#if LAPROX_HAVE_X86
+#define LAPROX_AVX2 __attribute__((target("avx2,fma")))
+
+LAPROX_AVX2 inline float HorizontalSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+LAPROX_AVX2 inline float HorizontalMax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// The same polynomial as ExpScalar, eight lanes at a time.
+LAPROX_AVX2 inline __m256 Exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  __m256 fx = _mm256_floor_ps(
+      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+LAPROX_AVX2 bool AllFiniteAvx2(const float* values, int64_t count) {
+  const __m256i exponent = _mm256_set1_epi32(0x7f800000);
+  __m256i bad = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i));
+    bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(bits, exponent), exponent));
+  }
+  return _mm256_testz_si256(bad, bad) && AllFiniteScalar(values + i, count - i);
+}
+
+LAPROX_AVX2 float MaxAvx2(const float* x, int64_t count) {
+  if (count < 8) return MaxScalar(x, count);
+  __m256 max = _mm256_loadu_ps(x);
+  int64_t i = 8;
+  for (; i + 8 <= count; i += 8) max = _mm256_max_ps(max, _mm256_loadu_ps(x + i));
+  float m = HorizontalMax(max);
+  for (; i < count; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
+LAPROX_AVX2 void ExpInPlaceAvx2(float* x, int64_t count, float shift) {
+  const __m256 s = _mm256_set1_ps(shift);
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    _mm256_storeu_ps(x + i, Exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), s)));
+  }
+  for (; i < count; ++i) x[i] = ExpScalar(x[i] - shift);
+}
+
+LAPROX_AVX2 double SumAvx2(const float* x, int64_t count) {
+  double sum = 0.0;
+  int64_t i = 0;
+  while (i + 8 <= count) {
+    __m256 part = _mm256_setzero_ps();
+    const int64_t end = i + 256 < count ? i + 256 : count;
+    for (; i + 8 <= end; i += 8) part = _mm256_add_ps(part, _mm256_loadu_ps(x + i));
+    sum += HorizontalSum(part);
+  }
+  for (; i < count; ++i) sum += x[i];
+  return sum;
+}
+
+LAPROX_AVX2 void AccumulateSquaredSumAvx2(const float* const* rows, const float* scales,
+                                          int num_rows, int64_t count, float* acc) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(rows[0] + i), _mm256_set1_ps(scales[0]));
+    for (int r = 1; r < num_rows; ++r) {
+      s = _mm256_fmadd_ps(_mm256_loadu_ps(rows[r] + i), _mm256_set1_ps(scales[r]), s);
+    }
+    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(s, s, _mm256_loadu_ps(acc + i)));
+  }
+  AccumulateSquaredSumScalar(rows, scales, num_rows, i, count, acc);
+}
+
+LAPROX_AVX2 void AccumulateProductAvx2(const float* a, const float* b, float scale, int64_t count,
+                                       float* acc) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m256 ab = _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i));
+    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(ab, s, _mm256_loadu_ps(acc + i)));
+  }
+  AccumulateProductScalar(a, b, scale, i, count, acc);
+}
+
+LAPROX_AVX2 float DotAvx2(const float* a, const float* b, int64_t d) {
+  __m256 sum = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= d; k += 8) {
-    for (int j = 0; j < 8; ++j) part[j] += a[k + j] * b[k + j];
+    sum = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), sum);
   }
-  float tail = 0.f;
-  for (; k < d; ++k) tail += a[k] * b[k];
-  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7])) +
-         tail;
+  return HorizontalSum(sum) + DotScalar(a, b, k, d);
+}
+
+#undef LAPROX_AVX2
+#endif  // LAPROX_HAVE_X86
+
+std::atomic<bool> force_portable{false};
+
+bool UseAvx2() {
+#if LAPROX_HAVE_X86
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return avx2 && !force_portable.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+void ForcePortableVectorOps(bool portable) { force_portable.store(portable); }
+
+#if LAPROX_HAVE_X86
+#define LAPROX_DISPATCH(avx2_call, scalar_call) return UseAvx2() ? (avx2_call) : (scalar_call)
+#else
+#define LAPROX_DISPATCH(avx2_call, scalar_call) return (scalar_call)
+#endif
+
+bool AllFinite(const float* values, int64_t count) {
+  LAPROX_DISPATCH(AllFiniteAvx2(values, count), AllFiniteScalar(values, count));
+}
+
+static float Max(const float* x, int64_t count) {
+  LAPROX_DISPATCH(MaxAvx2(x, count), MaxScalar(x, count));
+}
+
+double ExpShiftedInPlace(float* x, int64_t count) {
+  ExpInPlace(x, count, Max(x, count));
+  LAPROX_DISPATCH(SumAvx2(x, count), SumScalar(x, count));
+}
+
+void ExpInPlace(float* x, int64_t count, float shift) {
+  LAPROX_DISPATCH(ExpInPlaceAvx2(x, count, shift), ExpInPlaceScalar(x, count, shift));
+}
+
+void AccumulateSquaredSum(const float* const* rows, const float* scales, int num_rows,
+                          int64_t count, float* acc) {
+  LAPROX_DISPATCH(AccumulateSquaredSumAvx2(rows, scales, num_rows, count, acc),
+                  AccumulateSquaredSumScalar(rows, scales, num_rows, 0, count, acc));
+}
+
+void AccumulateProduct(const float* a, const float* b, float scale, int64_t count, float* acc) {
+  LAPROX_DISPATCH(AccumulateProductAvx2(a, b, scale, count, acc),
+                  AccumulateProductScalar(a, b, scale, 0, count, acc));
+}
+
+float Dot(const float* a, const float* b, int64_t d) {
+  LAPROX_DISPATCH(DotAvx2(a, b, d), DotScalar(a, b, 0, d));
 }
 
 }  // namespace laprox::kernels::cpu

@@ -1,5 +1,6 @@
-// Element loops of the CPU backend. Each is compiled twice (AVX2+FMA and baseline x86-64) and
-// chosen at load time, so one binary runs everywhere and is fast where AVX2 exists.
+// Element loops of the CPU backend. Each has a portable version and an AVX2+FMA version, chosen
+// at run time, so one binary runs everywhere and is fast where AVX2 exists. The two versions
+// agree to fp32 rounding (FMA contraction and summation order differ), not bit for bit.
 // All pointers are host memory; no function allocates or keeps a pointer.
 #ifndef LAPROX_KERNELS_CPU_VECTOR_OPS_H_
 #define LAPROX_KERNELS_CPU_VECTOR_OPS_H_
@@ -25,8 +26,11 @@ void AccumulateSquaredSum(const float* const* rows, const float* scales, int num
 // acc[i] += a[i] * b[i] * scale.
 void AccumulateProduct(const float* a, const float* b, float scale, int64_t count, float* acc);
 
-// dot of two length-d vectors, fp32 with 8 partial sums.
+// Dot product of two length-d vectors in fp32.
 float Dot(const float* a, const float* b, int64_t d);
+
+// Tests: true forces the portable versions on every thread (false restores the choice).
+void ForcePortableVectorOps(bool portable);
 
 }  // namespace laprox::kernels::cpu
 

@@ -124,7 +124,18 @@ TEST(BudgetTest, DerivesWindowSinksAndQuota) {
   EXPECT_EQ(policy::BudgetTokensPerHead(Budget::CompressionRatio(0.5), 7), 3);
 }
 
-TEST(VectorOpsTest, ExpShiftedMatchesLibm) {
+// Every vector op runs twice: the AVX2 version (where the CPU has it) and the portable one.
+class VectorOpsTest : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override { cpu::ForcePortableVectorOps(GetParam()); }
+  void TearDown() override { cpu::ForcePortableVectorOps(false); }
+};
+INSTANTIATE_TEST_SUITE_P(Isa, VectorOpsTest, ::testing::Values(false, true),
+                         [](const auto& param_info) {
+                           return param_info.param ? "Portable" : "Best";
+                         });
+
+TEST_P(VectorOpsTest, ExpShiftedMatchesLibm) {
   std::mt19937 rng(9);
   std::uniform_real_distribution<float> u(-100.f, 20.f);
   std::vector<float> x(1000);
@@ -144,7 +155,32 @@ TEST(VectorOpsTest, ExpShiftedMatchesLibm) {
   EXPECT_NEAR(sum, want_sum, 1e-6 * want_sum);
 }
 
-TEST(VectorOpsTest, AllFiniteFindsNaNAndInfAnywhere) {
+TEST_P(VectorOpsTest, SumsAndDotsMatchDouble) {
+  std::mt19937 rng(13);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (int64_t len : {1, 7, 8, 9, 64, 129, 1000}) {
+    std::vector<float> a(len), b(len), acc(len, 0.5f), rows(3 * len);
+    for (float& v : a) v = normal(rng);
+    for (float& v : b) v = normal(rng);
+    for (float& v : rows) v = normal(rng);
+    double dot = 0.0;
+    for (int64_t k = 0; k < len; ++k) dot += double{a[k]} * b[k];
+    EXPECT_NEAR(cpu::Dot(a.data(), b.data(), len), dot, 1e-5 * len);
+
+    const float* row_ptrs[3] = {rows.data(), rows.data() + len, rows.data() + 2 * len};
+    const float scales[3] = {0.5f, -2.f, 3.f};
+    cpu::AccumulateSquaredSum(row_ptrs, scales, 3, len, acc.data());
+    cpu::AccumulateProduct(a.data(), b.data(), 2.f, len, acc.data());
+    for (int64_t i = 0; i < len; ++i) {
+      double s = 0.0;
+      for (int r = 0; r < 3; ++r) s += double{scales[r]} * row_ptrs[r][i];
+      const double want = 0.5 + s * s + 2.0 * a[i] * b[i];
+      EXPECT_NEAR(acc[i], want, 1e-5 * (1 + std::abs(want))) << len << " " << i;
+    }
+  }
+}
+
+TEST_P(VectorOpsTest, AllFiniteFindsNaNAndInfAnywhere) {
   std::vector<float> x(37, 1.f);
   EXPECT_TRUE(cpu::AllFinite(x.data(), 37));
   for (float bad : {std::numeric_limits<float>::infinity(), std::nanf("")}) {
