@@ -107,6 +107,14 @@ def build_grid():
                 grid.append(case(f"mph{mph}-hu{int(hu)}-{alloc}", H=6, Hkv=3, L=3,
                                  policy=dict(allocation=alloc, min_per_head=mph,
                                              head_uniform_layers=hu)))
+    # Several key chunks of the CPU backend (1024 keys), the causal limit of the window rows
+    # straddling a chunk boundary, with each way of giving the window and each attention summary.
+    for n, w in ((1060, 64), (2048, 32), (3000, 8)):
+        for inputs in ("queries", "lse", "attention"):
+            for gqa in ("MEAN_HEAD_NORM", "MEAN_HEAD_PRODUCT", "EXACT_BLOCK"):
+                grid.append(case(f"chunks-n{n}-w{w}-{inputs}-{gqa}", n=n, H=6, Hkv=2,
+                                 inputs=inputs, policy=dict(window=w, gqa_value=gqa,
+                                                            tokens_per_head=n // 4)))
     # Degenerate data: an all-zero value layer (uniform layer), identical keys (ties).
     grid.append(case("zero-values-layer", special="zero_values", policy=dict(sinks=2)))
     grid.append(case("equal-scores", special="equal", policy=dict(pooling="NONE")))
