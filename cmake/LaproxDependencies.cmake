@@ -1,6 +1,11 @@
 # Third-party dependencies, all from Debian packages (scripts/install-deps.sh installs them).
 find_package(Threads REQUIRED)
 find_package(absl REQUIRED CONFIG)
+# Protobuf 3.21 through CMake's FindProtobuf (Debian ships no protobuf CMake config):
+# protobuf::libprotobuf, protobuf::protoc and protobuf_generate(). gRPC 1.51's config provides
+# gRPC::grpc++ and gRPC::grpc_cpp_plugin. Order matters: absl, then Protobuf, then gRPC.
+find_package(Protobuf 3.21 REQUIRED)
+find_package(gRPC 1.51 REQUIRED CONFIG)
 
 # Debian's libopenblas-dev ships an OpenBLASConfig.cmake with variables only; wrap them in a
 # target. Fall back to FindBLAS when the config file is absent (other distributions).

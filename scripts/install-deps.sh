@@ -11,6 +11,7 @@ packages=(
   clang-format clang-tidy
   libopenblas-dev libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev
+  libprotobuf-dev protobuf-compiler libgrpc++-dev protobuf-compiler-grpc
   python3 python3-numpy
 )
 

@@ -1,0 +1,60 @@
+// The wire API mirrors the kernels API: every policy option value and dtype the library has must
+// be expressible in laprox.v1 (named <ENUM>_<VALUE>, STYLE.md), so that no option is reachable
+// from C++ but not from a client.
+#include <string>
+
+#include <gtest/gtest.h>
+#include <google/protobuf/descriptor.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "laprox/kernels/policy.h"
+#include "laprox/kernels/tensor_view.h"
+#include "laprox/v1/laprox.pb.h"
+
+namespace laprox {
+namespace {
+
+using google::protobuf::EnumDescriptor;
+
+void ExpectValue(const EnumDescriptor* e, const std::string& prefix, absl::string_view name) {
+  const std::string full = absl::StrCat(prefix, "_", name);
+  EXPECT_NE(e->FindValueByName(full), nullptr) << e->full_name() << " lacks " << full;
+}
+
+TEST(ProtoContractTest, EveryPolicyOptionHasAWireValue) {
+  using namespace kernels;  // NOLINT(google-build-using-namespace): test brevity
+  for (Allocation a : {Allocation::kGlobalNormalized, Allocation::kGlobalRaw,
+                       Allocation::kPerLayer, Allocation::kUniform}) {
+    ExpectValue(v1::Allocation_descriptor(), "ALLOCATION", AllocationName(a));
+  }
+  for (Indicator i : {Indicator::kAttentionXProjectedValue, Indicator::kAttentionXValue,
+                      Indicator::kAttention}) {
+    ExpectValue(v1::Indicator_descriptor(), "INDICATOR", IndicatorName(i));
+  }
+  for (GqaValue g : {GqaValue::kMeanHeadNorm, GqaValue::kSummedProjection,
+                     GqaValue::kMeanHeadProduct, GqaValue::kExactBlock}) {
+    ExpectValue(v1::GqaValue_descriptor(), "GQA_VALUE", GqaValueName(g));
+  }
+  for (Pooling p : {Pooling::kAvg, Pooling::kMax, Pooling::kNone}) {
+    ExpectValue(v1::Pooling_descriptor(), "POOLING", PoolingName(p));
+  }
+  for (DType d : {DType::kF32, DType::kF16, DType::kBF16}) {
+    std::string name(DTypeName(d));
+    for (char& c : name) c = static_cast<char>(std::toupper(c));
+    ExpectValue(v1::DType_descriptor(), "DTYPE", name);
+  }
+}
+
+TEST(ProtoContractTest, EveryEnumStartsWithUnspecified) {
+  const auto* file = v1::Allocation_descriptor()->file();
+  for (int i = 0; i < file->enum_type_count(); ++i) {
+    const EnumDescriptor* e = file->enum_type(i);
+    ASSERT_GT(e->value_count(), 0);
+    EXPECT_EQ(e->value(0)->number(), 0) << e->name();
+    EXPECT_TRUE(absl::EndsWith(e->value(0)->name(), "_UNSPECIFIED")) << e->name();
+  }
+}
+
+}  // namespace
+}  // namespace laprox
