@@ -1,0 +1,223 @@
+#include "service/core/region_registry.h"
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+
+namespace laprox::service {
+namespace {
+
+constexpr absl::string_view kShmPrefix = "laprox-";
+constexpr size_t kMaxShmName = 255;
+
+absl::Status CheckShmName(absl::string_view name) {
+  absl::ConsumePrefix(&name, "/");
+  if (!absl::StartsWith(name, kShmPrefix) || name.size() > kMaxShmName) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shm.name \"", name, "\" must start with \"", kShmPrefix, "\" and have at most ",
+        kMaxShmName, " characters"));
+  }
+  for (char c : name) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' &&
+        c != '-') {
+      return absl::InvalidArgumentError(
+          absl::StrCat("shm.name \"", name, "\" may contain only [A-Za-z0-9._-]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ErrnoStatus(int error, absl::string_view what) {
+  const std::string message = absl::StrCat(what, ": ", std::strerror(error));
+  switch (error) {
+    case ENOENT:
+      return absl::NotFoundError(message);
+    case EACCES:
+    case EPERM:
+      return absl::PermissionDeniedError(message);
+    case ENOMEM:
+    case EMFILE:
+    case ENFILE:
+      return absl::ResourceExhaustedError(message);
+    default:
+      return absl::InternalError(message);
+  }
+}
+
+}  // namespace
+
+MappedRegion::~MappedRegion() {
+  if (mapping_ != nullptr) munmap(mapping_, mapping_size_);
+}
+
+absl::StatusOr<std::byte*> MappedRegion::Slice(int64_t byte_offset, int64_t byte_count,
+                                               absl::string_view field) const {
+  int64_t end;
+  if (byte_offset < 0 || byte_count < 0 || __builtin_add_overflow(byte_offset, byte_count, &end) ||
+      end > info_.byte_size) {
+    return absl::OutOfRangeError(absl::StrCat(field, ": bytes [", byte_offset, ", +", byte_count,
+                                              ") are outside region ", info_.id, " of ",
+                                              info_.byte_size, " bytes"));
+  }
+  return data_ + byte_offset;
+}
+
+RegionLease::RegionLease(RegionLease&& other) noexcept
+    : registry_(std::exchange(other.registry_, nullptr)), region_(std::move(other.region_)) {}
+
+RegionLease& RegionLease::operator=(RegionLease&& other) noexcept {
+  if (this != &other) {
+    Release();
+    registry_ = std::exchange(other.registry_, nullptr);
+    region_ = std::move(other.region_);
+  }
+  return *this;
+}
+
+RegionLease::~RegionLease() { Release(); }
+
+void RegionLease::Release() {
+  if (registry_ != nullptr) registry_->ReleaseLease(region_->info().id);
+  registry_ = nullptr;
+  region_.reset();
+}
+
+absl::StatusOr<uint64_t> RegionRegistry::RegisterShm(const ShmRegionSpec& spec) {
+  if (absl::Status s = CheckShmName(spec.name); !s.ok()) return s;
+  if (spec.offset < 0 || spec.byte_size <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("shm.offset = ", spec.offset,
+                                                   " must be >= 0 and shm.byte_size = ",
+                                                   spec.byte_size, " must be > 0"));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (static_cast<int64_t>(regions_.size()) >= limits_.max_regions) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("already ", regions_.size(), " regions registered (limit ",
+                       limits_.max_regions, ")"));
+    }
+  }
+  absl::string_view name = spec.name;
+  absl::ConsumePrefix(&name, "/");
+  const std::string path = absl::StrCat("/", name);
+  const int fd = shm_open(path.c_str(), spec.writable ? O_RDWR : O_RDONLY, 0);
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("shm_open(\"", name, "\")"));
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    const int error = errno;
+    close(fd);
+    return ErrnoStatus(error, absl::StrCat("fstat(\"", name, "\")"));
+  }
+  int64_t end;
+  if (__builtin_add_overflow(spec.offset, spec.byte_size, &end) || end > st.st_size) {
+    close(fd);
+    return absl::OutOfRangeError(absl::StrCat("shm.offset + shm.byte_size = ", spec.offset, " + ",
+                                              spec.byte_size, " exceeds the ", st.st_size,
+                                              " bytes of \"", name, "\""));
+  }
+  // mmap offsets must be page-aligned: map from the enclosing page.
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  const int64_t map_offset = spec.offset / page * page;
+  const size_t map_size = static_cast<size_t>(end - map_offset);
+  void* mapping = mmap(nullptr, map_size, PROT_READ | (spec.writable ? PROT_WRITE : 0),
+                       MAP_SHARED, fd, map_offset);
+  const int map_error = errno;
+  close(fd);  // the mapping keeps the object alive
+  if (mapping == MAP_FAILED) {
+    return ErrnoStatus(map_error, absl::StrCat("mmap(\"", name, "\")"));
+  }
+
+  auto region = std::shared_ptr<MappedRegion>(new MappedRegion());
+  region->mapping_ = mapping;
+  region->mapping_size_ = map_size;
+  region->data_ = static_cast<std::byte*>(mapping) + (spec.offset - map_offset);
+  region->info_.kind = RegionKind::kShm;
+  region->info_.name = std::string(name);
+  region->info_.byte_size = spec.byte_size;
+  region->info_.writable = spec.writable;
+
+  absl::MutexLock lock(&mu_);
+  if (static_cast<int64_t>(regions_.size()) >= limits_.max_regions) {  // raced with another
+    return absl::ResourceExhaustedError(absl::StrCat("already ", regions_.size(),
+                                                     " regions registered (limit ",
+                                                     limits_.max_regions, ")"));
+  }
+  const uint64_t id = next_id_++;
+  region->info_.id = id;
+  regions_[id].region = std::move(region);
+  return id;
+}
+
+absl::StatusOr<RegionLease> RegionRegistry::Acquire(uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  auto it = regions_.find(id);
+  if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("region ", id, " not found"));
+  if (it->second.draining) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("region ", id, " is being unregistered"));
+  }
+  ++it->second.in_use;
+  return RegionLease(this, it->second.region);
+}
+
+void RegionRegistry::ReleaseLease(uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  auto it = regions_.find(id);
+  if (it == regions_.end()) return;
+  // A region whose Unregister gave up at its deadline goes with its last lease.
+  if (--it->second.in_use == 0 && it->second.draining) regions_.erase(it);
+}
+
+absl::Status RegionRegistry::Unregister(uint64_t id, absl::Time deadline) {
+  std::shared_ptr<MappedRegion> region;  // unmapped after the lock is released
+  absl::MutexLock lock(&mu_);
+  auto it = regions_.find(id);
+  if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("region ", id, " not found"));
+  if (it->second.draining) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("region ", id, " is already being unregistered"));
+  }
+  it->second.draining = true;
+  // Leases release under mu_, so the entry cannot vanish while we wait for in_use == 0: only a
+  // release that brings it to 0 erases it, and then the condition is already true.
+  auto idle = [this, id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto found = regions_.find(id);
+    return found == regions_.end() || found->second.in_use == 0;
+  };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&idle), deadline)) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("region ", id, " is still used by ", regions_.at(id).in_use,
+                     " requests; it will be unmapped when they finish"));
+  }
+  it = regions_.find(id);
+  if (it != regions_.end()) {
+    region = std::move(it->second.region);
+    regions_.erase(it);
+  }
+  return absl::OkStatus();
+}
+
+std::vector<RegionInfo> RegionRegistry::List() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<RegionInfo> out;
+  out.reserve(regions_.size());
+  for (const auto& [id, entry] : regions_) {
+    RegionInfo info = entry.region->info();
+    info.in_use = entry.in_use;
+    info.draining = entry.draining;
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+}  // namespace laprox::service
