@@ -23,13 +23,12 @@ constexpr size_t kMaxShmName = 255;
 absl::Status CheckShmName(absl::string_view name) {
   absl::ConsumePrefix(&name, "/");
   if (!absl::StartsWith(name, kShmPrefix) || name.size() > kMaxShmName) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "shm.name \"", name, "\" must start with \"", kShmPrefix, "\" and have at most ",
-        kMaxShmName, " characters"));
+    return absl::InvalidArgumentError(absl::StrCat("shm.name \"", name, "\" must start with \"",
+                                                   kShmPrefix, "\" and have at most ", kMaxShmName,
+                                                   " characters"));
   }
   for (char c : name) {
-    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' &&
-        c != '-') {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-') {
       return absl::InvalidArgumentError(
           absl::StrCat("shm.name \"", name, "\" may contain only [A-Za-z0-9._-]"));
     }
@@ -95,16 +94,15 @@ void RegionLease::Release() {
 absl::StatusOr<uint64_t> RegionRegistry::RegisterShm(const ShmRegionSpec& spec) {
   if (absl::Status s = CheckShmName(spec.name); !s.ok()) return s;
   if (spec.offset < 0 || spec.byte_size <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("shm.offset = ", spec.offset,
-                                                   " must be >= 0 and shm.byte_size = ",
-                                                   spec.byte_size, " must be > 0"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shm.offset = ", spec.offset,
+                     " must be >= 0 and shm.byte_size = ", spec.byte_size, " must be > 0"));
   }
   {
     absl::MutexLock lock(&mu_);
     if (static_cast<int64_t>(regions_.size()) >= limits_.max_regions) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("already ", regions_.size(), " regions registered (limit ",
-                       limits_.max_regions, ")"));
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "already ", regions_.size(), " regions registered (limit ", limits_.max_regions, ")"));
     }
   }
   absl::string_view name = spec.name;
@@ -129,8 +127,8 @@ absl::StatusOr<uint64_t> RegionRegistry::RegisterShm(const ShmRegionSpec& spec) 
   const int64_t page = sysconf(_SC_PAGESIZE);
   const int64_t map_offset = spec.offset / page * page;
   const size_t map_size = static_cast<size_t>(end - map_offset);
-  void* mapping = mmap(nullptr, map_size, PROT_READ | (spec.writable ? PROT_WRITE : 0),
-                       MAP_SHARED, fd, map_offset);
+  void* mapping = mmap(nullptr, map_size, PROT_READ | (spec.writable ? PROT_WRITE : 0), MAP_SHARED,
+                       fd, map_offset);
   const int map_error = errno;
   close(fd);  // the mapping keeps the object alive
   if (mapping == MAP_FAILED) {
@@ -148,9 +146,8 @@ absl::StatusOr<uint64_t> RegionRegistry::RegisterShm(const ShmRegionSpec& spec) 
 
   absl::MutexLock lock(&mu_);
   if (static_cast<int64_t>(regions_.size()) >= limits_.max_regions) {  // raced with another
-    return absl::ResourceExhaustedError(absl::StrCat("already ", regions_.size(),
-                                                     " regions registered (limit ",
-                                                     limits_.max_regions, ")"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "already ", regions_.size(), " regions registered (limit ", limits_.max_regions, ")"));
   }
   const uint64_t id = next_id_++;
   region->info_.id = id;
@@ -163,8 +160,7 @@ absl::StatusOr<RegionLease> RegionRegistry::Acquire(uint64_t id) {
   auto it = regions_.find(id);
   if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("region ", id, " not found"));
   if (it->second.draining) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("region ", id, " is being unregistered"));
+    return absl::FailedPreconditionError(absl::StrCat("region ", id, " is being unregistered"));
   }
   ++it->second.in_use;
   return RegionLease(this, it->second.region);

@@ -3,8 +3,8 @@
 // from C++ but not from a client.
 #include <string>
 
-#include <gtest/gtest.h>
 #include <google/protobuf/descriptor.h>
+#include <gtest/gtest.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -24,12 +24,12 @@ void ExpectValue(const EnumDescriptor* e, const std::string& prefix, absl::strin
 
 TEST(ProtoContractTest, EveryPolicyOptionHasAWireValue) {
   using namespace kernels;  // NOLINT(google-build-using-namespace): test brevity
-  for (Allocation a : {Allocation::kGlobalNormalized, Allocation::kGlobalRaw,
-                       Allocation::kPerLayer, Allocation::kUniform}) {
+  for (Allocation a : {Allocation::kGlobalNormalized, Allocation::kGlobalRaw, Allocation::kPerLayer,
+                       Allocation::kUniform}) {
     ExpectValue(v1::Allocation_descriptor(), "ALLOCATION", AllocationName(a));
   }
-  for (Indicator i : {Indicator::kAttentionXProjectedValue, Indicator::kAttentionXValue,
-                      Indicator::kAttention}) {
+  for (Indicator i :
+       {Indicator::kAttentionXProjectedValue, Indicator::kAttentionXValue, Indicator::kAttention}) {
     ExpectValue(v1::Indicator_descriptor(), "INDICATOR", IndicatorName(i));
   }
   for (GqaValue g : {GqaValue::kMeanHeadNorm, GqaValue::kSummedProjection,

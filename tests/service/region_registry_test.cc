@@ -3,8 +3,8 @@
 #include "service/core/region_registry.h"
 
 #include <atomic>
-#include <optional>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -92,9 +92,9 @@ TEST(RegionRegistryTest, RejectsBadRegistrations) {
       registry.RegisterShm({.name = object.name(), .offset = 4000, .byte_size = 97}).status(),
       IsStatus(absl::StatusCode::kOutOfRange,
                "shm.offset + shm.byte_size = 4000 + 97 exceeds the 4096 bytes"));
-  EXPECT_THAT(registry.RegisterShm({.name = object.name(), .offset = INT64_MAX, .byte_size = 2})
-                  .status(),
-              IsStatus(absl::StatusCode::kOutOfRange, "exceeds"));
+  EXPECT_THAT(
+      registry.RegisterShm({.name = object.name(), .offset = INT64_MAX, .byte_size = 2}).status(),
+      IsStatus(absl::StatusCode::kOutOfRange, "exceeds"));
   EXPECT_TRUE(registry.List().empty());  // nothing half-registered
 }
 
