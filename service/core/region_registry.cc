@@ -140,7 +140,7 @@ absl::StatusOr<uint64_t> RegionRegistry::RegisterShm(const ShmRegionSpec& spec) 
   region->mapping_size_ = map_size;
   region->data_ = static_cast<std::byte*>(mapping) + (spec.offset - map_offset);
   region->info_.kind = RegionKind::kShm;
-  region->info_.name = std::string(name);
+  region->info_.name = std::string{name};
   region->info_.byte_size = spec.byte_size;
   region->info_.writable = spec.writable;
 
