@@ -10,8 +10,8 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <vector>
 
-#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 
@@ -28,7 +28,9 @@ absl::string_view DTypeName(DType dtype);
 // CUDA backend (the CPU backend answers UNIMPLEMENTED for it).
 enum class MemorySpace { kHost, kDevice };
 
-using Dims = absl::InlinedVector<int64_t, 4>;
+// Shapes and strides. (A std::vector rather than absl::InlinedVector: GCC 12 warns about the
+// latter's moved-from inline storage, and a few small allocations per request cost nothing.)
+using Dims = std::vector<int64_t>;
 
 class TensorView {
  public:

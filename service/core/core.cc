@@ -1,0 +1,188 @@
+#include "service/core/core.h"
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace laprox::service {
+namespace {
+
+using kernels::DTypeSize;
+using kernels::TensorView;
+
+// Turns references into views for one call, holding one lease per region it names.
+class Resolver {
+ public:
+  explicit Resolver(RegionRegistry& regions) : regions_(regions) {}
+
+  absl::StatusOr<TensorView> Resolve(const TensorRef& ref, const std::string& field) {
+    if (ref.source == TensorRef::Source::kAbsent) return TensorView();
+    kernels::Dims strides = ref.strides;
+    if (strides.empty()) strides = kernels::ContiguousStrides(ref.shape);
+    if (strides.size() != ref.shape.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(field, " has ", ref.shape.size(),
+                                                     " dimensions but ", strides.size(),
+                                                     " strides"));
+    }
+    // A view over nothing yet, only to compute the extent with the kernels' overflow checks.
+    int64_t extent = 0;
+    if (absl::Status s = TensorView(nullptr, ref.dtype, ref.shape, strides).ElementExtent(&extent);
+        !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat(field, ": ", s.message()));
+    }
+    const int64_t element = static_cast<int64_t>(DTypeSize(ref.dtype));
+    int64_t bytes;
+    if (__builtin_mul_overflow(extent, element, &bytes)) {
+      return absl::OutOfRangeError(absl::StrCat(field, ": extent of ", extent,
+                                                " elements overflows int64 bytes"));
+    }
+    const void* data = nullptr;
+    if (ref.source == TensorRef::Source::kInline) {
+      if (static_cast<int64_t>(ref.inline_bytes.size()) != bytes) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ".inline_bytes has ",
+                                                       ref.inline_bytes.size(), " bytes, expected ",
+                                                       bytes, " (", extent, " elements of ",
+                                                       element, " bytes)"));
+      }
+      data = ref.inline_bytes.data();
+      if (reinterpret_cast<uintptr_t>(data) % element != 0) {
+        // Protobuf does not promise aligned bytes fields: copy into aligned storage.
+        auto& copy = copies_.emplace_back((bytes + 7) / 8);
+        std::memcpy(copy.data(), data, bytes);
+        data = copy.data();
+      }
+    } else {
+      if (ref.region_id == 0) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ".region.region_id is 0"));
+      }
+      auto lease = Lease(ref.region_id, field);
+      if (!lease.ok()) return lease.status();
+      auto slice = (*lease)->Slice(ref.byte_offset, bytes, field);
+      if (!slice.ok()) return slice.status();
+      if (reinterpret_cast<uintptr_t>(*slice) % element != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ".region.byte_offset = ", ref.byte_offset, " is not aligned to the ",
+            element, "-byte ", kernels::DTypeName(ref.dtype), " elements"));
+      }
+      data = *slice;
+    }
+    return TensorView(data, ref.dtype, ref.shape, strides, kernels::MemorySpace::kHost);
+  }
+
+ private:
+  absl::StatusOr<const MappedRegion*> Lease(uint64_t id, const std::string& field) {
+    auto it = leases_.find(id);
+    if (it == leases_.end()) {
+      auto lease = regions_.Acquire(id);
+      if (!lease.ok()) {
+        return absl::Status(lease.status().code(),
+                            absl::StrCat(field, ": ", lease.status().message()));
+      }
+      it = leases_.emplace(id, std::move(lease).value()).first;
+    }
+    return &it->second.region();
+  }
+
+  RegionRegistry& regions_;
+  std::map<uint64_t, RegionLease> leases_;
+  std::vector<std::vector<uint64_t>> copies_;
+};
+
+}  // namespace
+
+Core::Core(std::unique_ptr<kernels::Backend> backend, const CoreLimits& limits)
+    : backend_(std::move(backend)),
+      limits_(limits),
+      regions_(RegionRegistry::Limits{.max_regions = limits.max_regions}) {}
+
+absl::StatusOr<ModelInfo> Core::RegisterModel(const ModelSpec& spec) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (static_cast<int64_t>(models_.size()) >= limits_.max_models) {
+      return absl::ResourceExhaustedError(absl::StrCat("already ", models_.size(),
+                                                       " models registered (limit ",
+                                                       limits_.max_models, ")"));
+    }
+  }
+  Resolver resolver(regions_);
+  std::vector<TensorView> o_proj;
+  for (size_t l = 0; l < spec.o_proj.size(); ++l) {
+    auto view = resolver.Resolve(spec.o_proj[l], absl::StrCat("o_proj[", l, "]"));
+    if (!view.ok()) return view.status();
+    o_proj.push_back(*view);
+  }
+  auto prepared = backend_->PrepareModel(spec.geometry, o_proj, {.cross_grams = spec.cross_grams});
+  if (!prepared.ok()) return prepared.status();
+
+  auto model = std::make_shared<Model>();
+  model->prepared = *std::move(prepared);
+  model->info.geometry = spec.geometry;
+  model->info.prepared_bytes = model->prepared->ByteSize();
+  absl::MutexLock lock(&mu_);
+  if (static_cast<int64_t>(models_.size()) >= limits_.max_models) {  // raced with another
+    return absl::ResourceExhaustedError(absl::StrCat("already ", models_.size(),
+                                                     " models registered (limit ",
+                                                     limits_.max_models, ")"));
+  }
+  model->info.id = next_model_id_++;
+  model->info.name = spec.name.empty() ? absl::StrCat(model->info.id) : spec.name;
+  models_[model->info.id] = model;
+  return model->info;
+}
+
+absl::Status Core::UnregisterModel(uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  if (models_.erase(id) == 0) return absl::NotFoundError(absl::StrCat("model ", id, " not found"));
+  return absl::OkStatus();
+}
+
+std::vector<ModelInfo> Core::ListModels() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<ModelInfo> out;
+  for (const auto& [id, model] : models_) out.push_back(model->info);
+  return out;
+}
+
+absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call) {
+  std::shared_ptr<const Model> model;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = models_.find(call.model_id);
+    if (it == models_.end()) {
+      return absl::NotFoundError(absl::StrCat("model ", call.model_id, " not found"));
+    }
+    model = it->second;
+  }
+  if (call.n > limits_.max_tokens) {
+    return absl::ResourceExhaustedError(absl::StrCat("n = ", call.n,
+                                                     " exceeds this server's limit of ",
+                                                     limits_.max_tokens, " tokens"));
+  }
+  Resolver resolver(regions_);
+  kernels::KeepPlanRequest request;
+  request.n = call.n;
+  request.policy = call.policy;
+  request.outputs = call.outputs;
+  for (size_t l = 0; l < call.layers.size(); ++l) {
+    const LayerRefs& refs = call.layers[l];
+    const std::string prefix = absl::StrCat("layers[", l, "].");
+    kernels::LayerInputs& in = request.layers.emplace_back();
+    struct Field {
+      const TensorRef& ref;
+      TensorView& view;
+      const char* name;
+    };
+    for (const Field& f : {Field{refs.keys, in.keys, "keys"}, Field{refs.values, in.values, "values"},
+                           Field{refs.window_queries, in.window_queries, "window_queries"},
+                           Field{refs.window_attention, in.window_attention, "window_attention"},
+                           Field{refs.window_lse, in.window_lse, "window_lse"}}) {
+      auto view = resolver.Resolve(f.ref, prefix + f.name);
+      if (!view.ok()) return view.status();
+      f.view = *view;
+    }
+  }
+  return backend_->ComputeKeepPlan(*model->prepared, request);
+}
+
+}  // namespace laprox::service

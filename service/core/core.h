@@ -1,0 +1,108 @@
+// Core: what laproxd does, in domain types — regions, models and keep-plan requests.
+//
+// The gRPC layer (service/grpc/) only translates protos into these types and back. Requests
+// name tensors by TensorRef (a slice of a registered region, or bytes carried in the request);
+// Core resolves every reference to a kernels::TensorView, checking it against its region without
+// integer overflow, before the backend reads anything.
+//
+// Thread safety: every method may be called concurrently.
+#ifndef LAPROX_SERVICE_CORE_CORE_H_
+#define LAPROX_SERVICE_CORE_CORE_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "laprox/kernels/backend.h"
+#include "service/core/region_registry.h"
+
+namespace laprox::service {
+
+// Where a tensor's bytes are, and how to read them.
+struct TensorRef {
+  enum class Source { kAbsent, kRegion, kInline };
+  Source source = Source::kAbsent;
+  uint64_t region_id = 0;          // kRegion
+  int64_t byte_offset = 0;         // kRegion: bytes from the region start to element 0
+  absl::string_view inline_bytes;  // kInline: not owned, must outlive the call
+  kernels::DType dtype = kernels::DType::kF32;
+  kernels::Dims shape;
+  kernels::Dims strides;  // elements; empty means contiguous row-major
+};
+
+struct LayerRefs {
+  TensorRef keys, values, window_queries, window_attention, window_lse;
+};
+
+struct ModelSpec {
+  std::string name;
+  kernels::ModelGeometry geometry;
+  std::vector<TensorRef> o_proj;  // one [D, H*d] per layer
+  bool cross_grams = false;
+};
+
+struct KeepPlanCall {
+  uint64_t model_id = 0;
+  int64_t n = 0;
+  std::vector<LayerRefs> layers;
+  kernels::PolicySpec policy;
+  kernels::OutputOptions outputs;
+};
+
+struct CoreLimits {
+  int64_t max_regions = 1024;
+  int64_t max_models = 64;
+  int64_t max_tokens = int64_t{1} << 20;  // n per request
+};
+
+struct ModelInfo {
+  uint64_t id = 0;
+  std::string name;
+  kernels::ModelGeometry geometry;
+  int64_t prepared_bytes = 0;
+};
+
+class Core {
+ public:
+  Core(std::unique_ptr<kernels::Backend> backend, const CoreLimits& limits);
+
+  const kernels::Backend& backend() const { return *backend_; }
+  const CoreLimits& limits() const { return limits_; }
+  RegionRegistry& regions() { return regions_; }
+
+  // Prepares the model's factors (the o_proj tensors are read during this call only).
+  // INVALID_ARGUMENT / NOT_FOUND / OUT_OF_RANGE for bad references (naming "o_proj[l]"),
+  // RESOURCE_EXHAUSTED past max_models, and whatever Backend::PrepareModel returns.
+  absl::StatusOr<ModelInfo> RegisterModel(const ModelSpec& spec);
+  // NOT_FOUND for an unknown id. Requests already using the model finish with it.
+  absl::Status UnregisterModel(uint64_t id);
+  std::vector<ModelInfo> ListModels() const;
+
+  // Resolves every reference (holding leases on the regions it names until the plan is
+  // computed), then computes the plan. NOT_FOUND: unknown model or region; RESOURCE_EXHAUSTED:
+  // n above max_tokens; reference errors name the field ("layers[3].keys"); then whatever
+  // Backend::ComputeKeepPlan returns.
+  absl::StatusOr<kernels::KeepPlan> ComputeKeepPlan(const KeepPlanCall& call);
+
+ private:
+  struct Model {
+    ModelInfo info;
+    std::shared_ptr<const kernels::PreparedModel> prepared;
+  };
+
+  std::unique_ptr<kernels::Backend> backend_;
+  const CoreLimits limits_;
+  RegionRegistry regions_;
+  mutable absl::Mutex mu_;
+  std::map<uint64_t, std::shared_ptr<const Model>> models_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_model_id_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+}  // namespace laprox::service
+
+#endif  // LAPROX_SERVICE_CORE_CORE_H_
