@@ -21,9 +21,8 @@ class Resolver {
     kernels::Dims strides = ref.strides;
     if (strides.empty()) strides = kernels::ContiguousStrides(ref.shape);
     if (strides.size() != ref.shape.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(field, " has ", ref.shape.size(),
-                                                     " dimensions but ", strides.size(),
-                                                     " strides"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " has ", ref.shape.size(), " dimensions but ", strides.size(), " strides"));
     }
     // A view over nothing yet, only to compute the extent with the kernels' overflow checks.
     int64_t extent = 0;
@@ -34,16 +33,15 @@ class Resolver {
     const int64_t element = static_cast<int64_t>(DTypeSize(ref.dtype));
     int64_t bytes;
     if (__builtin_mul_overflow(extent, element, &bytes)) {
-      return absl::OutOfRangeError(absl::StrCat(field, ": extent of ", extent,
-                                                " elements overflows int64 bytes"));
+      return absl::OutOfRangeError(
+          absl::StrCat(field, ": extent of ", extent, " elements overflows int64 bytes"));
     }
     const void* data = nullptr;
     if (ref.source == TensorRef::Source::kInline) {
       if (static_cast<int64_t>(ref.inline_bytes.size()) != bytes) {
-        return absl::InvalidArgumentError(absl::StrCat(field, ".inline_bytes has ",
-                                                       ref.inline_bytes.size(), " bytes, expected ",
-                                                       bytes, " (", extent, " elements of ",
-                                                       element, " bytes)"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ".inline_bytes has ", ref.inline_bytes.size(), " bytes, expected ",
+                         bytes, " (", extent, " elements of ", element, " bytes)"));
       }
       data = ref.inline_bytes.data();
       if (reinterpret_cast<uintptr_t>(data) % element != 0) {
@@ -62,8 +60,8 @@ class Resolver {
       if (!slice.ok()) return slice.status();
       if (reinterpret_cast<uintptr_t>(*slice) % element != 0) {
         return absl::InvalidArgumentError(absl::StrCat(
-            field, ".region.byte_offset = ", ref.byte_offset, " is not aligned to the ",
-            element, "-byte ", kernels::DTypeName(ref.dtype), " elements"));
+            field, ".region.byte_offset = ", ref.byte_offset, " is not aligned to the ", element,
+            "-byte ", kernels::DTypeName(ref.dtype), " elements"));
       }
       data = *slice;
     }
@@ -100,9 +98,8 @@ absl::StatusOr<ModelInfo> Core::RegisterModel(const ModelSpec& spec) {
   {
     absl::MutexLock lock(&mu_);
     if (static_cast<int64_t>(models_.size()) >= limits_.max_models) {
-      return absl::ResourceExhaustedError(absl::StrCat("already ", models_.size(),
-                                                       " models registered (limit ",
-                                                       limits_.max_models, ")"));
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "already ", models_.size(), " models registered (limit ", limits_.max_models, ")"));
     }
   }
   Resolver resolver(regions_);
@@ -121,9 +118,8 @@ absl::StatusOr<ModelInfo> Core::RegisterModel(const ModelSpec& spec) {
   model->info.prepared_bytes = model->prepared->ByteSize();
   absl::MutexLock lock(&mu_);
   if (static_cast<int64_t>(models_.size()) >= limits_.max_models) {  // raced with another
-    return absl::ResourceExhaustedError(absl::StrCat("already ", models_.size(),
-                                                     " models registered (limit ",
-                                                     limits_.max_models, ")"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "already ", models_.size(), " models registered (limit ", limits_.max_models, ")"));
   }
   model->info.id = next_model_id_++;
   model->info.name = spec.name.empty() ? absl::StrCat(model->info.id) : spec.name;
@@ -155,9 +151,8 @@ absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call
     model = it->second;
   }
   if (call.n > limits_.max_tokens) {
-    return absl::ResourceExhaustedError(absl::StrCat("n = ", call.n,
-                                                     " exceeds this server's limit of ",
-                                                     limits_.max_tokens, " tokens"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "n = ", call.n, " exceeds this server's limit of ", limits_.max_tokens, " tokens"));
   }
   Resolver resolver(regions_);
   kernels::KeepPlanRequest request;
@@ -173,10 +168,11 @@ absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call
       TensorView& view;
       const char* name;
     };
-    for (const Field& f : {Field{refs.keys, in.keys, "keys"}, Field{refs.values, in.values, "values"},
-                           Field{refs.window_queries, in.window_queries, "window_queries"},
-                           Field{refs.window_attention, in.window_attention, "window_attention"},
-                           Field{refs.window_lse, in.window_lse, "window_lse"}}) {
+    for (const Field& f :
+         {Field{refs.keys, in.keys, "keys"}, Field{refs.values, in.values, "values"},
+          Field{refs.window_queries, in.window_queries, "window_queries"},
+          Field{refs.window_attention, in.window_attention, "window_attention"},
+          Field{refs.window_lse, in.window_lse, "window_lse"}}) {
       auto view = resolver.Resolve(f.ref, prefix + f.name);
       if (!view.ok()) return view.status();
       f.view = *view;

@@ -1,0 +1,253 @@
+#include "service/grpc/convert.h"
+
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "policy/budget.h"
+
+namespace laprox::service {
+namespace {
+
+using kernels::Allocation;
+using kernels::GqaValue;
+using kernels::Indicator;
+using kernels::Pooling;
+
+absl::StatusOr<kernels::DType> DTypeFromProto(v1::DType dtype, const std::string& field) {
+  switch (dtype) {
+    case v1::DTYPE_F32:
+      return kernels::DType::kF32;
+    case v1::DTYPE_F16:
+      return kernels::DType::kF16;
+    case v1::DTYPE_BF16:
+      return kernels::DType::kBF16;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".dtype = ", v1::DType_Name(dtype), " is not F32, F16 or BF16"));
+  }
+}
+
+absl::StatusOr<TensorRef> TensorFromProto(const v1::TensorRef& proto, const std::string& field,
+                                          bool optional) {
+  TensorRef ref;
+  switch (proto.source_case()) {
+    case v1::TensorRef::SOURCE_NOT_SET:
+      if (optional) return ref;
+      return absl::InvalidArgumentError(absl::StrCat(field, " is missing"));
+    case v1::TensorRef::kRegion:
+      ref.source = TensorRef::Source::kRegion;
+      ref.region_id = proto.region().region_id();
+      ref.byte_offset = proto.region().byte_offset();
+      if (ref.byte_offset < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ".region.byte_offset = ", ref.byte_offset, " is negative"));
+      }
+      break;
+    case v1::TensorRef::kInlineBytes:
+      ref.source = TensorRef::Source::kInline;
+      ref.inline_bytes = proto.inline_bytes();
+      break;
+  }
+  auto dtype = DTypeFromProto(proto.dtype(), field);
+  if (!dtype.ok()) return dtype.status();
+  ref.dtype = *dtype;
+  ref.shape.assign(proto.shape().begin(), proto.shape().end());
+  ref.strides.assign(proto.strides().begin(), proto.strides().end());
+  return ref;
+}
+
+absl::StatusOr<kernels::PolicySpec> PolicyFromProto(const v1::ComputeKeepMaskRequest& request) {
+  const v1::Policy& p = request.policy();
+  kernels::PolicySpec spec;
+  if (p.kind() != v1::POLICY_KIND_UNSPECIFIED && p.kind() != v1::POLICY_KIND_LAPROX) {
+    return absl::UnimplementedError(absl::StrCat("policy.kind = ", v1::PolicyKind_Name(p.kind()),
+                                                 " is not implemented by this server"));
+  }
+  switch (p.allocation()) {
+    case v1::ALLOCATION_UNSPECIFIED:
+    case v1::ALLOCATION_GLOBAL_NORMALIZED:
+      spec.allocation = Allocation::kGlobalNormalized;
+      break;
+    case v1::ALLOCATION_GLOBAL_RAW:
+      spec.allocation = Allocation::kGlobalRaw;
+      break;
+    case v1::ALLOCATION_PER_LAYER:
+      spec.allocation = Allocation::kPerLayer;
+      break;
+    case v1::ALLOCATION_UNIFORM:
+      spec.allocation = Allocation::kUniform;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("policy.allocation = ", p.allocation()));
+  }
+  switch (p.indicator()) {
+    case v1::INDICATOR_UNSPECIFIED:
+    case v1::INDICATOR_ATTENTION_X_PROJECTED_VALUE:
+      spec.indicator = Indicator::kAttentionXProjectedValue;
+      break;
+    case v1::INDICATOR_ATTENTION_X_VALUE:
+      spec.indicator = Indicator::kAttentionXValue;
+      break;
+    case v1::INDICATOR_ATTENTION:
+      spec.indicator = Indicator::kAttention;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("policy.indicator = ", p.indicator()));
+  }
+  switch (p.gqa_value()) {
+    case v1::GQA_VALUE_UNSPECIFIED:
+    case v1::GQA_VALUE_MEAN_HEAD_NORM:
+      spec.gqa_value = GqaValue::kMeanHeadNorm;
+      break;
+    case v1::GQA_VALUE_SUMMED_PROJECTION:
+      spec.gqa_value = GqaValue::kSummedProjection;
+      break;
+    case v1::GQA_VALUE_MEAN_HEAD_PRODUCT:
+      spec.gqa_value = GqaValue::kMeanHeadProduct;
+      break;
+    case v1::GQA_VALUE_EXACT_BLOCK:
+      spec.gqa_value = GqaValue::kExactBlock;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("policy.gqa_value = ", p.gqa_value()));
+  }
+  switch (p.pooling()) {
+    case v1::POOLING_UNSPECIFIED:
+    case v1::POOLING_AVG:
+      spec.pooling = Pooling::kAvg;
+      break;
+    case v1::POOLING_MAX:
+      spec.pooling = Pooling::kMax;
+      break;
+    case v1::POOLING_NONE:
+      spec.pooling = Pooling::kNone;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("policy.pooling = ", p.pooling()));
+  }
+  if (p.has_window()) spec.window = p.window();
+  if (p.has_pool_kernel()) spec.pool_kernel = p.pool_kernel();
+  if (p.has_sinks()) spec.sinks = p.sinks();
+  if (p.has_min_per_head()) spec.min_per_head = p.min_per_head();
+  spec.head_uniform_layers = p.head_uniform_layers();
+  switch (request.budget().kind_case()) {
+    case v1::Budget::kTokensPerHead:
+      spec.budget = kernels::Budget::TokensPerHead(request.budget().tokens_per_head());
+      break;
+    case v1::Budget::kCompressionRatio:
+      spec.budget = kernels::Budget::CompressionRatio(request.budget().compression_ratio());
+      break;
+    case v1::Budget::KIND_NOT_SET:
+      return absl::InvalidArgumentError(
+          "budget is missing: give tokens_per_head or compression_ratio");
+  }
+  return spec;
+}
+
+// KeepPlanToProto maps kernels enums to wire enums by value + 1 (after UNSPECIFIED = 0).
+static_assert(v1::ALLOCATION_UNIFORM == static_cast<int>(Allocation::kUniform) + 1);
+static_assert(v1::ALLOCATION_GLOBAL_RAW == static_cast<int>(Allocation::kGlobalRaw) + 1);
+static_assert(v1::INDICATOR_ATTENTION == static_cast<int>(Indicator::kAttention) + 1);
+static_assert(v1::GQA_VALUE_EXACT_BLOCK == static_cast<int>(GqaValue::kExactBlock) + 1);
+static_assert(v1::POOLING_NONE == static_cast<int>(Pooling::kNone) + 1);
+
+}  // namespace
+
+absl::StatusOr<ModelSpec> ModelSpecFromProto(const v1::RegisterModelRequest& proto) {
+  ModelSpec spec;
+  spec.name = proto.name();
+  const v1::ModelGeometry& g = proto.geometry();
+  spec.geometry = {.num_layers = g.num_layers(),
+                   .num_heads = g.num_heads(),
+                   .num_kv_heads = g.num_kv_heads(),
+                   .head_dim = g.head_dim(),
+                   .hidden_size = g.hidden_size(),
+                   .softmax_scale = g.softmax_scale()};
+  spec.cross_grams = proto.prepare_cross_grams();
+  for (int l = 0; l < proto.o_proj_size(); ++l) {
+    auto ref = TensorFromProto(proto.o_proj(l), absl::StrCat("o_proj[", l, "]"), false);
+    if (!ref.ok()) return ref.status();
+    spec.o_proj.push_back(*std::move(ref));
+  }
+  return spec;
+}
+
+absl::StatusOr<KeepPlanCall> KeepPlanCallFromProto(const v1::ComputeKeepMaskRequest& proto) {
+  KeepPlanCall call;
+  call.model_id = proto.model_id();
+  call.n = proto.n();
+  auto policy = PolicyFromProto(proto);
+  if (!policy.ok()) return policy.status();
+  call.policy = *policy;
+  const v1::OutputOptions& out = proto.outputs();
+  if (out.has_destination()) {
+    return absl::UnimplementedError(
+        "outputs.destination (writing into a region) is not implemented by this server yet");
+  }
+  call.outputs.positions = out.has_positions() ? out.positions() : true;
+  call.outputs.bitmask = out.bitmask();
+  call.outputs.scores = out.scores();
+  for (int l = 0; l < proto.layers_size(); ++l) {
+    const v1::LayerInputs& in = proto.layers(l);
+    const std::string prefix = absl::StrCat("layers[", l, "].");
+    LayerRefs& refs = call.layers.emplace_back();
+    struct Field {
+      const v1::TensorRef& proto;
+      TensorRef& ref;
+      const char* name;
+      bool optional;
+    };
+    for (const Field& f :
+         {Field{in.keys(), refs.keys, "keys", false},
+          Field{in.values(), refs.values, "values", false},
+          Field{in.window_queries(), refs.window_queries, "window_queries", true},
+          Field{in.window_attention(), refs.window_attention, "window_attention", true},
+          Field{in.window_lse(), refs.window_lse, "window_lse", true}}) {
+      auto ref = TensorFromProto(f.proto, prefix + f.name, f.optional);
+      if (!ref.ok()) return ref.status();
+      f.ref = *std::move(ref);
+    }
+  }
+  return call;
+}
+
+void KeepPlanToProto(const kernels::KeepPlan& plan, const KeepPlanCall& call,
+                     v1::ComputeKeepMaskResponse* proto) {
+  proto->set_num_layers(plan.num_layers);
+  proto->set_num_kv_heads(plan.num_kv_heads);
+  proto->set_n(plan.n);
+  proto->mutable_counts()->Assign(plan.counts.begin(), plan.counts.end());
+  proto->mutable_offsets()->Assign(plan.offsets.begin(), plan.offsets.end());
+  proto->mutable_positions()->Assign(plan.positions.begin(), plan.positions.end());
+  proto->set_bitmask(plan.bitmask.data(), plan.bitmask.size());
+  proto->mutable_scores()->Assign(plan.scores.begin(), plan.scores.end());
+  proto->mutable_layer_sums()->Assign(plan.layer_sums.begin(), plan.layer_sums.end());
+  proto->set_window(plan.window);
+  proto->set_sinks(plan.sinks);
+  proto->set_quota(plan.quota);
+  proto->set_selected_total(plan.selected_total);
+  proto->set_tokens_per_head(kernels::policy::BudgetTokensPerHead(call.policy.budget, plan.n));
+  v1::Policy* p = proto->mutable_effective_policy();
+  p->set_kind(v1::POLICY_KIND_LAPROX);
+  p->set_allocation(static_cast<v1::Allocation>(static_cast<int>(call.policy.allocation) + 1));
+  p->set_indicator(static_cast<v1::Indicator>(static_cast<int>(call.policy.indicator) + 1));
+  p->set_gqa_value(static_cast<v1::GqaValue>(static_cast<int>(call.policy.gqa_value) + 1));
+  p->set_pooling(static_cast<v1::Pooling>(static_cast<int>(call.policy.pooling) + 1));
+  p->set_window(call.policy.window);
+  p->set_pool_kernel(call.policy.pool_kernel);
+  p->set_sinks(call.policy.sinks);
+  p->set_min_per_head(call.policy.min_per_head);
+  p->set_head_uniform_layers(call.policy.head_uniform_layers);
+}
+
+void RegionInfoToProto(const RegionInfo& info, v1::RegionInfo* proto) {
+  proto->set_region_id(info.id);
+  proto->set_kind(info.kind == RegionKind::kShm ? v1::REGION_KIND_SHM : v1::REGION_KIND_CUDA_IPC);
+  proto->set_name(info.name);
+  proto->set_byte_size(info.byte_size);
+  proto->set_writable(info.writable);
+  proto->set_in_flight_requests(info.in_use);
+  proto->set_draining(info.draining);
+}
+
+}  // namespace laprox::service

@@ -1,0 +1,384 @@
+// laprox.v1 over a real gRPC server on a temporary Unix socket, with real POSIX shared memory:
+// keep-plans equal to the library called directly, every bad request answered with the named
+// status and field, nothing leaked, and concurrent clients getting identical plans.
+#include <atomic>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "laprox/kernels/registry.h"
+#include "laprox/v1/laprox.grpc.pb.h"
+#include "service/core/core.h"
+#include "service/core/work_queue.h"
+#include "service/grpc/laprox_service.h"
+
+namespace laprox::service {
+namespace {
+
+// SmolLM2-like but small: L=3, H=6, Hkv=2, d=16, D=48, n=300, w=32.
+constexpr int kL = 3, kH = 6, kHkv = 2, kD = 16, kHidden = 48, kWindow = 32;
+constexpr int64_t kN = 300;
+
+// The inputs of one prefill, all fp32, laid out in one shared-memory object:
+// per layer keys [Hkv,n,d], values [Hkv,n,d], queries [H,w,d].
+class Prefill {
+ public:
+  explicit Prefill(uint32_t seed) : name_(absl::StrCat("laprox-itest-", getpid(), "-", seed)) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    floats_.resize(kL * LayerFloats());
+    for (float& x : floats_) x = normal(rng);
+    for (int l = 0; l < kL; ++l) {
+      o_proj_.emplace_back(kHidden * kH * kD);
+      for (float& x : o_proj_.back()) x = normal(rng) * 0.1f;
+    }
+    const int fd = shm_open(("/" + name_).c_str(), O_CREAT | O_RDWR | O_TRUNC, 0600);
+    EXPECT_GE(fd, 0);
+    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(Bytes())), 0);
+    void* p = mmap(nullptr, Bytes(), PROT_WRITE, MAP_SHARED, fd, 0);
+    std::memcpy(p, floats_.data(), Bytes());
+    munmap(p, Bytes());
+    close(fd);
+  }
+  ~Prefill() { shm_unlink(("/" + name_).c_str()); }
+
+  static int64_t KvFloats() { return int64_t{kHkv} * kN * kD; }
+  static int64_t QFloats() { return int64_t{kH} * kWindow * kD; }
+  static int64_t LayerFloats() { return 2 * KvFloats() + QFloats(); }
+  int64_t Bytes() const { return static_cast<int64_t>(floats_.size()) * 4; }
+  const std::string& name() const { return name_; }
+  const float* layer(int l) const { return floats_.data() + l * LayerFloats(); }
+  const std::vector<float>& o_proj(int l) const { return o_proj_[l]; }
+
+ private:
+  std::string name_;
+  std::vector<float> floats_;
+  std::vector<std::vector<float>> o_proj_;
+};
+
+void SetRegionTensor(v1::TensorRef* t, uint64_t region, int64_t float_offset,
+                     std::initializer_list<int64_t> shape) {
+  t->mutable_region()->set_region_id(region);
+  t->mutable_region()->set_byte_offset(float_offset * 4);
+  t->set_dtype(v1::DTYPE_F32);
+  for (int64_t s : shape) t->add_shape(s);
+}
+
+class GrpcIntegrationTest : public ::testing::Test {
+ protected:
+  void SetUp() override { StartServer({}); }
+
+  void StartServer(CoreLimits limits) {
+    core_ = std::make_unique<Core>(*kernels::CreateBackend("cpu"), limits);
+    work_ = std::make_unique<WorkQueue>(2, 64);
+    service_ = std::make_unique<LaproxService>(*core_, *work_, "test");
+    static std::atomic<int> counter{0};
+    socket_ = absl::StrCat(::testing::TempDir(), "laprox-", getpid(), "-", counter++, ".sock");
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("unix:" + socket_, grpc::InsecureServerCredentials());
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    stub_ = v1::Laprox::NewStub(
+        grpc::CreateChannel("unix:" + socket_, grpc::InsecureChannelCredentials()));
+  }
+
+  void TearDown() override {
+    server_->Shutdown();
+    work_.reset();
+    unlink(socket_.c_str());
+  }
+
+  grpc::Status Call(auto method, const auto& request, auto* response) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    return (stub_.get()->*method)(&context, request, response);
+  }
+
+  uint64_t RegisterRegion(const Prefill& prefill) {
+    v1::RegisterRegionRequest request;
+    request.mutable_shm()->set_name(prefill.name());
+    request.mutable_shm()->set_byte_size(prefill.Bytes());
+    v1::RegisterRegionResponse response;
+    EXPECT_TRUE(Call(&v1::Laprox::Stub::RegisterRegion, request, &response).ok());
+    return response.region_id();
+  }
+
+  uint64_t RegisterModel(const Prefill& prefill) {
+    v1::RegisterModelRequest request;
+    request.set_name("itest");
+    v1::ModelGeometry* g = request.mutable_geometry();
+    g->set_num_layers(kL);
+    g->set_num_heads(kH);
+    g->set_num_kv_heads(kHkv);
+    g->set_head_dim(kD);
+    g->set_hidden_size(kHidden);
+    for (int l = 0; l < kL; ++l) {
+      v1::TensorRef* t = request.add_o_proj();
+      t->set_inline_bytes(prefill.o_proj(l).data(), prefill.o_proj(l).size() * 4);
+      t->set_dtype(v1::DTYPE_F32);
+      t->add_shape(kHidden);
+      t->add_shape(kH * kD);
+    }
+    v1::RegisterModelResponse response;
+    grpc::Status s = Call(&v1::Laprox::Stub::RegisterModel, request, &response);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return response.model_id();
+  }
+
+  static v1::ComputeKeepMaskRequest GoodRequest(uint64_t model, uint64_t region) {
+    v1::ComputeKeepMaskRequest request;
+    request.set_model_id(model);
+    request.set_n(kN);
+    request.mutable_budget()->set_tokens_per_head(64);
+    request.mutable_outputs()->set_bitmask(true);
+    for (int l = 0; l < kL; ++l) {
+      v1::LayerInputs* in = request.add_layers();
+      const int64_t base = l * Prefill::LayerFloats();
+      SetRegionTensor(in->mutable_keys(), region, base, {kHkv, kN, kD});
+      SetRegionTensor(in->mutable_values(), region, base + Prefill::KvFloats(), {kHkv, kN, kD});
+      SetRegionTensor(in->mutable_window_queries(), region, base + 2 * Prefill::KvFloats(),
+                      {kH, kWindow, kD});
+    }
+    return request;
+  }
+
+  // The same plan from the library, called directly on the same memory.
+  static kernels::KeepPlan DirectPlan(const Prefill& prefill) {
+    auto backend = *kernels::CreateBackend("cpu");
+    kernels::ModelGeometry geometry{kL, kH, kHkv, kD, kHidden, 0.f};
+    std::vector<kernels::TensorView> o_proj;
+    for (int l = 0; l < kL; ++l) {
+      o_proj.emplace_back(prefill.o_proj(l).data(), kernels::DType::kF32,
+                          kernels::Dims{kHidden, kH * kD});
+    }
+    auto model = *backend->PrepareModel(geometry, o_proj);
+    kernels::KeepPlanRequest request;
+    request.n = kN;
+    request.policy.budget = kernels::Budget::TokensPerHead(64);
+    for (int l = 0; l < kL; ++l) {
+      const float* base = prefill.layer(l);
+      kernels::LayerInputs& in = request.layers.emplace_back();
+      in.keys = {base, kernels::DType::kF32, {kHkv, kN, kD}};
+      in.values = {base + Prefill::KvFloats(), kernels::DType::kF32, {kHkv, kN, kD}};
+      in.window_queries = {base + 2 * Prefill::KvFloats(), kernels::DType::kF32, {kH, kWindow, kD}};
+    }
+    return *backend->ComputeKeepPlan(*model, request);
+  }
+
+  std::vector<v1::RegionInfo> Regions() {
+    v1::ListRegionsResponse response;
+    EXPECT_TRUE(Call(&v1::Laprox::Stub::ListRegions, v1::ListRegionsRequest(), &response).ok());
+    return {response.regions().begin(), response.regions().end()};
+  }
+
+  std::unique_ptr<Core> core_;
+  std::unique_ptr<WorkQueue> work_;
+  std::unique_ptr<LaproxService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::Laprox::Stub> stub_;
+  std::string socket_;
+};
+
+TEST_F(GrpcIntegrationTest, ServerInfoDescribesTheBackend) {
+  v1::GetServerInfoResponse info;
+  ASSERT_TRUE(Call(&v1::Laprox::Stub::GetServerInfo, v1::GetServerInfoRequest(), &info).ok());
+  EXPECT_EQ(info.backend(), v1::BACKEND_KIND_CPU);
+  EXPECT_THAT(info.backend_description(), ::testing::HasSubstr("cpu"));
+  EXPECT_THAT(info.supported_policies(), ::testing::ElementsAre(v1::POLICY_KIND_LAPROX));
+  EXPECT_EQ(info.limits().max_window(), kernels::PolicySpec::kMaxWindow);
+}
+
+TEST_F(GrpcIntegrationTest, KeepPlanOverSharedMemoryEqualsTheLibrary) {
+  Prefill prefill(1);
+  const uint64_t region = RegisterRegion(prefill);
+  const uint64_t model = RegisterModel(prefill);
+  v1::ComputeKeepMaskResponse response;
+  grpc::Status s = Call(&v1::Laprox::Stub::ComputeKeepMask, GoodRequest(model, region), &response);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  const kernels::KeepPlan direct = DirectPlan(prefill);
+  EXPECT_THAT(response.counts(), ::testing::ElementsAreArray(direct.counts));
+  EXPECT_THAT(response.positions(), ::testing::ElementsAreArray(direct.positions));
+  EXPECT_THAT(response.layer_sums(), ::testing::ElementsAreArray(direct.layer_sums));
+  EXPECT_EQ(response.bitmask().size(), static_cast<size_t>(kL * kHkv * ((kN + 7) / 8)));
+  EXPECT_EQ(response.quota(), 64 - kWindow);
+  EXPECT_EQ(response.effective_policy().window(), 32);
+  EXPECT_GT(response.timing().total_seconds(), 0.0);
+}
+
+// Each case breaks one thing in a good request; the server answers with the code and a message
+// naming the field, stays up, leaks no region, and answers the next good request.
+TEST_F(GrpcIntegrationTest, BadRequestsGetPreciseStatusesAndLeakNothing) {
+  Prefill prefill(2);
+  const uint64_t region = RegisterRegion(prefill);
+  const uint64_t model = RegisterModel(prefill);
+  struct BadCase {
+    const char* what;
+    std::function<void(v1::ComputeKeepMaskRequest&)> mutate;
+    grpc::StatusCode code;
+    const char* message;
+  };
+  const std::vector<BadCase> cases = {
+      {"unknown region",
+       [](auto& r) { r.mutable_layers(1)->mutable_keys()->mutable_region()->set_region_id(999); },
+       grpc::StatusCode::NOT_FOUND, "layers[1].keys: region 999 not found"},
+      {"unknown model", [](auto& r) { r.set_model_id(77); }, grpc::StatusCode::NOT_FOUND,
+       "model 77 not found"},
+      {"offset + extent past the region",
+       [&](auto& r) {
+         r.mutable_layers(2)->mutable_window_queries()->mutable_region()->set_byte_offset(
+             prefill.Bytes() - 100);
+       },
+       grpc::StatusCode::OUT_OF_RANGE, "layers[2].window_queries: bytes ["},
+      {"overflow-sized shape",
+       [](auto& r) {
+         auto* keys = r.mutable_layers(0)->mutable_keys();
+         keys->add_strides(std::numeric_limits<int64_t>::max() / 2);
+         keys->add_strides(kD);
+         keys->add_strides(1);
+       },
+       grpc::StatusCode::OUT_OF_RANGE, "layers[0].keys"},
+      {"dtype not set",
+       [](auto& r) { r.mutable_layers(0)->mutable_values()->set_dtype(v1::DTYPE_UNSPECIFIED); },
+       grpc::StatusCode::INVALID_ARGUMENT, "layers[0].values.dtype = DTYPE_UNSPECIFIED"},
+      {"shape contradicts the geometry",
+       [](auto& r) { r.mutable_layers(1)->mutable_values()->set_shape(2, kD + 1); },
+       grpc::StatusCode::INVALID_ARGUMENT, "layers[1].values has shape [2, 300, 17]"},
+      {"inline byte count off by one",
+       [](auto& r) {
+         auto* q = r.mutable_layers(0)->mutable_window_queries();
+         q->set_inline_bytes(std::string(Prefill::QFloats() * 4 - 1, '\0'));
+       },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "layers[0].window_queries.inline_bytes has 12287 bytes, expected 12288"},
+      {"negative budget", [](auto& r) { r.mutable_budget()->set_tokens_per_head(-5); },
+       grpc::StatusCode::INVALID_ARGUMENT, "budget.tokens_per_head = -5"},
+      {"compression ratio 1.0", [](auto& r) { r.mutable_budget()->set_compression_ratio(1.0); },
+       grpc::StatusCode::INVALID_ARGUMENT, "budget.compression_ratio = 1"},
+      {"budget missing", [](auto& r) { r.clear_budget(); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "budget is missing"},
+      {"keys missing", [](auto& r) { r.mutable_layers(2)->clear_keys(); },
+       grpc::StatusCode::INVALID_ARGUMENT, "layers[2].keys is missing"},
+      {"baseline policy", [](auto& r) { r.mutable_policy()->set_kind(v1::POLICY_KIND_SNAPKV); },
+       grpc::StatusCode::UNIMPLEMENTED, "POLICY_KIND_SNAPKV"},
+  };
+  for (const BadCase& c : cases) {
+    v1::ComputeKeepMaskRequest request = GoodRequest(model, region);
+    c.mutate(request);
+    v1::ComputeKeepMaskResponse response;
+    grpc::Status s = Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response);
+    EXPECT_EQ(s.error_code(), c.code) << c.what << ": " << s.error_message();
+    EXPECT_THAT(s.error_message(), ::testing::HasSubstr(c.message)) << c.what;
+    const auto regions = Regions();
+    ASSERT_EQ(regions.size(), 1u) << c.what;
+    EXPECT_EQ(regions[0].in_flight_requests(), 0) << c.what;
+    EXPECT_TRUE(
+        Call(&v1::Laprox::Stub::ComputeKeepMask, GoodRequest(model, region), &response).ok())
+        << "after " << c.what;
+  }
+}
+
+TEST_F(GrpcIntegrationTest, NaNInKeysIsRejectedNamingTheElement) {
+  Prefill prefill(3);
+  const uint64_t region = RegisterRegion(prefill);
+  const uint64_t model = RegisterModel(prefill);
+  // Overwrite one key in the shared memory the server reads.
+  const int fd = shm_open(("/" + prefill.name()).c_str(), O_RDWR, 0);
+  auto* p = static_cast<float*>(
+      mmap(nullptr, prefill.Bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  close(fd);
+  p[Prefill::LayerFloats() + 5 * kD + 2] = std::numeric_limits<float>::quiet_NaN();
+  v1::ComputeKeepMaskResponse response;
+  grpc::Status s = Call(&v1::Laprox::Stub::ComputeKeepMask, GoodRequest(model, region), &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(),
+              ::testing::HasSubstr("layers[1].keys has a non-finite value (nan) at [0, 5, 2]"));
+  munmap(p, prefill.Bytes());
+}
+
+TEST_F(GrpcIntegrationTest, RegionErrorsAndLimits) {
+  v1::RegisterRegionRequest request;
+  v1::RegisterRegionResponse response;
+  request.mutable_shm()->set_name("kv0");
+  request.mutable_shm()->set_byte_size(8);
+  grpc::Status s = Call(&v1::Laprox::Stub::RegisterRegion, request, &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), ::testing::HasSubstr("must start with \"laprox-\""));
+  request.mutable_shm()->set_name("laprox-does-not-exist");
+  EXPECT_EQ(Call(&v1::Laprox::Stub::RegisterRegion, request, &response).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  request.Clear();
+  EXPECT_EQ(Call(&v1::Laprox::Stub::RegisterRegion, request, &response).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  request.mutable_cuda_ipc()->set_handle(std::string(64, 'x'));
+  EXPECT_EQ(Call(&v1::Laprox::Stub::RegisterRegion, request, &response).error_code(),
+            grpc::StatusCode::UNIMPLEMENTED);
+  v1::UnregisterRegionRequest unregister;
+  unregister.set_region_id(5);
+  v1::UnregisterRegionResponse unregistered;
+  EXPECT_EQ(Call(&v1::Laprox::Stub::UnregisterRegion, unregister, &unregistered).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  EXPECT_TRUE(Regions().empty());
+}
+
+TEST_F(GrpcIntegrationTest, SequenceLengthAboveTheLimitIsResourceExhausted) {
+  TearDown();
+  StartServer({.max_tokens = 200});
+  Prefill prefill(4);
+  const uint64_t region = RegisterRegion(prefill);
+  const uint64_t model = RegisterModel(prefill);
+  v1::ComputeKeepMaskResponse response;
+  grpc::Status s = Call(&v1::Laprox::Stub::ComputeKeepMask, GoodRequest(model, region), &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(s.error_message(),
+              ::testing::HasSubstr("n = 300 exceeds this server's limit of 200"));
+}
+
+// 8 clients x 10 requests on one shared region and model: every plan equals the single one.
+TEST_F(GrpcIntegrationTest, ConcurrentClientsGetIdenticalPlans) {
+  Prefill prefill(5);
+  const uint64_t region = RegisterRegion(prefill);
+  const uint64_t model = RegisterModel(prefill);
+  const kernels::KeepPlan direct = DirectPlan(prefill);
+  std::atomic<int> mismatches{0}, failures{0};
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 8; ++c) {
+    clients.emplace_back([&] {
+      auto stub = v1::Laprox::NewStub(
+          grpc::CreateChannel("unix:" + socket_, grpc::InsecureChannelCredentials()));
+      for (int i = 0; i < 10; ++i) {
+        grpc::ClientContext context;
+        v1::ComputeKeepMaskResponse response;
+        if (!stub->ComputeKeepMask(&context, GoodRequest(model, region), &response).ok()) {
+          ++failures;
+          continue;
+        }
+        if (!std::equal(response.positions().begin(), response.positions().end(),
+                        direct.positions.begin(), direct.positions.end())) {
+          ++mismatches;
+        }
+      }
+    });
+  }
+  for (std::thread& t : clients) t.join();
+  EXPECT_EQ(failures, 0);
+  EXPECT_EQ(mismatches, 0);
+  EXPECT_EQ(Regions()[0].in_flight_requests(), 0);
+}
+
+}  // namespace
+}  // namespace laprox::service

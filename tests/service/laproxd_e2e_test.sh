@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# End-to-end: the real laproxd binary starts on a temporary Unix socket (mode 0660), and SIGTERM
+# stops it cleanly (exit 0, socket removed). Usage: laproxd_e2e_test.sh PATH/TO/laproxd
+set -euo pipefail
+laproxd=$1
+dir=$(mktemp -d "${TMPDIR:-/tmp}/laproxd-e2e.XXXXXX")
+trap 'kill "$pid" 2>/dev/null || true; rm -rf "$dir"' EXIT
+socket=$dir/laproxd.sock
+
+"$laproxd" --socket="$socket" --backend=cpu >"$dir/log" 2>&1 &
+pid=$!
+for _ in $(seq 1 200); do  # bounded wait for the listening line (at most ~20 s)
+  grep -q "listening on" "$dir/log" && break
+  kill -0 "$pid" 2>/dev/null || { cat "$dir/log"; echo "FAIL: laproxd exited early"; exit 1; }
+  sleep 0.1
+done
+grep -q "listening on unix:$socket" "$dir/log" || { cat "$dir/log"; echo "FAIL: not listening"; exit 1; }
+mode=$(stat -c '%a' "$socket")
+[[ "$mode" == 660 ]] || { echo "FAIL: socket mode $mode, expected 660"; exit 1; }
+
+kill -TERM "$pid"
+status=0
+wait "$pid" || status=$?
+cat "$dir/log"
+[[ $status -eq 0 ]] || { echo "FAIL: exit status $status after SIGTERM"; exit 1; }
+grep -q "laproxd: stopped" "$dir/log" || { echo "FAIL: no clean stop"; exit 1; }
+[[ ! -e "$socket" ]] || { echo "FAIL: socket left behind"; exit 1; }
+echo "1 passed, 0 failed"
