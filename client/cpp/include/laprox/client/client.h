@@ -1,0 +1,149 @@
+// liblaprox_client: talk to laproxd with domain types in and absl::StatusOr out.
+//
+// An engine connects once, shares its buffers once (POSIX shared memory created here or by the
+// engine), registers its model once, then calls ComputeKeepPlan at the end of every prefill with
+// references into the shared buffers; no tensor is copied per call. No generated protobuf type
+// appears in this header.
+//
+//   auto client = *laprox::client::Client::Connect("unix:/tmp/laproxd.sock");
+//   auto kv = *client->ShareHostBuffer("laprox-kv-engine0", bytes);  // create + register
+//   std::memcpy(kv.data(), ..., bytes);                                // or write in place
+//   uint64_t model = *client->RegisterModel("smollm2", geometry, o_proj_refs);
+//   absl::StatusOr<KeepPlan> plan = client->ComputeKeepPlan(model, n, layers, policy);
+//
+// Errors: the server's gRPC status comes back as the absl::Status of the same code and message
+// (one conversion function, the client's seam). Every call carries a deadline (ClientOptions).
+// Thread safety: a Client may be used from many threads at once.
+#ifndef LAPROX_CLIENT_CLIENT_H_
+#define LAPROX_CLIENT_CLIENT_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "laprox/kernels/geometry.h"
+#include "laprox/kernels/keep_plan.h"
+#include "laprox/kernels/policy.h"
+#include "laprox/kernels/tensor_view.h"
+
+namespace laprox::client {
+
+using kernels::DType;
+using kernels::KeepPlan;
+using kernels::ModelGeometry;
+using kernels::OutputOptions;
+using kernels::PolicySpec;
+
+// A tensor for the server: a slice of a registered region (no copy), or host bytes sent inline
+// with the call (small tensors, tests).
+struct TensorRef {
+  uint64_t region_id = 0;           // registered region, or 0 with host_data
+  int64_t byte_offset = 0;          // from the region start to element 0
+  const void* host_data = nullptr;  // inline: extent * element size bytes, read during the call
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;  // elements; empty: contiguous
+
+  static TensorRef InRegion(uint64_t region, int64_t byte_offset, DType dtype,
+                            std::vector<int64_t> shape, std::vector<int64_t> strides = {}) {
+    return {region, byte_offset, nullptr, dtype, std::move(shape), std::move(strides)};
+  }
+  static TensorRef Inline(const void* data, DType dtype, std::vector<int64_t> shape,
+                          std::vector<int64_t> strides = {}) {
+    return {0, 0, data, dtype, std::move(shape), std::move(strides)};
+  }
+};
+
+// One layer's inputs; give window_queries or window_attention (and window_lse only with queries).
+struct LayerRefs {
+  TensorRef keys, values;
+  std::optional<TensorRef> window_queries, window_attention, window_lse;
+};
+
+struct ServerInfo {
+  std::string version;
+  std::string backend;  // "cpu" or "cuda"
+  std::string backend_description;
+  int64_t max_tokens = 0;
+  int32_t max_regions = 0;
+  int32_t max_models = 0;
+};
+
+// A POSIX shared-memory object this process created, mapped read-write, registered with the
+// server. Destroying it unregisters the region (if the client is still alive), unmaps and
+// unlinks the object. Move-only.
+class SharedBuffer {
+ public:
+  SharedBuffer(SharedBuffer&& other) noexcept;
+  SharedBuffer& operator=(SharedBuffer&& other) noexcept;
+  SharedBuffer(const SharedBuffer&) = delete;
+  SharedBuffer& operator=(const SharedBuffer&) = delete;
+  ~SharedBuffer();
+
+  std::byte* data() const { return data_; }
+  size_t size() const { return size_; }
+  const std::string& name() const { return name_; }
+  uint64_t region_id() const { return region_id_; }
+
+ private:
+  friend class Client;
+  SharedBuffer() = default;
+  void Reset();
+
+  class Client* client_ = nullptr;
+  std::string name_;
+  std::byte* data_ = nullptr;
+  size_t size_ = 0;
+  uint64_t region_id_ = 0;
+};
+
+struct ClientOptions {
+  absl::Duration deadline = absl::Seconds(60);  // per call
+};
+
+class Client {
+ public:
+  // `target` is a gRPC target: "unix:/tmp/laproxd.sock" or "127.0.0.1:50051". Connects lazily;
+  // the first call reports UNAVAILABLE if nothing listens.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& target,
+                                                         ClientOptions options = {});
+  ~Client();
+
+  absl::StatusOr<ServerInfo> GetServerInfo();
+
+  // Registers an existing shared-memory object window (name starts with "laprox-").
+  absl::StatusOr<uint64_t> RegisterShmRegion(const std::string& name, int64_t offset,
+                                             int64_t byte_size, bool writable = false);
+  // Waits until requests using the region finish.
+  absl::Status UnregisterRegion(uint64_t region_id);
+
+  // Creates the shared-memory object `name` (must not exist; "laprox-" prefix) of `bytes`
+  // bytes, maps it, and registers it. ALREADY_EXISTS, and the server's errors.
+  absl::StatusOr<SharedBuffer> ShareHostBuffer(const std::string& name, size_t bytes);
+
+  // The model's id. `o_proj` holds each layer's [D, H*d] weight.
+  absl::StatusOr<uint64_t> RegisterModel(const std::string& name, const ModelGeometry& geometry,
+                                         absl::Span<const TensorRef> o_proj,
+                                         bool cross_grams = false);
+  absl::Status UnregisterModel(uint64_t model_id);
+
+  absl::StatusOr<KeepPlan> ComputeKeepPlan(uint64_t model_id, int64_t n,
+                                           absl::Span<const LayerRefs> layers,
+                                           const PolicySpec& policy,
+                                           const OutputOptions& outputs = {});
+
+ private:
+  struct Impl;
+  explicit Client(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace laprox::client
+
+#endif  // LAPROX_CLIENT_CLIENT_H_

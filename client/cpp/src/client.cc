@@ -1,0 +1,288 @@
+#include "laprox/client/client.h"
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <utility>
+
+#include <fcntl.h>
+#include <grpcpp/grpcpp.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "absl/strings/str_cat.h"
+#include "laprox/v1/laprox.grpc.pb.h"
+
+namespace laprox::client {
+namespace {
+
+// The client's one seam: gRPC status -> absl::Status with the same code and message.
+absl::Status FromGrpc(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+v1::DType ToProto(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return v1::DTYPE_F32;
+    case DType::kF16:
+      return v1::DTYPE_F16;
+    case DType::kBF16:
+      return v1::DTYPE_BF16;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+void ToProto(const TensorRef& ref, v1::TensorRef* proto) {
+  if (ref.host_data != nullptr) {
+    int64_t extent = 0;
+    const kernels::Dims strides =
+        ref.strides.empty() ? kernels::ContiguousStrides(ref.shape) : ref.strides;
+    // An invalid view is sent as is (empty bytes): the server names the problem.
+    if (kernels::TensorView(ref.host_data, ref.dtype, ref.shape, strides)
+            .ElementExtent(&extent)
+            .ok()) {
+      proto->set_inline_bytes(ref.host_data,
+                              static_cast<size_t>(extent) * kernels::DTypeSize(ref.dtype));
+    } else {
+      proto->set_inline_bytes("");
+    }
+  } else {
+    proto->mutable_region()->set_region_id(ref.region_id);
+    proto->mutable_region()->set_byte_offset(ref.byte_offset);
+  }
+  proto->set_dtype(ToProto(ref.dtype));
+  proto->mutable_shape()->Assign(ref.shape.begin(), ref.shape.end());
+  proto->mutable_strides()->Assign(ref.strides.begin(), ref.strides.end());
+}
+
+void ToProto(const PolicySpec& policy, v1::ComputeKeepMaskRequest* request) {
+  v1::Policy* p = request->mutable_policy();
+  p->set_kind(v1::POLICY_KIND_LAPROX);
+  // Kernels enums map to wire enums by value + 1 (after UNSPECIFIED); the server's
+  // convert.cc asserts this at compile time.
+  p->set_allocation(static_cast<v1::Allocation>(static_cast<int>(policy.allocation) + 1));
+  p->set_indicator(static_cast<v1::Indicator>(static_cast<int>(policy.indicator) + 1));
+  p->set_gqa_value(static_cast<v1::GqaValue>(static_cast<int>(policy.gqa_value) + 1));
+  p->set_pooling(static_cast<v1::Pooling>(static_cast<int>(policy.pooling) + 1));
+  p->set_window(policy.window);
+  p->set_pool_kernel(policy.pool_kernel);
+  p->set_sinks(policy.sinks);
+  p->set_min_per_head(policy.min_per_head);
+  p->set_head_uniform_layers(policy.head_uniform_layers);
+  if (policy.budget.kind == kernels::Budget::Kind::kTokensPerHead) {
+    request->mutable_budget()->set_tokens_per_head(policy.budget.tokens_per_head);
+  } else {
+    request->mutable_budget()->set_compression_ratio(policy.budget.compression_ratio);
+  }
+}
+
+}  // namespace
+
+struct Client::Impl {
+  std::unique_ptr<v1::Laprox::Stub> stub;
+  ClientOptions options;
+
+  void Prepare(grpc::ClientContext* context) const {
+    context->set_deadline(std::chrono::system_clock::now() +
+                          absl::ToChronoMilliseconds(options.deadline));
+  }
+};
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Client::~Client() = default;
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& target,
+                                                        ClientOptions options) {
+  if (target.empty()) return absl::InvalidArgumentError("target is empty");
+  auto impl = std::make_unique<Impl>();
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  impl->stub = v1::Laprox::NewStub(
+      grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
+  impl->options = options;
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+absl::StatusOr<ServerInfo> Client::GetServerInfo() {
+  grpc::ClientContext context;
+  impl_->Prepare(&context);
+  v1::GetServerInfoResponse response;
+  if (absl::Status s =
+          FromGrpc(impl_->stub->GetServerInfo(&context, v1::GetServerInfoRequest(), &response));
+      !s.ok()) {
+    return s;
+  }
+  ServerInfo info;
+  info.version = response.version();
+  info.backend = response.backend() == v1::BACKEND_KIND_CUDA ? "cuda" : "cpu";
+  info.backend_description = response.backend_description();
+  info.max_tokens = response.limits().max_tokens();
+  info.max_regions = response.limits().max_regions();
+  info.max_models = response.limits().max_models();
+  return info;
+}
+
+absl::StatusOr<uint64_t> Client::RegisterShmRegion(const std::string& name, int64_t offset,
+                                                   int64_t byte_size, bool writable) {
+  v1::RegisterRegionRequest request;
+  request.mutable_shm()->set_name(name);
+  request.mutable_shm()->set_offset(offset);
+  request.mutable_shm()->set_byte_size(byte_size);
+  request.set_writable(writable);
+  grpc::ClientContext context;
+  impl_->Prepare(&context);
+  v1::RegisterRegionResponse response;
+  if (absl::Status s = FromGrpc(impl_->stub->RegisterRegion(&context, request, &response));
+      !s.ok()) {
+    return s;
+  }
+  return response.region_id();
+}
+
+absl::Status Client::UnregisterRegion(uint64_t region_id) {
+  v1::UnregisterRegionRequest request;
+  request.set_region_id(region_id);
+  grpc::ClientContext context;
+  impl_->Prepare(&context);
+  v1::UnregisterRegionResponse response;
+  return FromGrpc(impl_->stub->UnregisterRegion(&context, request, &response));
+}
+
+absl::StatusOr<SharedBuffer> Client::ShareHostBuffer(const std::string& name, size_t bytes) {
+  const std::string path = "/" + name;
+  const int fd = shm_open(path.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) {
+    const std::string message = absl::StrCat("shm_open(\"", name, "\"): ", std::strerror(errno));
+    return errno == EEXIST ? absl::AlreadyExistsError(message) : absl::InternalError(message);
+  }
+  SharedBuffer buffer;
+  buffer.name_ = name;
+  buffer.size_ = bytes;
+  void* mapping = MAP_FAILED;
+  if (ftruncate(fd, static_cast<off_t>(bytes)) == 0) {
+    mapping = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  }
+  const int error = errno;
+  close(fd);
+  if (mapping == MAP_FAILED) {
+    shm_unlink(path.c_str());
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot size or map \"", name, "\": ", std::strerror(error)));
+  }
+  buffer.data_ = static_cast<std::byte*>(mapping);
+  auto id = RegisterShmRegion(name, 0, static_cast<int64_t>(bytes));
+  if (!id.ok()) return id.status();  // ~SharedBuffer unmaps and unlinks
+  buffer.region_id_ = *id;
+  buffer.client_ = this;
+  return buffer;
+}
+
+absl::StatusOr<uint64_t> Client::RegisterModel(const std::string& name,
+                                               const ModelGeometry& geometry,
+                                               absl::Span<const TensorRef> o_proj,
+                                               bool cross_grams) {
+  v1::RegisterModelRequest request;
+  request.set_name(name);
+  v1::ModelGeometry* g = request.mutable_geometry();
+  g->set_num_layers(geometry.num_layers);
+  g->set_num_heads(geometry.num_heads);
+  g->set_num_kv_heads(geometry.num_kv_heads);
+  g->set_head_dim(geometry.head_dim);
+  g->set_hidden_size(geometry.hidden_size);
+  g->set_softmax_scale(geometry.softmax_scale);
+  for (const TensorRef& ref : o_proj) ToProto(ref, request.add_o_proj());
+  request.set_prepare_cross_grams(cross_grams);
+  grpc::ClientContext context;
+  impl_->Prepare(&context);
+  v1::RegisterModelResponse response;
+  if (absl::Status s = FromGrpc(impl_->stub->RegisterModel(&context, request, &response));
+      !s.ok()) {
+    return s;
+  }
+  return response.model_id();
+}
+
+absl::Status Client::UnregisterModel(uint64_t model_id) {
+  v1::UnregisterModelRequest request;
+  request.set_model_id(model_id);
+  grpc::ClientContext context;
+  impl_->Prepare(&context);
+  v1::UnregisterModelResponse response;
+  return FromGrpc(impl_->stub->UnregisterModel(&context, request, &response));
+}
+
+absl::StatusOr<KeepPlan> Client::ComputeKeepPlan(uint64_t model_id, int64_t n,
+                                                 absl::Span<const LayerRefs> layers,
+                                                 const PolicySpec& policy,
+                                                 const OutputOptions& outputs) {
+  v1::ComputeKeepMaskRequest request;
+  request.set_model_id(model_id);
+  request.set_n(n);
+  ToProto(policy, &request);
+  request.mutable_outputs()->set_positions(outputs.positions);
+  request.mutable_outputs()->set_bitmask(outputs.bitmask);
+  request.mutable_outputs()->set_scores(outputs.scores);
+  for (const LayerRefs& layer : layers) {
+    v1::LayerInputs* in = request.add_layers();
+    ToProto(layer.keys, in->mutable_keys());
+    ToProto(layer.values, in->mutable_values());
+    if (layer.window_queries) ToProto(*layer.window_queries, in->mutable_window_queries());
+    if (layer.window_attention) ToProto(*layer.window_attention, in->mutable_window_attention());
+    if (layer.window_lse) ToProto(*layer.window_lse, in->mutable_window_lse());
+  }
+  grpc::ClientContext context;
+  impl_->Prepare(&context);
+  v1::ComputeKeepMaskResponse response;
+  if (absl::Status s = FromGrpc(impl_->stub->ComputeKeepMask(&context, request, &response));
+      !s.ok()) {
+    return s;
+  }
+  KeepPlan plan;
+  plan.num_layers = response.num_layers();
+  plan.num_kv_heads = response.num_kv_heads();
+  plan.n = response.n();
+  plan.window = response.window();
+  plan.sinks = response.sinks();
+  plan.quota = response.quota();
+  plan.selected_total = response.selected_total();
+  plan.counts.assign(response.counts().begin(), response.counts().end());
+  plan.offsets.assign(response.offsets().begin(), response.offsets().end());
+  plan.positions.assign(response.positions().begin(), response.positions().end());
+  plan.bitmask.assign(response.bitmask().begin(), response.bitmask().end());
+  plan.scores.assign(response.scores().begin(), response.scores().end());
+  plan.layer_sums.assign(response.layer_sums().begin(), response.layer_sums().end());
+  return plan;
+}
+
+SharedBuffer::SharedBuffer(SharedBuffer&& other) noexcept { *this = std::move(other); }
+
+SharedBuffer& SharedBuffer::operator=(SharedBuffer&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    client_ = std::exchange(other.client_, nullptr);
+    name_ = std::move(other.name_);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+    region_id_ = std::exchange(other.region_id_, 0);
+  }
+  return *this;
+}
+
+SharedBuffer::~SharedBuffer() { Reset(); }
+
+void SharedBuffer::Reset() {
+  if (client_ != nullptr && region_id_ != 0) {
+    client_->UnregisterRegion(region_id_).IgnoreError();  // the server may be gone already
+  }
+  if (data_ != nullptr) {
+    munmap(data_, size_);
+    shm_unlink(("/" + name_).c_str());
+  }
+  client_ = nullptr;
+  data_ = nullptr;
+  region_id_ = 0;
+}
+
+}  // namespace laprox::client

@@ -1,0 +1,166 @@
+// liblaprox_client against an in-process laproxd (real gRPC over a temporary Unix socket, real
+// shared memory): the plan equals the library's, errors keep their code and message, and shared
+// buffers are unregistered and unlinked when destroyed.
+#include "laprox/client/client.h"
+
+#include <atomic>
+#include <cstring>
+#include <random>
+
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include "absl/strings/str_cat.h"
+#include "laprox/kernels/registry.h"
+#include "service/core/core.h"
+#include "service/core/work_queue.h"
+#include "service/grpc/laprox_service.h"
+
+namespace laprox::client {
+namespace {
+
+constexpr int kL = 2, kH = 4, kHkv = 2, kD = 8, kHidden = 16, kWindow = 8;
+constexpr int64_t kN = 100;
+
+class ClientTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    core_ = std::make_unique<service::Core>(*kernels::CreateBackend("cpu"), service::CoreLimits{});
+    work_ = std::make_unique<service::WorkQueue>(2, 16);
+    service_ = std::make_unique<service::LaproxService>(*core_, *work_, "client-test");
+    static std::atomic<int> counter{0};
+    socket_ =
+        absl::StrCat(::testing::TempDir(), "laprox-client-", getpid(), "-", counter++, ".sock");
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("unix:" + socket_, grpc::InsecureServerCredentials());
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    auto client = Client::Connect("unix:" + socket_);
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = *std::move(client);
+  }
+
+  void TearDown() override {
+    client_.reset();
+    server_->Shutdown();
+    work_.reset();
+    unlink(socket_.c_str());
+  }
+
+  std::unique_ptr<service::Core> core_;
+  std::unique_ptr<service::WorkQueue> work_;
+  std::unique_ptr<service::LaproxService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<Client> client_;
+  std::string socket_;
+};
+
+TEST_F(ClientTest, ServerInfo) {
+  auto info = client_->GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->version, "client-test");
+  EXPECT_EQ(info->backend, "cpu");
+  EXPECT_GT(info->max_tokens, 0);
+}
+
+TEST_F(ClientTest, KeepPlanThroughSharedBufferEqualsTheLibrary) {
+  const int64_t kv = int64_t{kHkv} * kN * kD, q = int64_t{kH} * kWindow * kD;
+  const int64_t layer_floats = 2 * kv + q;
+  auto buffer = client_->ShareHostBuffer(absl::StrCat("laprox-client-test-", getpid()),
+                                         kL * layer_floats * sizeof(float));
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  auto* floats = reinterpret_cast<float*>(buffer->data());
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (int64_t i = 0; i < kL * layer_floats; ++i) floats[i] = normal(rng);
+  std::vector<std::vector<float>> o_proj(kL, std::vector<float>(kHidden * kH * kD));
+  for (auto& w : o_proj) {
+    for (float& x : w) x = normal(rng);
+  }
+
+  const ModelGeometry geometry{kL, kH, kHkv, kD, kHidden, 0.f};
+  std::vector<TensorRef> o_proj_refs;
+  for (const auto& w : o_proj) {
+    o_proj_refs.push_back(TensorRef::Inline(w.data(), DType::kF32, {kHidden, kH * kD}));
+  }
+  auto model = client_->RegisterModel("tiny", geometry, o_proj_refs);
+  ASSERT_TRUE(model.ok()) << model.status();
+
+  std::vector<LayerRefs> layers;
+  for (int l = 0; l < kL; ++l) {
+    const int64_t base = l * layer_floats * 4;
+    const uint64_t region = buffer->region_id();
+    LayerRefs& refs = layers.emplace_back();
+    refs.keys = TensorRef::InRegion(region, base, DType::kF32, {kHkv, kN, kD});
+    refs.values = TensorRef::InRegion(region, base + kv * 4, DType::kF32, {kHkv, kN, kD});
+    refs.window_queries =
+        TensorRef::InRegion(region, base + 2 * kv * 4, DType::kF32, {kH, kWindow, kD});
+  }
+  PolicySpec policy;
+  policy.window = kWindow;
+  policy.budget = kernels::Budget::TokensPerHead(30);
+  auto plan = client_->ComputeKeepPlan(*model, kN, layers, policy, {.bitmask = true});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+
+  // The library on the same memory.
+  auto backend = *kernels::CreateBackend("cpu");
+  std::vector<kernels::TensorView> o_views;
+  for (const auto& w : o_proj) {
+    o_views.emplace_back(w.data(), DType::kF32, kernels::Dims{kHidden, kH * kD});
+  }
+  auto prepared = *backend->PrepareModel(geometry, o_views);
+  kernels::KeepPlanRequest request;
+  request.n = kN;
+  request.policy = policy;
+  for (int l = 0; l < kL; ++l) {
+    const float* base = floats + l * layer_floats;
+    kernels::LayerInputs& in = request.layers.emplace_back();
+    in.keys = {base, DType::kF32, {kHkv, kN, kD}};
+    in.values = {base + kv, DType::kF32, {kHkv, kN, kD}};
+    in.window_queries = {base + 2 * kv, DType::kF32, {kH, kWindow, kD}};
+  }
+  const kernels::KeepPlan direct = *backend->ComputeKeepPlan(*prepared, request);
+  EXPECT_EQ(plan->counts, direct.counts);
+  EXPECT_EQ(plan->positions, direct.positions);
+  EXPECT_EQ(plan->layer_sums, direct.layer_sums);
+  EXPECT_EQ(plan->kept(1, 1).size(), static_cast<size_t>(direct.count(1, 1)));
+  EXPECT_EQ(plan->bitmask.size(), static_cast<size_t>(kL * kHkv * ((kN + 7) / 8)));
+
+  // Destroying the buffer unregisters the region and unlinks the object.
+  ASSERT_EQ(core_->regions().List().size(), 1u);
+  const std::string name = buffer->name();
+  *buffer = SharedBuffer(std::move(*buffer));  // moves keep it registered
+  ASSERT_EQ(core_->regions().List().size(), 1u);
+  buffer = absl::CancelledError("done");
+  EXPECT_TRUE(core_->regions().List().empty());
+  EXPECT_EQ(access(("/dev/shm/" + name).c_str(), F_OK), -1);
+}
+
+TEST_F(ClientTest, ServerErrorsKeepTheirCodeAndMessage) {
+  PolicySpec policy;
+  auto plan = client_->ComputeKeepPlan(12345, 10, {}, policy);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(plan.status().message(), "model 12345 not found");
+  auto region = client_->RegisterShmRegion("not-laprox", 0, 8);
+  EXPECT_EQ(region.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(region.status().message()), ::testing::HasSubstr("laprox-"));
+}
+
+TEST_F(ClientTest, ShareHostBufferRefusesAnExistingName) {
+  const std::string name = absl::StrCat("laprox-client-dup-", getpid());
+  auto first = client_->ShareHostBuffer(name, 64);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(client_->ShareHostBuffer(name, 64).status().code(), absl::StatusCode::kAlreadyExists);
+}
+
+TEST(ClientConnectTest, NothingListeningIsUnavailable) {
+  auto client = Client::Connect("unix:/nonexistent/laproxd.sock", {.deadline = absl::Seconds(5)});
+  ASSERT_TRUE(client.ok());
+  EXPECT_EQ((*client)->GetServerInfo().status().code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace laprox::client
