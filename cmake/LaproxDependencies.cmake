@@ -21,9 +21,9 @@ else()
   target_link_libraries(laprox_openblas INTERFACE BLAS::BLAS)
 endif()
 
+find_package(nlohmann_json 3.10 REQUIRED CONFIG)  # laprox-cli (safetensors) and test tools
 if(LAPROX_BUILD_TESTS)
   find_package(GTest REQUIRED CONFIG)
-  find_package(nlohmann_json 3.10 REQUIRED CONFIG)
   find_package(Python3 REQUIRED COMPONENTS Interpreter)
 endif()
 if(LAPROX_BUILD_BENCH)

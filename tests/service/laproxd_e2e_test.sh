@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# End-to-end: the real laproxd binary starts on a temporary Unix socket (mode 0660), and SIGTERM
-# stops it cleanly (exit 0, socket removed). Usage: laproxd_e2e_test.sh PATH/TO/laproxd
+# End-to-end with the real binaries: laproxd starts on a temporary Unix socket (mode 0660);
+# laprox-cli talks to it (info; demo --save; plan of the saved safetensors dump, whose kept sets
+# must equal the library computing in-process on the same file); SIGTERM stops laproxd cleanly
+# (exit 0, socket removed). Usage: laproxd_e2e_test.sh PATH/TO/laproxd PATH/TO/laprox-cli
 set -euo pipefail
 laproxd=$1
+cli=$2
 dir=$(mktemp -d "${TMPDIR:-/tmp}/laproxd-e2e.XXXXXX")
 trap 'kill "$pid" 2>/dev/null || true; rm -rf "$dir"' EXIT
 socket=$dir/laproxd.sock
@@ -17,6 +20,15 @@ done
 grep -q "listening on unix:$socket" "$dir/log" || { cat "$dir/log"; echo "FAIL: not listening"; exit 1; }
 mode=$(stat -c '%a' "$socket")
 [[ "$mode" == 660 ]] || { echo "FAIL: socket mode $mode, expected 660"; exit 1; }
+
+target=unix:$socket
+"$cli" info --target="$target" | grep -q "laproxd 0.1.0" || { echo "FAIL: info"; exit 1; }
+"$cli" demo --target="$target" --save="$dir/demo.safetensors" | tee "$dir/table"
+grep -q "budget share" "$dir/table" || { echo "FAIL: demo table"; exit 1; }
+"$cli" plan "$dir/demo.safetensors" --target="$target" --json --budget=200 >"$dir/remote.json"
+"$cli" plan "$dir/demo.safetensors" --local --json --budget=200 >"$dir/local.json"
+cmp "$dir/remote.json" "$dir/local.json" || { echo "FAIL: laproxd plan != library plan"; exit 1; }
+grep -q '"kept":\[\[\[0,' "$dir/remote.json" || { echo "FAIL: unexpected JSON"; exit 1; }
 
 kill -TERM "$pid"
 status=0

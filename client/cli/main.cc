@@ -1,0 +1,308 @@
+// laprox-cli: talk to laproxd from a shell.
+//
+//   laprox-cli info                          server version, backend, limits
+//   laprox-cli plan DUMP.safetensors         keep-plan of a KV dump, as a budget table
+//   laprox-cli demo [--save=FILE]            generate a realistic sample, plan it, print the table
+//
+// Common flags: --target (default unix:/tmp/laproxd.sock), --budget (tokens per KV head),
+// --compression_ratio, --window, --json (print {"counts","kept","layer_sums"}), --local (compute
+// in-process with the CPU backend instead of asking laproxd; the same library the server runs).
+//
+// A dump holds layers.{l}.keys [Hkv,n,d], layers.{l}.values [Hkv,n,d],
+// layers.{l}.window_queries [H,w,d], layers.{l}.o_proj [D,H*d] (F32, F16 or BF16), and the
+// geometry as JSON in the metadata key "laprox.geometry" ({"num_layers":..,"num_heads":..,
+// "num_kv_heads":..,"head_dim":..,"hidden_size":..}) or in the file given by --geometry.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "client/cli/safetensors.h"
+#include "common/half.h"
+#include "laprox/client/client.h"
+#include "laprox/kernels/registry.h"
+
+ABSL_FLAG(std::string, target, "unix:/tmp/laproxd.sock", "laproxd address");
+ABSL_FLAG(int64_t, budget, 128, "kept tokens per KV head (window included)");
+ABSL_FLAG(double, compression_ratio, -1.0, "if >= 0: keep int((1 - cr) * n) per head instead");
+ABSL_FLAG(int, window, 32, "observation window w");
+ABSL_FLAG(bool, json, false, "print the plan as JSON");
+ABSL_FLAG(bool, local, false, "compute in-process (CPU backend) instead of asking laproxd");
+ABSL_FLAG(std::string, geometry, "", "JSON file with the geometry (else the dump's metadata)");
+ABSL_FLAG(std::string, save, "", "demo: also write the generated sample to this safetensors file");
+ABSL_FLAG(std::string, shm_name, "", "shared-memory name for the upload (default per process)");
+
+namespace laprox::cli {
+namespace {
+
+using nlohmann::json;
+
+struct Dump {
+  kernels::ModelGeometry geometry;
+  int64_t n = 0;
+  SafeTensorsFile file;
+  const SafeTensor& Get(int layer, const char* what) const {
+    return file.tensors.at(absl::StrCat("layers.", layer, ".", what));
+  }
+};
+
+absl::StatusOr<Dump> LoadDump(SafeTensorsFile file) {
+  Dump dump;
+  std::string geometry_text;
+  if (!absl::GetFlag(FLAGS_geometry).empty()) {
+    std::ifstream in(absl::GetFlag(FLAGS_geometry));
+    if (!in) return absl::NotFoundError("cannot open " + absl::GetFlag(FLAGS_geometry));
+    std::getline(in, geometry_text, '\0');
+  } else if (auto it = file.metadata.find("laprox.geometry"); it != file.metadata.end()) {
+    geometry_text = it->second;
+  } else {
+    return absl::InvalidArgumentError(
+        "no geometry: give --geometry=FILE or metadata \"laprox.geometry\"");
+  }
+  const json g = json::parse(geometry_text, nullptr, false);
+  if (g.is_discarded()) return absl::InvalidArgumentError("the geometry is not valid JSON");
+  dump.geometry = {g.value("num_layers", 0),   g.value("num_heads", 0),
+                   g.value("num_kv_heads", 0), g.value("head_dim", 0),
+                   g.value("hidden_size", 0),  g.value("softmax_scale", 0.f)};
+  if (absl::Status s = dump.geometry.Validate(); !s.ok()) return s;
+  dump.file = std::move(file);
+  for (int l = 0; l < dump.geometry.num_layers; ++l) {
+    for (const char* what : {"keys", "values", "window_queries", "o_proj"}) {
+      if (!dump.file.tensors.count(absl::StrCat("layers.", l, ".", what))) {
+        return absl::InvalidArgumentError(absl::StrCat("the dump lacks layers.", l, ".", what));
+      }
+    }
+  }
+  const auto& keys = dump.Get(0, "keys").shape;
+  if (keys.size() != 3) return absl::InvalidArgumentError("layers.0.keys is not [Hkv, n, d]");
+  dump.n = keys[1];
+  return dump;
+}
+
+kernels::PolicySpec Policy() {
+  kernels::PolicySpec policy;
+  policy.window = absl::GetFlag(FLAGS_window);
+  const double cr = absl::GetFlag(FLAGS_compression_ratio);
+  policy.budget = cr >= 0 ? kernels::Budget::CompressionRatio(cr)
+                          : kernels::Budget::TokensPerHead(absl::GetFlag(FLAGS_budget));
+  return policy;
+}
+
+// In-process: views straight over the loaded bytes.
+absl::StatusOr<kernels::KeepPlan> PlanLocal(const Dump& dump) {
+  auto backend = kernels::CreateBackend("cpu");
+  if (!backend.ok()) return backend.status();
+  auto view = [](const SafeTensor& t) {
+    return kernels::TensorView(t.bytes.data(), t.dtype,
+                               kernels::Dims(t.shape.begin(), t.shape.end()));
+  };
+  std::vector<kernels::TensorView> o_proj;
+  kernels::KeepPlanRequest request;
+  request.n = dump.n;
+  request.policy = Policy();
+  for (int l = 0; l < dump.geometry.num_layers; ++l) {
+    o_proj.push_back(view(dump.Get(l, "o_proj")));
+    kernels::LayerInputs& in = request.layers.emplace_back();
+    in.keys = view(dump.Get(l, "keys"));
+    in.values = view(dump.Get(l, "values"));
+    in.window_queries = view(dump.Get(l, "window_queries"));
+  }
+  auto model = (*backend)->PrepareModel(dump.geometry, o_proj);
+  if (!model.ok()) return model.status();
+  return (*backend)->ComputeKeepPlan(**model, request);
+}
+
+// Through laproxd: every tensor is copied once into one shared buffer and sent by reference.
+absl::StatusOr<kernels::KeepPlan> PlanRemote(const Dump& dump) {
+  auto client = client::Client::Connect(absl::GetFlag(FLAGS_target));
+  if (!client.ok()) return client.status();
+  size_t total = 0;
+  for (const auto& [name, t] : dump.file.tensors) total += (t.bytes.size() + 63) / 64 * 64;
+  std::string shm = absl::GetFlag(FLAGS_shm_name);
+  if (shm.empty()) shm = absl::StrCat("laprox-cli-", getpid());
+  auto buffer = (*client)->ShareHostBuffer(shm, total);
+  if (!buffer.ok()) return buffer.status();
+  std::map<std::string, int64_t> offsets;
+  size_t offset = 0;
+  for (const auto& [name, t] : dump.file.tensors) {
+    std::memcpy(buffer->data() + offset, t.bytes.data(), t.bytes.size());
+    offsets[name] = static_cast<int64_t>(offset);
+    offset += (t.bytes.size() + 63) / 64 * 64;
+  }
+  auto ref = [&](int l, const char* what) {
+    const std::string name = absl::StrCat("layers.", l, ".", what);
+    const SafeTensor& t = dump.file.tensors.at(name);
+    return client::TensorRef::InRegion(buffer->region_id(), offsets.at(name), t.dtype, t.shape);
+  };
+  std::vector<client::TensorRef> o_proj;
+  std::vector<client::LayerRefs> layers;
+  for (int l = 0; l < dump.geometry.num_layers; ++l) {
+    o_proj.push_back(ref(l, "o_proj"));
+    client::LayerRefs& in = layers.emplace_back();
+    in.keys = ref(l, "keys");
+    in.values = ref(l, "values");
+    in.window_queries = ref(l, "window_queries");
+  }
+  auto model = (*client)->RegisterModel("laprox-cli", dump.geometry, o_proj);
+  if (!model.ok()) return model.status();
+  auto plan = (*client)->ComputeKeepPlan(*model, dump.n, layers, Policy());
+  (*client)->UnregisterModel(*model).IgnoreError();
+  return plan;
+}
+
+void PrintJson(const kernels::KeepPlan& plan) {
+  json counts = json::array(), kept = json::array();
+  for (int l = 0; l < plan.num_layers; ++l) {
+    json c = json::array(), k = json::array();
+    for (int h = 0; h < plan.num_kv_heads; ++h) {
+      c.push_back(plan.count(l, h));
+      auto positions = plan.kept(l, h);
+      k.push_back(std::vector<int32_t>(positions.begin(), positions.end()));
+    }
+    counts.push_back(c);
+    kept.push_back(k);
+  }
+  std::printf(
+      "%s\n",
+      json{{"counts", counts}, {"kept", kept}, {"layer_sums", plan.layer_sums}}.dump().c_str());
+}
+
+// Budget share: kept tokens of each (layer, head) over the uniform share (kept per head on
+// average), so 1.00 is "exactly its share"; the last column is the layer's mean.
+void PrintTable(const kernels::KeepPlan& plan) {
+  const double uniform = plan.window + plan.sinks + static_cast<double>(plan.quota);
+  std::printf("n=%lld window=%d sinks=%d uniform share=%.0f tokens per head\n",
+              static_cast<long long>(plan.n), plan.window, plan.sinks, uniform);
+  std::printf("layer  budget share per KV head%*s| layer\n", plan.num_kv_heads * 6 - 24, "");
+  for (int l = 0; l < plan.num_layers; ++l) {
+    double sum = 0;
+    std::printf("%5d ", l);
+    for (int h = 0; h < plan.num_kv_heads; ++h) {
+      const double share = plan.count(l, h) / uniform;
+      sum += share;
+      std::printf(" %5.2f", share);
+    }
+    std::printf(" | %5.2f\n", sum / plan.num_kv_heads);
+  }
+}
+
+// A sample with the structure of real prefills: attention sinks at the first positions, a few
+// heavy-hitter tokens the window queries attend to, value norms growing with depth.
+SafeTensorsFile MakeDemo() {
+  constexpr int L = 8, H = 9, Hkv = 3, d = 64, D = 576, w = 32;
+  constexpr int64_t n = 2048;
+  std::mt19937 rng(20261130);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  SafeTensorsFile file;
+  file.metadata["laprox.geometry"] = json{
+      {"num_layers", L},
+      {"num_heads", H},
+      {"num_kv_heads", Hkv},
+      {"head_dim", d},
+      {"hidden_size", D}}.dump();
+  auto tensor = [](std::vector<int64_t> shape, const std::vector<float>& values) {
+    SafeTensor t;
+    t.dtype = kernels::DType::kBF16;
+    t.shape = std::move(shape);
+    t.bytes.resize(values.size() * 2);
+    for (size_t i = 0; i < values.size(); ++i) {
+      const uint16_t b = kernels::FloatToBf16(values[i]);
+      std::memcpy(&t.bytes[i * 2], &b, 2);
+    }
+    return t;
+  };
+  for (int l = 0; l < L; ++l) {
+    std::vector<float> keys(Hkv * n * d), values(Hkv * n * d), queries(H * w * d),
+        o_proj(D * H * d);
+    for (float& x : keys) x = normal(rng);
+    for (float& x : queries) x = normal(rng) * 0.5f;
+    for (float& x : o_proj) x = normal(rng) * 0.04f;
+    const float value_scale = 1.f + 2.f * l / L;
+    for (float& x : values) x = normal(rng) * value_scale;
+    std::uniform_int_distribution<int64_t> position(8, n - w - 1);
+    for (int g = 0; g < Hkv; ++g) {
+      // Sinks and heavy hitters: keys aligned with the group's query direction.
+      std::vector<int64_t> special = {0, 1, 2, 3};
+      for (int i = 0; i < 12 + 4 * l; ++i) special.push_back(position(rng));
+      for (int64_t p : special) {
+        for (int k = 0; k < d; ++k) keys[(g * n + p) * d + k] = queries[(g * 3 * w) * d + k] * 4;
+      }
+    }
+    file.tensors[absl::StrCat("layers.", l, ".keys")] = tensor({Hkv, n, d}, keys);
+    file.tensors[absl::StrCat("layers.", l, ".values")] = tensor({Hkv, n, d}, values);
+    file.tensors[absl::StrCat("layers.", l, ".window_queries")] = tensor({H, w, d}, queries);
+    file.tensors[absl::StrCat("layers.", l, ".o_proj")] = tensor({D, H * d}, o_proj);
+  }
+  return file;
+}
+
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "laprox-cli: %s\n", status.ToString().c_str());
+  return 1;
+}
+
+int RunPlan(SafeTensorsFile file) {
+  auto dump = LoadDump(std::move(file));
+  if (!dump.ok()) return Fail(dump.status());
+  auto plan = absl::GetFlag(FLAGS_local) ? PlanLocal(*dump) : PlanRemote(*dump);
+  if (!plan.ok()) return Fail(plan.status());
+  if (absl::GetFlag(FLAGS_json)) {
+    PrintJson(*plan);
+  } else {
+    PrintTable(*plan);
+  }
+  return 0;
+}
+
+int Main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("laprox-cli info | plan DUMP.safetensors | demo [--save=FILE]");
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  const std::string command = args.size() > 1 ? args[1] : "";
+  if (command == "info") {
+    auto client = laprox::client::Client::Connect(absl::GetFlag(FLAGS_target));
+    if (!client.ok()) return Fail(client.status());
+    auto info = (*client)->GetServerInfo();
+    if (!info.ok()) return Fail(info.status());
+    std::printf("laproxd %s, %s, max n %lld, %d regions, %d models\n", info->version.c_str(),
+                info->backend_description.c_str(), static_cast<long long>(info->max_tokens),
+                info->max_regions, info->max_models);
+    return 0;
+  }
+  if (command == "plan" && args.size() == 3) {
+    auto file = ReadSafeTensors(args[2]);
+    if (!file.ok()) return Fail(file.status());
+    return RunPlan(*std::move(file));
+  }
+  if (command == "demo") {
+    SafeTensorsFile file = MakeDemo();
+    if (const std::string save = absl::GetFlag(FLAGS_save); !save.empty()) {
+      if (absl::Status s = WriteSafeTensors(save, file); !s.ok()) return Fail(s);
+    }
+    return RunPlan(std::move(file));
+  }
+  std::fprintf(stderr, "usage: laprox-cli info | plan DUMP.safetensors | demo [--save=FILE]\n");
+  return 2;
+}
+
+}  // namespace
+}  // namespace laprox::cli
+
+int main(int argc, char** argv) {
+  try {
+    return laprox::cli::Main(argc, argv);
+  } catch (const std::exception& e) {  // nlohmann::json reports malformed dumps by throwing
+    std::fprintf(stderr, "laprox-cli: %s\n", e.what());
+    return 1;
+  }
+}
