@@ -1,0 +1,156 @@
+// service_benchmark: what laproxd adds on top of the compute, for a register-once,
+// reference-many request over a Unix socket, against calling the backend in-process on the same
+// inputs, in one run.
+//
+// SmolLM2-135M geometry (L30, H9, Hkv3, d64, D576), n = 4096, w = 32, fp32, budget 128, kept
+// positions as output. The region and the model are registered once; each timed request sends
+// only references. Calls alternate (in-process, served) so both see the same machine state; the
+// overhead of each pair is served - in-process, and the p50/p99 of those differences are
+// reported beside the p50 of each side. A GetServerInfo round trip on the same connection gives
+// the transport's own cost.
+//
+//   build/bench/service_benchmark [--benchmark_filter=...]
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <benchmark/benchmark.h>
+#include <grpcpp/grpcpp.h>
+#include <unistd.h>
+
+#include "absl/strings/str_cat.h"
+#include "laprox/client/client.h"
+#include "laprox/kernels/registry.h"
+#include "service/core/core.h"
+#include "service/core/work_queue.h"
+#include "service/grpc/laprox_service.h"
+
+namespace laprox {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int kL = 30, kH = 9, kHkv = 3, kD = 64, kHidden = 576, kWindow = 32;
+constexpr int kRounds = 30;
+
+double Percentile(std::vector<double> v, double p) {
+  std::sort(v.begin(), v.end());
+  return v[static_cast<size_t>(p * static_cast<double>(v.size() - 1))];
+}
+
+void BM_ServiceOverhead(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  // The server, in this process, on a private Unix socket.
+  service::Core core(*kernels::CreateBackend("cpu"), {});
+  service::WorkQueue work(1, 16);
+  service::LaproxService service(core, work, "bench");
+  const std::string socket = absl::StrCat("/tmp/laprox-bench-", getpid(), ".sock");
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + socket, grpc::InsecureServerCredentials());
+  builder.SetMaxReceiveMessageSize(256 << 20);  // laproxd's default --max_request_bytes
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  auto client = *client::Client::Connect("unix:" + socket);
+
+  // Inputs in one shared buffer: per layer keys, values, queries.
+  const int64_t kv = int64_t{kHkv} * n * kD, q = int64_t{kH} * kWindow * kD;
+  const int64_t layer = 2 * kv + q;
+  auto buffer =
+      client->ShareHostBuffer(absl::StrCat("laprox-bench-", getpid()), kL * layer * sizeof(float));
+  if (!buffer.ok()) {
+    state.SkipWithError(buffer.status().ToString().c_str());
+    return;
+  }
+  auto* floats = reinterpret_cast<float*>(buffer->data());
+  std::mt19937 rng(20261130);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (int64_t i = 0; i < kL * layer; ++i) floats[i] = normal(rng);
+  std::vector<std::vector<float>> o_proj(kL, std::vector<float>(kHidden * kH * kD));
+  for (auto& w : o_proj) {
+    for (float& x : w) x = normal(rng) * 0.02f;
+  }
+
+  const kernels::ModelGeometry geometry{kL, kH, kHkv, kD, kHidden, 0.f};
+  std::vector<client::TensorRef> o_refs;
+  std::vector<kernels::TensorView> o_views;
+  for (const auto& w : o_proj) {
+    o_refs.push_back(client::TensorRef::Inline(w.data(), kernels::DType::kF32, {kHidden, kH * kD}));
+    o_views.emplace_back(w.data(), kernels::DType::kF32, kernels::Dims{kHidden, kH * kD});
+  }
+  auto registered = client->RegisterModel("bench", geometry, o_refs);
+  if (!registered.ok()) {
+    state.SkipWithError(registered.status().ToString().c_str());
+    return;
+  }
+  const uint64_t model = *registered;
+  auto backend = *kernels::CreateBackend("cpu");
+  auto prepared = *backend->PrepareModel(geometry, o_views);
+
+  kernels::PolicySpec policy;
+  policy.budget = kernels::Budget::TokensPerHead(128);
+  std::vector<client::LayerRefs> refs;
+  kernels::KeepPlanRequest request;
+  request.n = n;
+  request.policy = policy;
+  for (int l = 0; l < kL; ++l) {
+    const int64_t base = l * layer;
+    client::LayerRefs& r = refs.emplace_back();
+    r.keys = client::TensorRef::InRegion(buffer->region_id(), base * 4, kernels::DType::kF32,
+                                         {kHkv, n, kD});
+    r.values = client::TensorRef::InRegion(buffer->region_id(), (base + kv) * 4,
+                                           kernels::DType::kF32, {kHkv, n, kD});
+    r.window_queries = client::TensorRef::InRegion(buffer->region_id(), (base + 2 * kv) * 4,
+                                                   kernels::DType::kF32, {kH, kWindow, kD});
+    kernels::LayerInputs& in = request.layers.emplace_back();
+    in.keys = {floats + base, kernels::DType::kF32, {kHkv, n, kD}};
+    in.values = {floats + base + kv, kernels::DType::kF32, {kHkv, n, kD}};
+    in.window_queries = {floats + base + 2 * kv, kernels::DType::kF32, {kH, kWindow, kD}};
+  }
+
+  std::vector<double> direct, served, overhead;
+  for (auto _ : state) {  // NOLINT(clang-analyzer-deadcode.DeadStores): Google Benchmark idiom
+    direct.clear();
+    served.clear();
+    overhead.clear();
+    for (int round = -2; round < kRounds; ++round) {  // two warm-up rounds
+      auto t0 = Clock::now();
+      auto local = backend->ComputeKeepPlan(*prepared, request);
+      auto t1 = Clock::now();
+      auto remote = client->ComputeKeepPlan(model, n, refs, policy);
+      auto t2 = Clock::now();
+      if (!local.ok() || !remote.ok() || local->positions != remote->positions) {
+        state.SkipWithError("plans differ or failed");
+        return;
+      }
+      if (round < 0) continue;
+      const double a = std::chrono::duration<double, std::micro>(t1 - t0).count();
+      const double b = std::chrono::duration<double, std::micro>(t2 - t1).count();
+      direct.push_back(a);
+      served.push_back(b);
+      overhead.push_back(b - a);
+    }
+  }
+  // The transport alone: a GetServerInfo round trip on the same connection.
+  std::vector<double> rpc;
+  for (int i = 0; i < 200; ++i) {
+    auto t0 = Clock::now();
+    if (!client->GetServerInfo().ok()) state.SkipWithError("GetServerInfo failed");
+    rpc.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+  }
+  state.counters["empty_rpc_p50_us"] = Percentile(rpc, 0.5);
+  state.counters["in_process_p50_us"] = Percentile(direct, 0.5);
+  state.counters["served_p50_us"] = Percentile(served, 0.5);
+  state.counters["overhead_p50_us"] = Percentile(overhead, 0.5);
+  state.counters["overhead_p99_us"] = Percentile(overhead, 0.99);
+  server->Shutdown();
+  unlink(socket.c_str());
+}
+
+BENCHMARK(BM_ServiceOverhead)->Arg(4096)->Iterations(1)->Unit(benchmark::kMillisecond);
+
+}  // namespace
+}  // namespace laprox
+
+BENCHMARK_MAIN();
