@@ -57,11 +57,15 @@ void ToProto(const TensorRef& ref, v1::TensorRef* proto) {
   proto->mutable_strides()->Assign(ref.strides.begin(), ref.strides.end());
 }
 
+// Kernels enums map to wire enums by value + 1 (after UNSPECIFIED = 0).
+static_assert(v1::ALLOCATION_UNIFORM == static_cast<int>(kernels::Allocation::kUniform) + 1);
+static_assert(v1::INDICATOR_ATTENTION == static_cast<int>(kernels::Indicator::kAttention) + 1);
+static_assert(v1::GQA_VALUE_EXACT_BLOCK == static_cast<int>(kernels::GqaValue::kExactBlock) + 1);
+static_assert(v1::POOLING_NONE == static_cast<int>(kernels::Pooling::kNone) + 1);
+
 void ToProto(const PolicySpec& policy, v1::ComputeKeepMaskRequest* request) {
   v1::Policy* p = request->mutable_policy();
   p->set_kind(v1::POLICY_KIND_LAPROX);
-  // Kernels enums map to wire enums by value + 1 (after UNSPECIFIED); the server's
-  // convert.cc asserts this at compile time.
   p->set_allocation(static_cast<v1::Allocation>(static_cast<int>(policy.allocation) + 1));
   p->set_indicator(static_cast<v1::Indicator>(static_cast<int>(policy.indicator) + 1));
   p->set_gqa_value(static_cast<v1::GqaValue>(static_cast<int>(policy.gqa_value) + 1));
@@ -84,9 +88,15 @@ struct Client::Impl {
   std::unique_ptr<v1::Laprox::Stub> stub;
   ClientOptions options;
 
-  void Prepare(grpc::ClientContext* context) const {
-    context->set_deadline(std::chrono::system_clock::now() +
-                          absl::ToChronoMilliseconds(options.deadline));
+  // One unary call with the default deadline, its status converted.
+  template <typename Request, typename Response>
+  absl::Status Call(grpc::Status (v1::Laprox::Stub::*method)(grpc::ClientContext*, const Request&,
+                                                             Response*),
+                    const Request& request, Response* response) const {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         absl::ToChronoMilliseconds(options.deadline));
+    return FromGrpc((stub.get()->*method)(&context, request, response));
   }
 };
 
@@ -106,11 +116,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
 }
 
 absl::StatusOr<ServerInfo> Client::GetServerInfo() {
-  grpc::ClientContext context;
-  impl_->Prepare(&context);
   v1::GetServerInfoResponse response;
   if (absl::Status s =
-          FromGrpc(impl_->stub->GetServerInfo(&context, v1::GetServerInfoRequest(), &response));
+          impl_->Call(&v1::Laprox::Stub::GetServerInfo, v1::GetServerInfoRequest(), &response);
       !s.ok()) {
     return s;
   }
@@ -131,10 +139,8 @@ absl::StatusOr<uint64_t> Client::RegisterShmRegion(const std::string& name, int6
   request.mutable_shm()->set_offset(offset);
   request.mutable_shm()->set_byte_size(byte_size);
   request.set_writable(writable);
-  grpc::ClientContext context;
-  impl_->Prepare(&context);
   v1::RegisterRegionResponse response;
-  if (absl::Status s = FromGrpc(impl_->stub->RegisterRegion(&context, request, &response));
+  if (absl::Status s = impl_->Call(&v1::Laprox::Stub::RegisterRegion, request, &response);
       !s.ok()) {
     return s;
   }
@@ -144,10 +150,8 @@ absl::StatusOr<uint64_t> Client::RegisterShmRegion(const std::string& name, int6
 absl::Status Client::UnregisterRegion(uint64_t region_id) {
   v1::UnregisterRegionRequest request;
   request.set_region_id(region_id);
-  grpc::ClientContext context;
-  impl_->Prepare(&context);
   v1::UnregisterRegionResponse response;
-  return FromGrpc(impl_->stub->UnregisterRegion(&context, request, &response));
+  return impl_->Call(&v1::Laprox::Stub::UnregisterRegion, request, &response);
 }
 
 absl::StatusOr<SharedBuffer> Client::ShareHostBuffer(const std::string& name, size_t bytes) {
@@ -194,11 +198,8 @@ absl::StatusOr<uint64_t> Client::RegisterModel(const std::string& name,
   g->set_softmax_scale(geometry.softmax_scale);
   for (const TensorRef& ref : o_proj) ToProto(ref, request.add_o_proj());
   request.set_prepare_cross_grams(cross_grams);
-  grpc::ClientContext context;
-  impl_->Prepare(&context);
   v1::RegisterModelResponse response;
-  if (absl::Status s = FromGrpc(impl_->stub->RegisterModel(&context, request, &response));
-      !s.ok()) {
+  if (absl::Status s = impl_->Call(&v1::Laprox::Stub::RegisterModel, request, &response); !s.ok()) {
     return s;
   }
   return response.model_id();
@@ -207,10 +208,8 @@ absl::StatusOr<uint64_t> Client::RegisterModel(const std::string& name,
 absl::Status Client::UnregisterModel(uint64_t model_id) {
   v1::UnregisterModelRequest request;
   request.set_model_id(model_id);
-  grpc::ClientContext context;
-  impl_->Prepare(&context);
   v1::UnregisterModelResponse response;
-  return FromGrpc(impl_->stub->UnregisterModel(&context, request, &response));
+  return impl_->Call(&v1::Laprox::Stub::UnregisterModel, request, &response);
 }
 
 absl::StatusOr<KeepPlan> Client::ComputeKeepPlan(uint64_t model_id, int64_t n,
@@ -232,10 +231,8 @@ absl::StatusOr<KeepPlan> Client::ComputeKeepPlan(uint64_t model_id, int64_t n,
     if (layer.window_attention) ToProto(*layer.window_attention, in->mutable_window_attention());
     if (layer.window_lse) ToProto(*layer.window_lse, in->mutable_window_lse());
   }
-  grpc::ClientContext context;
-  impl_->Prepare(&context);
   v1::ComputeKeepMaskResponse response;
-  if (absl::Status s = FromGrpc(impl_->stub->ComputeKeepMask(&context, request, &response));
+  if (absl::Status s = impl_->Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response);
       !s.ok()) {
     return s;
   }
