@@ -37,7 +37,8 @@ constexpr int64_t kN = 300;
 // per layer keys [Hkv,n,d], values [Hkv,n,d], queries [H,w,d].
 class Prefill {
  public:
-  explicit Prefill(uint32_t seed) : name_(absl::StrCat("laprox-itest-", getpid(), "-", seed)) {
+  explicit Prefill(uint32_t seed, int64_t n = kN)
+      : name_(absl::StrCat("laprox-itest-", getpid(), "-", seed)), n_(n) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> normal(0.f, 1.f);
     floats_.resize(kL * LayerFloats());
@@ -56,9 +57,10 @@ class Prefill {
   }
   ~Prefill() { shm_unlink(("/" + name_).c_str()); }
 
-  static int64_t KvFloats() { return int64_t{kHkv} * kN * kD; }
+  int64_t n() const { return n_; }
+  int64_t KvFloats() const { return int64_t{kHkv} * n_ * kD; }
   static int64_t QFloats() { return int64_t{kH} * kWindow * kD; }
-  static int64_t LayerFloats() { return 2 * KvFloats() + QFloats(); }
+  int64_t LayerFloats() const { return 2 * KvFloats() + QFloats(); }
   int64_t Bytes() const { return static_cast<int64_t>(floats_.size()) * 4; }
   const std::string& name() const { return name_; }
   const float* layer(int l) const { return floats_.data() + l * LayerFloats(); }
@@ -66,6 +68,7 @@ class Prefill {
 
  private:
   std::string name_;
+  int64_t n_;
   std::vector<float> floats_;
   std::vector<std::vector<float>> o_proj_;
 };
@@ -140,18 +143,20 @@ class GrpcIntegrationTest : public ::testing::Test {
     return response.model_id();
   }
 
-  static v1::ComputeKeepMaskRequest GoodRequest(uint64_t model, uint64_t region) {
+  static v1::ComputeKeepMaskRequest GoodRequest(uint64_t model, uint64_t region,
+                                                const Prefill& prefill) {
+    const int64_t n = prefill.n();
     v1::ComputeKeepMaskRequest request;
     request.set_model_id(model);
-    request.set_n(kN);
+    request.set_n(n);
     request.mutable_budget()->set_tokens_per_head(64);
     request.mutable_outputs()->set_bitmask(true);
     for (int l = 0; l < kL; ++l) {
       v1::LayerInputs* in = request.add_layers();
-      const int64_t base = l * Prefill::LayerFloats();
-      SetRegionTensor(in->mutable_keys(), region, base, {kHkv, kN, kD});
-      SetRegionTensor(in->mutable_values(), region, base + Prefill::KvFloats(), {kHkv, kN, kD});
-      SetRegionTensor(in->mutable_window_queries(), region, base + 2 * Prefill::KvFloats(),
+      const int64_t base = l * prefill.LayerFloats();
+      SetRegionTensor(in->mutable_keys(), region, base, {kHkv, n, kD});
+      SetRegionTensor(in->mutable_values(), region, base + prefill.KvFloats(), {kHkv, n, kD});
+      SetRegionTensor(in->mutable_window_queries(), region, base + 2 * prefill.KvFloats(),
                       {kH, kWindow, kD});
     }
     return request;
@@ -174,8 +179,8 @@ class GrpcIntegrationTest : public ::testing::Test {
       const float* base = prefill.layer(l);
       kernels::LayerInputs& in = request.layers.emplace_back();
       in.keys = {base, kernels::DType::kF32, {kHkv, kN, kD}};
-      in.values = {base + Prefill::KvFloats(), kernels::DType::kF32, {kHkv, kN, kD}};
-      in.window_queries = {base + 2 * Prefill::KvFloats(), kernels::DType::kF32, {kH, kWindow, kD}};
+      in.values = {base + prefill.KvFloats(), kernels::DType::kF32, {kHkv, kN, kD}};
+      in.window_queries = {base + 2 * prefill.KvFloats(), kernels::DType::kF32, {kH, kWindow, kD}};
     }
     return *backend->ComputeKeepPlan(*model, request);
   }
@@ -208,7 +213,8 @@ TEST_F(GrpcIntegrationTest, KeepPlanOverSharedMemoryEqualsTheLibrary) {
   const uint64_t region = RegisterRegion(prefill);
   const uint64_t model = RegisterModel(prefill);
   v1::ComputeKeepMaskResponse response;
-  grpc::Status s = Call(&v1::Laprox::Stub::ComputeKeepMask, GoodRequest(model, region), &response);
+  grpc::Status s =
+      Call(&v1::Laprox::Stub::ComputeKeepMask, GoodRequest(model, region, prefill), &response);
   ASSERT_TRUE(s.ok()) << s.error_message();
   const kernels::KeepPlan direct = DirectPlan(prefill);
   EXPECT_THAT(response.counts(), ::testing::ElementsAreArray(direct.counts));
@@ -277,7 +283,7 @@ TEST_F(GrpcIntegrationTest, BadRequestsGetPreciseStatusesAndLeakNothing) {
        grpc::StatusCode::UNIMPLEMENTED, "POLICY_KIND_SNAPKV"},
   };
   for (const BadCase& c : cases) {
-    v1::ComputeKeepMaskRequest request = GoodRequest(model, region);
+    v1::ComputeKeepMaskRequest request = GoodRequest(model, region, prefill);
     c.mutate(request);
     v1::ComputeKeepMaskResponse response;
     grpc::Status s = Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response);
@@ -287,7 +293,8 @@ TEST_F(GrpcIntegrationTest, BadRequestsGetPreciseStatusesAndLeakNothing) {
     ASSERT_EQ(regions.size(), 1u) << c.what;
     EXPECT_EQ(regions[0].in_flight_requests(), 0) << c.what;
     EXPECT_TRUE(
-        Call(&v1::Laprox::Stub::ComputeKeepMask, GoodRequest(model, region), &response).ok())
+        Call(&v1::Laprox::Stub::ComputeKeepMask, GoodRequest(model, region, prefill), &response)
+            .ok())
         << "after " << c.what;
   }
 }
@@ -301,9 +308,10 @@ TEST_F(GrpcIntegrationTest, NaNInKeysIsRejectedNamingTheElement) {
   auto* p = static_cast<float*>(
       mmap(nullptr, prefill.Bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
   close(fd);
-  p[Prefill::LayerFloats() + 5 * kD + 2] = std::numeric_limits<float>::quiet_NaN();
+  p[prefill.LayerFloats() + 5 * kD + 2] = std::numeric_limits<float>::quiet_NaN();
   v1::ComputeKeepMaskResponse response;
-  grpc::Status s = Call(&v1::Laprox::Stub::ComputeKeepMask, GoodRequest(model, region), &response);
+  grpc::Status s =
+      Call(&v1::Laprox::Stub::ComputeKeepMask, GoodRequest(model, region, prefill), &response);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(s.error_message(),
               ::testing::HasSubstr("layers[1].keys has a non-finite value (nan) at [0, 5, 2]"));
@@ -342,13 +350,14 @@ TEST_F(GrpcIntegrationTest, SequenceLengthAboveTheLimitIsResourceExhausted) {
   const uint64_t region = RegisterRegion(prefill);
   const uint64_t model = RegisterModel(prefill);
   v1::ComputeKeepMaskResponse response;
-  grpc::Status s = Call(&v1::Laprox::Stub::ComputeKeepMask, GoodRequest(model, region), &response);
+  grpc::Status s =
+      Call(&v1::Laprox::Stub::ComputeKeepMask, GoodRequest(model, region, prefill), &response);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_THAT(s.error_message(),
               ::testing::HasSubstr("n = 300 exceeds this server's limit of 200"));
 }
 
-// 8 clients x 10 requests on one shared region and model: every plan equals the single one.
+// 16 clients x 50 requests on one shared region and model: every plan equals the single one.
 TEST_F(GrpcIntegrationTest, ConcurrentClientsGetIdenticalPlans) {
   Prefill prefill(5);
   const uint64_t region = RegisterRegion(prefill);
@@ -356,14 +365,14 @@ TEST_F(GrpcIntegrationTest, ConcurrentClientsGetIdenticalPlans) {
   const kernels::KeepPlan direct = DirectPlan(prefill);
   std::atomic<int> mismatches{0}, failures{0};
   std::vector<std::thread> clients;
-  for (int c = 0; c < 8; ++c) {
+  for (int c = 0; c < 16; ++c) {
     clients.emplace_back([&] {
       auto stub = v1::Laprox::NewStub(
           grpc::CreateChannel("unix:" + socket_, grpc::InsecureChannelCredentials()));
-      for (int i = 0; i < 10; ++i) {
+      for (int i = 0; i < 50; ++i) {
         grpc::ClientContext context;
         v1::ComputeKeepMaskResponse response;
-        if (!stub->ComputeKeepMask(&context, GoodRequest(model, region), &response).ok()) {
+        if (!stub->ComputeKeepMask(&context, GoodRequest(model, region, prefill), &response).ok()) {
           ++failures;
           continue;
         }
@@ -378,6 +387,36 @@ TEST_F(GrpcIntegrationTest, ConcurrentClientsGetIdenticalPlans) {
   EXPECT_EQ(failures, 0);
   EXPECT_EQ(mismatches, 0);
   EXPECT_EQ(Regions()[0].in_flight_requests(), 0);
+}
+
+// UnregisterRegion while a request reads the region: the request completes with its plan, the
+// unregistration returns after it, and the region is gone.
+TEST_F(GrpcIntegrationTest, UnregisterWaitsForTheRequestUsingTheRegion) {
+  Prefill prefill(6, /*n=*/60000);  // long enough (tens of ms) to be caught in flight
+  const uint64_t region = RegisterRegion(prefill);
+  const uint64_t model = RegisterModel(prefill);
+  v1::ComputeKeepMaskResponse plan;
+  grpc::Status plan_status;
+  std::thread request([&] {
+    plan_status =
+        Call(&v1::Laprox::Stub::ComputeKeepMask, GoodRequest(model, region, prefill), &plan);
+  });
+  // Bounded poll (no sleeps) until the request holds its lease on the region.
+  bool in_flight = false;
+  for (int polls = 0; polls < 100000 && !in_flight; ++polls) {
+    const auto regions = Regions();
+    in_flight = !regions.empty() && regions[0].in_flight_requests() == 1;
+  }
+  ASSERT_TRUE(in_flight) << "the request was never seen holding the region";
+  v1::UnregisterRegionRequest unregister;
+  unregister.set_region_id(region);
+  v1::UnregisterRegionResponse unregistered;
+  grpc::Status s = Call(&v1::Laprox::Stub::UnregisterRegion, unregister, &unregistered);
+  request.join();
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  ASSERT_TRUE(plan_status.ok()) << plan_status.error_message();
+  EXPECT_EQ(plan.counts_size(), kL * kHkv);
+  EXPECT_TRUE(Regions().empty());
 }
 
 }  // namespace
