@@ -68,7 +68,6 @@ class Resolver {
     return TensorView(data, ref.dtype, ref.shape, strides, kernels::MemorySpace::kHost);
   }
 
- private:
   absl::StatusOr<const MappedRegion*> Lease(uint64_t id, const std::string& field) {
     auto it = leases_.find(id);
     if (it == leases_.end()) {
@@ -82,10 +81,27 @@ class Resolver {
     return &it->second.region();
   }
 
+ private:
   RegionRegistry& regions_;
   std::map<uint64_t, RegionLease> leases_;
   std::vector<std::vector<uint64_t>> copies_;
 };
+
+// Copies `values` to `byte_offset` of `region` (checked bounds and alignment).
+template <typename T>
+absl::Status WriteOutput(const MappedRegion& region, int64_t byte_offset,
+                         const std::vector<T>& values, const char* field) {
+  const int64_t bytes = static_cast<int64_t>(values.size() * sizeof(T));
+  auto slice = region.Slice(byte_offset, bytes, absl::StrCat("outputs.destination.", field));
+  if (!slice.ok()) return slice.status();
+  if (reinterpret_cast<uintptr_t>(*slice) % alignof(T) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("outputs.destination.", field, " offset ",
+                                                   byte_offset, " is not aligned to ", alignof(T),
+                                                   " bytes"));
+  }
+  std::memcpy(*slice, values.data(), bytes);
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -155,6 +171,17 @@ absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call
         "n = ", call.n, " exceeds this server's limit of ", limits_.max_tokens, " tokens"));
   }
   Resolver resolver(regions_);
+  const MappedRegion* destination = nullptr;
+  if (call.destination) {
+    auto region = resolver.Lease(call.destination->region_id, "outputs.destination");
+    if (!region.ok()) return region.status();
+    if (!(*region)->info().writable) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("outputs.destination: region ", call.destination->region_id,
+                       " was registered read-only; register it writable to receive outputs"));
+    }
+    destination = *region;
+  }
   kernels::KeepPlanRequest request;
   request.n = call.n;
   request.policy = call.policy;
@@ -178,7 +205,32 @@ absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call
       f.view = *view;
     }
   }
-  return backend_->ComputeKeepPlan(*model->prepared, request);
+  if (destination != nullptr) {
+    // Outputs written into the region are computed even if the inline flags did not ask.
+    request.outputs.positions |= call.destination->positions.has_value();
+    request.outputs.bitmask |= call.destination->bitmask.has_value();
+    request.outputs.scores |= call.destination->scores.has_value();
+  }
+  auto plan = backend_->ComputeKeepPlan(*model->prepared, request);
+  if (!plan.ok() || destination == nullptr) return plan;
+  const OutputDestination& to = *call.destination;
+  absl::Status s;
+  if (to.counts) s.Update(WriteOutput(*destination, *to.counts, plan->counts, "counts"));
+  if (to.offsets) s.Update(WriteOutput(*destination, *to.offsets, plan->offsets, "offsets"));
+  if (to.positions) {
+    s.Update(WriteOutput(*destination, *to.positions, plan->positions, "positions"));
+    plan->positions.clear();
+  }
+  if (to.bitmask) {
+    s.Update(WriteOutput(*destination, *to.bitmask, plan->bitmask, "bitmask"));
+    plan->bitmask.clear();
+  }
+  if (to.scores) {
+    s.Update(WriteOutput(*destination, *to.scores, plan->scores, "scores"));
+    plan->scores.clear();
+  }
+  if (!s.ok()) return s;
+  return plan;
 }
 
 }  // namespace laprox::service

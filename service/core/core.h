@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,12 +47,25 @@ struct ModelSpec {
   bool cross_grams = false;
 };
 
+// Where to write outputs in a writable region the client registered, as byte offsets; an
+// output with an offset is written there (positions, bitmask and scores are then left out of the
+// returned plan; counts and offsets stay in it too).
+struct OutputDestination {
+  uint64_t region_id = 0;
+  std::optional<int64_t> counts;     // int32 [L * Hkv]
+  std::optional<int64_t> offsets;    // int64 [L * Hkv + 1]
+  std::optional<int64_t> positions;  // int32, all kept positions
+  std::optional<int64_t> bitmask;    // uint8 [L, Hkv, ceil(n / 8)]
+  std::optional<int64_t> scores;     // float32 [L, Hkv, n]
+};
+
 struct KeepPlanCall {
   uint64_t model_id = 0;
   int64_t n = 0;
   std::vector<LayerRefs> layers;
   kernels::PolicySpec policy;
   kernels::OutputOptions outputs;
+  std::optional<OutputDestination> destination;
 };
 
 struct CoreLimits {
@@ -84,9 +98,11 @@ class Core {
   std::vector<ModelInfo> ListModels() const;
 
   // Resolves every reference (holding leases on the regions it names until the plan is
-  // computed), then computes the plan. NOT_FOUND: unknown model or region; RESOURCE_EXHAUSTED:
-  // n above max_tokens; reference errors name the field ("layers[3].keys"); then whatever
-  // Backend::ComputeKeepPlan returns.
+  // computed), then computes the plan, and writes the outputs the destination names.
+  // NOT_FOUND: unknown model or region; RESOURCE_EXHAUSTED: n above max_tokens; reference errors
+  // name the field ("layers[3].keys"); FAILED_PRECONDITION: destination region not writable;
+  // OUT_OF_RANGE / INVALID_ARGUMENT: an output does not fit or is misaligned there; then
+  // whatever Backend::ComputeKeepPlan returns.
   absl::StatusOr<kernels::KeepPlan> ComputeKeepPlan(const KeepPlanCall& call);
 
  private:

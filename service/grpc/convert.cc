@@ -181,8 +181,17 @@ absl::StatusOr<KeepPlanCall> KeepPlanCallFromProto(const v1::ComputeKeepMaskRequ
   call.policy = *policy;
   const v1::OutputOptions& out = proto.outputs();
   if (out.has_destination()) {
-    return absl::UnimplementedError(
-        "outputs.destination (writing into a region) is not implemented by this server yet");
+    const v1::OutputDestination& d = out.destination();
+    if (d.region_id() == 0) {
+      return absl::InvalidArgumentError("outputs.destination.region_id is 0");
+    }
+    OutputDestination& to = call.destination.emplace();
+    to.region_id = d.region_id();
+    if (d.has_counts_offset()) to.counts = d.counts_offset();
+    if (d.has_offsets_offset()) to.offsets = d.offsets_offset();
+    if (d.has_positions_offset()) to.positions = d.positions_offset();
+    if (d.has_bitmask_offset()) to.bitmask = d.bitmask_offset();
+    if (d.has_scores_offset()) to.scores = d.scores_offset();
   }
   call.outputs.positions = out.has_positions() ? out.positions() : true;
   call.outputs.bitmask = out.bitmask();

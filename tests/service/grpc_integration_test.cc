@@ -2,6 +2,7 @@
 // keep-plans equal to the library called directly, every bad request answered with the named
 // status and field, nothing leaked, and concurrent clients getting identical plans.
 #include <atomic>
+#include <cstddef>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -387,6 +388,56 @@ TEST_F(GrpcIntegrationTest, ConcurrentClientsGetIdenticalPlans) {
   EXPECT_EQ(failures, 0);
   EXPECT_EQ(mismatches, 0);
   EXPECT_EQ(Regions()[0].in_flight_requests(), 0);
+}
+
+// Outputs written into a writable region the client registered instead of the response.
+TEST_F(GrpcIntegrationTest, WritesOutputsIntoAWritableRegion) {
+  Prefill prefill(7);
+  const uint64_t region = RegisterRegion(prefill);
+  const uint64_t model = RegisterModel(prefill);
+  v1::ComputeKeepMaskResponse reference;
+  ASSERT_TRUE(
+      Call(&v1::Laprox::Stub::ComputeKeepMask, GoodRequest(model, region, prefill), &reference)
+          .ok());
+
+  // An output area of 64 KiB, registered writable.
+  const std::string name = absl::StrCat("laprox-itest-out-", getpid());
+  const int fd = shm_open(("/" + name).c_str(), O_CREAT | O_RDWR | O_TRUNC, 0600);
+  ASSERT_EQ(ftruncate(fd, 65536), 0);
+  auto* out = static_cast<std::byte*>(mmap(nullptr, 65536, PROT_READ, MAP_SHARED, fd, 0));
+  close(fd);
+  v1::RegisterRegionRequest reg;
+  reg.mutable_shm()->set_name(name);
+  reg.mutable_shm()->set_byte_size(65536);
+  reg.set_writable(true);
+  v1::RegisterRegionResponse registered;
+  ASSERT_TRUE(Call(&v1::Laprox::Stub::RegisterRegion, reg, &registered).ok());
+
+  v1::ComputeKeepMaskRequest request = GoodRequest(model, region, prefill);
+  v1::OutputDestination* to = request.mutable_outputs()->mutable_destination();
+  to->set_region_id(registered.region_id());
+  to->set_positions_offset(0);
+  to->set_bitmask_offset(32768);
+  v1::ComputeKeepMaskResponse response;
+  grpc::Status s = Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(response.positions_size(), 0);  // written to the region instead
+  EXPECT_TRUE(response.bitmask().empty());
+  EXPECT_THAT(response.counts(), ::testing::ElementsAreArray(reference.counts()));
+  EXPECT_EQ(std::memcmp(out, reference.positions().data(), reference.positions_size() * 4), 0);
+  EXPECT_EQ(std::memcmp(out + 32768, reference.bitmask().data(), reference.bitmask().size()), 0);
+
+  // Too small an area and a read-only region are refused.
+  to->set_positions_offset(65536 - 8);
+  EXPECT_EQ(Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response).error_code(),
+            grpc::StatusCode::OUT_OF_RANGE);
+  to->set_positions_offset(0);
+  to->set_region_id(region);
+  s = Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), ::testing::HasSubstr("read-only"));
+  munmap(out, 65536);
+  shm_unlink(("/" + name).c_str());
 }
 
 // UnregisterRegion while a request reads the region: the request completes with its plan, the
