@@ -9,8 +9,9 @@
 // in-process with the CPU backend instead of asking laproxd; the same library the server runs).
 //
 // A dump holds layers.{l}.keys [Hkv,n,d], layers.{l}.values [Hkv,n,d],
-// layers.{l}.window_queries [H,w,d], layers.{l}.o_proj [D,H*d] (F32, F16 or BF16), and the
-// geometry as JSON in the metadata key "laprox.geometry" ({"num_layers":..,"num_heads":..,
+// layers.{l}.window_queries [H,w,d] (or layers.{l}.window_attention [H,w,n]; optionally
+// layers.{l}.window_lse [H,w] with the queries), layers.{l}.o_proj [D,H*d] (F32, F16 or BF16), and
+// the geometry as JSON in the metadata key "laprox.geometry" ({"num_layers":..,"num_heads":..,
 // "num_kv_heads":..,"head_dim":..,"hidden_size":..}) or in the file given by --geometry.
 #include <cmath>
 #include <cstdio>
@@ -55,6 +56,10 @@ struct Dump {
   const SafeTensor& Get(int layer, const char* what) const {
     return file.tensors.at(absl::StrCat("layers.", layer, ".", what));
   }
+  const SafeTensor* Find(int layer, const char* what) const {
+    auto it = file.tensors.find(absl::StrCat("layers.", layer, ".", what));
+    return it == file.tensors.end() ? nullptr : &it->second;
+  }
 };
 
 absl::StatusOr<Dump> LoadDump(SafeTensorsFile file) {
@@ -78,10 +83,14 @@ absl::StatusOr<Dump> LoadDump(SafeTensorsFile file) {
   if (absl::Status s = dump.geometry.Validate(); !s.ok()) return s;
   dump.file = std::move(file);
   for (int l = 0; l < dump.geometry.num_layers; ++l) {
-    for (const char* what : {"keys", "values", "window_queries", "o_proj"}) {
-      if (!dump.file.tensors.count(absl::StrCat("layers.", l, ".", what))) {
+    for (const char* what : {"keys", "values", "o_proj"}) {
+      if (dump.Find(l, what) == nullptr) {
         return absl::InvalidArgumentError(absl::StrCat("the dump lacks layers.", l, ".", what));
       }
+    }
+    if (dump.Find(l, "window_queries") == nullptr && dump.Find(l, "window_attention") == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the dump lacks layers.", l, ".window_queries (or .window_attention)"));
     }
   }
   const auto& keys = dump.Get(0, "keys").shape;
@@ -116,7 +125,12 @@ absl::StatusOr<kernels::KeepPlan> PlanLocal(const Dump& dump) {
     kernels::LayerInputs& in = request.layers.emplace_back();
     in.keys = view(dump.Get(l, "keys"));
     in.values = view(dump.Get(l, "values"));
-    in.window_queries = view(dump.Get(l, "window_queries"));
+    if (const SafeTensor* t = dump.Find(l, "window_attention")) {
+      in.window_attention = view(*t);
+    } else {
+      in.window_queries = view(dump.Get(l, "window_queries"));
+      if (const SafeTensor* lse = dump.Find(l, "window_lse")) in.window_lse = view(*lse);
+    }
   }
   auto model = (*backend)->PrepareModel(dump.geometry, o_proj);
   if (!model.ok()) return model.status();
@@ -152,7 +166,12 @@ absl::StatusOr<kernels::KeepPlan> PlanRemote(const Dump& dump) {
     client::LayerRefs& in = layers.emplace_back();
     in.keys = ref(l, "keys");
     in.values = ref(l, "values");
-    in.window_queries = ref(l, "window_queries");
+    if (dump.Find(l, "window_attention") != nullptr) {
+      in.window_attention = ref(l, "window_attention");
+    } else {
+      in.window_queries = ref(l, "window_queries");
+      if (dump.Find(l, "window_lse") != nullptr) in.window_lse = ref(l, "window_lse");
+    }
   }
   auto model = (*client)->RegisterModel("laprox-cli", dump.geometry, o_proj);
   if (!model.ok()) return model.status();
