@@ -3,7 +3,6 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "common/half.h"
 #include "cpu/vector_ops.h"
 
@@ -94,28 +93,6 @@ absl::Status CheckRowsFinite(const TensorView& view, int64_t head, int64_t row0,
   for (int64_t r = row0; r < row0 + count; r += kChunk) {
     const int64_t rows = std::min(kChunk, row0 + count - r);
     if (auto s = LoadRows(view, head, r, rows, name, scratch, &block); !s.ok()) return s;
-  }
-  return absl::OkStatus();
-}
-
-absl::Status LoadAll(const TensorView& view, TensorName name, std::vector<float>& out) {
-  const int64_t total = view.num_elements();
-  out.resize(total);
-  const int rank = view.rank();
-  Dims index(rank, 0);
-  for (int64_t e = 0; e < total; ++e) {
-    int64_t offset = 0;
-    for (int i = 0; i < rank; ++i) offset += index[i] * view.stride(i);
-    out[e] = view.LoadAsFloat(offset);
-    if (!std::isfinite(out[e])) {
-      return absl::InvalidArgumentError(absl::StrCat("layers[", name.layer, "].", name.field,
-                                                     " has a non-finite value (", out[e], ") at [",
-                                                     absl::StrJoin(index, ", "), "]"));
-    }
-    for (int i = rank - 1; i >= 0; --i) {
-      if (++index[i] < view.dim(i)) break;
-      index[i] = 0;
-    }
   }
   return absl::OkStatus();
 }

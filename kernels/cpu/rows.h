@@ -34,10 +34,6 @@ absl::Status LoadRows(const TensorView& view, int64_t head, int64_t row0, int64_
 absl::Status CheckRowsFinite(const TensorView& view, int64_t head, int64_t row0, int64_t count,
                              TensorName name, std::vector<float>& scratch);
 
-// Every element of a host view of any rank, as float, in row-major order of its shape.
-// INVALID_ARGUMENT on a non-finite value.
-absl::Status LoadAll(const TensorView& view, TensorName name, std::vector<float>& out);
-
 }  // namespace laprox::kernels::cpu
 
 #endif  // LAPROX_KERNELS_CPU_ROWS_H_

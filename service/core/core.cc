@@ -149,13 +149,6 @@ absl::Status Core::UnregisterModel(uint64_t id) {
   return absl::OkStatus();
 }
 
-std::vector<ModelInfo> Core::ListModels() const {
-  absl::MutexLock lock(&mu_);
-  std::vector<ModelInfo> out;
-  for (const auto& [id, model] : models_) out.push_back(model->info);
-  return out;
-}
-
 absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call) {
   std::shared_ptr<const Model> model;
   {

@@ -95,7 +95,6 @@ class Core {
   absl::StatusOr<ModelInfo> RegisterModel(const ModelSpec& spec);
   // NOT_FOUND for an unknown id. Requests already using the model finish with it.
   absl::Status UnregisterModel(uint64_t id);
-  std::vector<ModelInfo> ListModels() const;
 
   // Resolves every reference (holding leases on the regions it names until the plan is
   // computed), then computes the plan, and writes the outputs the destination names.

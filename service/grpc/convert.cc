@@ -56,6 +56,31 @@ absl::StatusOr<TensorRef> TensorFromProto(const v1::TensorRef& proto, const std:
   return ref;
 }
 
+// Policy enums travel as the kernels value + 1, with UNSPECIFIED = 0 meaning the policy's
+// default (the first kernels value). The static_asserts pin the ends; the proto contract test
+// checks every value's number.
+static_assert(v1::ALLOCATION_UNIFORM == static_cast<int>(Allocation::kUniform) + 1);
+static_assert(v1::INDICATOR_ATTENTION == static_cast<int>(Indicator::kAttention) + 1);
+static_assert(v1::GQA_VALUE_EXACT_BLOCK == static_cast<int>(GqaValue::kExactBlock) + 1);
+static_assert(v1::POOLING_NONE == static_cast<int>(Pooling::kNone) + 1);
+static_assert(kernels::PolicySpec().allocation == Allocation{} &&
+              kernels::PolicySpec().indicator == Indicator{} &&
+              kernels::PolicySpec().gqa_value == GqaValue{} &&
+              kernels::PolicySpec().pooling == Pooling{});
+
+template <typename Kernel, typename Wire>
+absl::StatusOr<Kernel> EnumFromWire(Wire value, Wire last, const char* field) {
+  if (value < 0 || value > last) {
+    return absl::InvalidArgumentError(absl::StrCat("policy.", field, " = ", value));
+  }
+  return static_cast<Kernel>(value == 0 ? 0 : value - 1);
+}
+
+template <typename Wire, typename Kernel>
+Wire EnumToWire(Kernel value) {
+  return static_cast<Wire>(static_cast<int>(value) + 1);
+}
+
 absl::StatusOr<kernels::PolicySpec> PolicyFromProto(const v1::ComputeKeepMaskRequest& request) {
   const v1::Policy& p = request.policy();
   kernels::PolicySpec spec;
@@ -63,68 +88,18 @@ absl::StatusOr<kernels::PolicySpec> PolicyFromProto(const v1::ComputeKeepMaskReq
     return absl::UnimplementedError(absl::StrCat("policy.kind = ", v1::PolicyKind_Name(p.kind()),
                                                  " is not implemented by this server"));
   }
-  switch (p.allocation()) {
-    case v1::ALLOCATION_UNSPECIFIED:
-    case v1::ALLOCATION_GLOBAL_NORMALIZED:
-      spec.allocation = Allocation::kGlobalNormalized;
-      break;
-    case v1::ALLOCATION_GLOBAL_RAW:
-      spec.allocation = Allocation::kGlobalRaw;
-      break;
-    case v1::ALLOCATION_PER_LAYER:
-      spec.allocation = Allocation::kPerLayer;
-      break;
-    case v1::ALLOCATION_UNIFORM:
-      spec.allocation = Allocation::kUniform;
-      break;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat("policy.allocation = ", p.allocation()));
+  auto allocation = EnumFromWire<Allocation>(p.allocation(), v1::Allocation_MAX, "allocation");
+  auto indicator = EnumFromWire<Indicator>(p.indicator(), v1::Indicator_MAX, "indicator");
+  auto gqa_value = EnumFromWire<GqaValue>(p.gqa_value(), v1::GqaValue_MAX, "gqa_value");
+  auto pooling = EnumFromWire<Pooling>(p.pooling(), v1::Pooling_MAX, "pooling");
+  for (const absl::Status& s :
+       {allocation.status(), indicator.status(), gqa_value.status(), pooling.status()}) {
+    if (!s.ok()) return s;
   }
-  switch (p.indicator()) {
-    case v1::INDICATOR_UNSPECIFIED:
-    case v1::INDICATOR_ATTENTION_X_PROJECTED_VALUE:
-      spec.indicator = Indicator::kAttentionXProjectedValue;
-      break;
-    case v1::INDICATOR_ATTENTION_X_VALUE:
-      spec.indicator = Indicator::kAttentionXValue;
-      break;
-    case v1::INDICATOR_ATTENTION:
-      spec.indicator = Indicator::kAttention;
-      break;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat("policy.indicator = ", p.indicator()));
-  }
-  switch (p.gqa_value()) {
-    case v1::GQA_VALUE_UNSPECIFIED:
-    case v1::GQA_VALUE_MEAN_HEAD_NORM:
-      spec.gqa_value = GqaValue::kMeanHeadNorm;
-      break;
-    case v1::GQA_VALUE_SUMMED_PROJECTION:
-      spec.gqa_value = GqaValue::kSummedProjection;
-      break;
-    case v1::GQA_VALUE_MEAN_HEAD_PRODUCT:
-      spec.gqa_value = GqaValue::kMeanHeadProduct;
-      break;
-    case v1::GQA_VALUE_EXACT_BLOCK:
-      spec.gqa_value = GqaValue::kExactBlock;
-      break;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat("policy.gqa_value = ", p.gqa_value()));
-  }
-  switch (p.pooling()) {
-    case v1::POOLING_UNSPECIFIED:
-    case v1::POOLING_AVG:
-      spec.pooling = Pooling::kAvg;
-      break;
-    case v1::POOLING_MAX:
-      spec.pooling = Pooling::kMax;
-      break;
-    case v1::POOLING_NONE:
-      spec.pooling = Pooling::kNone;
-      break;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat("policy.pooling = ", p.pooling()));
-  }
+  spec.allocation = *allocation;
+  spec.indicator = *indicator;
+  spec.gqa_value = *gqa_value;
+  spec.pooling = *pooling;
   if (p.has_window()) spec.window = p.window();
   if (p.has_pool_kernel()) spec.pool_kernel = p.pool_kernel();
   if (p.has_sinks()) spec.sinks = p.sinks();
@@ -143,13 +118,6 @@ absl::StatusOr<kernels::PolicySpec> PolicyFromProto(const v1::ComputeKeepMaskReq
   }
   return spec;
 }
-
-// KeepPlanToProto maps kernels enums to wire enums by value + 1 (after UNSPECIFIED = 0).
-static_assert(v1::ALLOCATION_UNIFORM == static_cast<int>(Allocation::kUniform) + 1);
-static_assert(v1::ALLOCATION_GLOBAL_RAW == static_cast<int>(Allocation::kGlobalRaw) + 1);
-static_assert(v1::INDICATOR_ATTENTION == static_cast<int>(Indicator::kAttention) + 1);
-static_assert(v1::GQA_VALUE_EXACT_BLOCK == static_cast<int>(GqaValue::kExactBlock) + 1);
-static_assert(v1::POOLING_NONE == static_cast<int>(Pooling::kNone) + 1);
 
 }  // namespace
 
@@ -238,10 +206,10 @@ void KeepPlanToProto(const kernels::KeepPlan& plan, const KeepPlanCall& call,
   proto->set_tokens_per_head(kernels::policy::BudgetTokensPerHead(call.policy.budget, plan.n));
   v1::Policy* p = proto->mutable_effective_policy();
   p->set_kind(v1::POLICY_KIND_LAPROX);
-  p->set_allocation(static_cast<v1::Allocation>(static_cast<int>(call.policy.allocation) + 1));
-  p->set_indicator(static_cast<v1::Indicator>(static_cast<int>(call.policy.indicator) + 1));
-  p->set_gqa_value(static_cast<v1::GqaValue>(static_cast<int>(call.policy.gqa_value) + 1));
-  p->set_pooling(static_cast<v1::Pooling>(static_cast<int>(call.policy.pooling) + 1));
+  p->set_allocation(EnumToWire<v1::Allocation>(call.policy.allocation));
+  p->set_indicator(EnumToWire<v1::Indicator>(call.policy.indicator));
+  p->set_gqa_value(EnumToWire<v1::GqaValue>(call.policy.gqa_value));
+  p->set_pooling(EnumToWire<v1::Pooling>(call.policy.pooling));
   p->set_window(call.policy.window);
   p->set_pool_kernel(call.policy.pool_kernel);
   p->set_sinks(call.policy.sinks);

@@ -17,27 +17,34 @@ namespace {
 
 using google::protobuf::EnumDescriptor;
 
-void ExpectValue(const EnumDescriptor* e, const std::string& prefix, absl::string_view name) {
+// The wire value named <PREFIX>_<name> exists and, when `kernel_value` >= 0, its number is
+// kernel_value + 1: the server and the client convert policy enums by that rule.
+void ExpectValue(const EnumDescriptor* e, const std::string& prefix, absl::string_view name,
+                 int kernel_value = -1) {
   const std::string full = absl::StrCat(prefix, "_", name);
-  EXPECT_NE(e->FindValueByName(full), nullptr) << e->full_name() << " lacks " << full;
+  const auto* value = e->FindValueByName(full);
+  ASSERT_NE(value, nullptr) << e->full_name() << " lacks " << full;
+  if (kernel_value >= 0) {
+    EXPECT_EQ(value->number(), kernel_value + 1) << full;
+  }
 }
 
 TEST(ProtoContractTest, EveryPolicyOptionHasAWireValue) {
   using namespace kernels;  // NOLINT(google-build-using-namespace): test brevity
   for (Allocation a : {Allocation::kGlobalNormalized, Allocation::kGlobalRaw, Allocation::kPerLayer,
                        Allocation::kUniform}) {
-    ExpectValue(v1::Allocation_descriptor(), "ALLOCATION", AllocationName(a));
+    ExpectValue(v1::Allocation_descriptor(), "ALLOCATION", AllocationName(a), static_cast<int>(a));
   }
   for (Indicator i :
        {Indicator::kAttentionXProjectedValue, Indicator::kAttentionXValue, Indicator::kAttention}) {
-    ExpectValue(v1::Indicator_descriptor(), "INDICATOR", IndicatorName(i));
+    ExpectValue(v1::Indicator_descriptor(), "INDICATOR", IndicatorName(i), static_cast<int>(i));
   }
   for (GqaValue g : {GqaValue::kMeanHeadNorm, GqaValue::kSummedProjection,
                      GqaValue::kMeanHeadProduct, GqaValue::kExactBlock}) {
-    ExpectValue(v1::GqaValue_descriptor(), "GQA_VALUE", GqaValueName(g));
+    ExpectValue(v1::GqaValue_descriptor(), "GQA_VALUE", GqaValueName(g), static_cast<int>(g));
   }
   for (Pooling p : {Pooling::kAvg, Pooling::kMax, Pooling::kNone}) {
-    ExpectValue(v1::Pooling_descriptor(), "POOLING", PoolingName(p));
+    ExpectValue(v1::Pooling_descriptor(), "POOLING", PoolingName(p), static_cast<int>(p));
   }
   for (DType d : {DType::kF32, DType::kF16, DType::kBF16}) {
     std::string name(DTypeName(d));
