@@ -6,6 +6,12 @@ find_package(absl REQUIRED CONFIG)
 # gRPC::grpc++ and gRPC::grpc_cpp_plugin. Order matters: absl, then Protobuf, then gRPC.
 find_package(Protobuf 3.21 REQUIRED)
 find_package(gRPC 1.51 REQUIRED CONFIG)
+# prometheus-cpp 1.0 (Debian prometheus-cpp-dev; its config carries no version): the metrics
+# registry and text format. /metrics is served with libmicrohttpd (service/metrics/http_exposer.h
+# says why not prometheus-cpp's civetweb exposer).
+find_package(prometheus-cpp REQUIRED CONFIG)
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(microhttpd REQUIRED IMPORTED_TARGET libmicrohttpd>=0.9.66)
 
 # Debian's libopenblas-dev ships an OpenBLASConfig.cmake with variables only; wrap them in a
 # target. Fall back to FindBLAS when the config file is absent (other distributions).

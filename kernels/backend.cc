@@ -1,5 +1,6 @@
 #include "laprox/kernels/backend.h"
 
+#include <chrono>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -51,9 +52,17 @@ absl::StatusOr<PlanShape> ValidateKeepPlanRequest(const ModelGeometry& geometry,
     return absl::OutOfRangeError(
         absl::StrCat("L*Hkv*n = ", L * Hkv * n, " exceeds the 2^32 tokens one request may score"));
   }
-  if (request.policy.gqa_value == GqaValue::kExactBlock && !prepared.cross_grams) {
+  const PolicyKind kind = request.policy.kind;
+  if (kind == PolicyKind::kLaprox && request.policy.gqa_value == GqaValue::kExactBlock &&
+      !prepared.cross_grams) {
     return absl::FailedPreconditionError(
         "policy.gqa_value = EXACT_BLOCK needs a model prepared with cross_grams");
+  }
+  if ((kind == PolicyKind::kCriticalKv || kind == PolicyKind::kCriticalAdaKv) &&
+      !prepared.output_projection) {
+    return absl::FailedPreconditionError(absl::StrCat("policy.kind = ", PolicyKindName(kind),
+                                                      " needs a model prepared with "
+                                                      "output_projection"));
   }
 
   PlanShape shape;
@@ -81,7 +90,8 @@ absl::StatusOr<PlanShape> ValidateKeepPlanRequest(const ModelGeometry& geometry,
     return absl::InvalidArgumentError(
         absl::StrCat("window rows given = ", wq, " is outside [1, ", PolicySpec::kMaxWindow, "]"));
   }
-  if (request.policy.window > wq) {
+  // STREAMING_LLM reads no window, so its window option cannot contradict the rows given.
+  if (kind != PolicyKind::kStreamingLlm && request.policy.window > wq) {
     return absl::InvalidArgumentError(absl::StrCat("policy.window = ", request.policy.window,
                                                    " is larger than the ", wq,
                                                    " window rows given"));
@@ -150,11 +160,18 @@ absl::StatusOr<std::shared_ptr<const PreparedModel>> Backend::PrepareModel(
 
 absl::StatusOr<KeepPlan> Backend::ComputeKeepPlan(const PreparedModel& model,
                                                   const KeepPlanRequest& request) {
+  if (!Supports(request.policy.kind)) {
+    return absl::UnimplementedError(
+        absl::StrCat("policy.kind = ", PolicyKindName(request.policy.kind),
+                     " is not implemented by the ", BackendKindName(kind()), " backend"));
+  }
   if (model.backend() != kind()) {
     return absl::FailedPreconditionError(absl::StrCat("model was prepared by the ",
                                                       BackendKindName(model.backend()),
                                                       " backend, not ", BackendKindName(kind())));
   }
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point start = Clock::now();
   LAPROX_ASSIGN_OR_RETURN(PlanShape shape,
                           ValidateKeepPlanRequest(model.geometry(), model.options(), request));
   for (size_t l = 0; l < request.layers.size(); ++l) {
@@ -168,7 +185,16 @@ absl::StatusOr<KeepPlan> Backend::ComputeKeepPlan(const PreparedModel& model,
       }
     }
   }
-  return ComputeKeepPlanImpl(model, request, shape);
+  const Clock::time_point validated = Clock::now();
+  absl::StatusOr<KeepPlan> plan = ComputeKeepPlanImpl(model, request, shape);
+  if (plan.ok()) {
+    PlanTiming& t = plan->timing;
+    t.validate_seconds += std::chrono::duration<double>(validated - start).count();
+    if (t.score_seconds == 0 && t.select_seconds == 0) {  // the backend did not split its time
+      t.score_seconds = std::chrono::duration<double>(Clock::now() - validated).count();
+    }
+  }
+  return plan;
 }
 
 }  // namespace laprox::kernels

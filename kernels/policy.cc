@@ -1,10 +1,90 @@
 #include "laprox/kernels/policy.h"
 
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 
 namespace laprox::kernels {
+namespace {
+
+// A baseline parameter outside its range: "policy.cake_tau1 = -1 must be finite and > 0".
+absl::Status CheckParam(const char* name, double value, double low, bool low_inclusive, double high,
+                        const char* range) {
+  const bool ok =
+      std::isfinite(value) && (low_inclusive ? value >= low : value > low) && value <= high;
+  if (ok) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("policy.", name, " = ", value, " ", range));
+}
+
+absl::Status ValidateBaseline(const BaselineParams& b) {
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  for (absl::Status s : {
+           CheckParam("pyramid_beta", b.pyramid_beta, 1.0, true, kInf, "must be finite and >= 1"),
+           CheckParam("alpha_safeguard", b.alpha_safeguard, 0.0, true, 1.0, "is outside [0, 1]"),
+           CheckParam("epsilon", b.epsilon, 0.0, true, kInf, "must be finite and >= 0"),
+           CheckParam("first_stage_ratio", b.first_stage_ratio, 0.0, true, 1.0,
+                      "is outside [0, 1]"),
+           CheckParam("cake_tau1", b.cake_tau1, 0.0, false, kInf, "must be finite and > 0"),
+           CheckParam("cake_tau2", b.cake_tau2, 0.0, false, kInf, "must be finite and > 0"),
+           CheckParam("cake_gamma", b.cake_gamma, 0.0, true, kInf, "must be finite and >= 0"),
+       }) {
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::string_view PolicyKindName(PolicyKind k) {
+  switch (k) {
+    case PolicyKind::kLaprox:
+      return "LAPROX";
+    case PolicyKind::kStreamingLlm:
+      return "STREAMING_LLM";
+    case PolicyKind::kSnapKv:
+      return "SNAPKV";
+    case PolicyKind::kPyramidKv:
+      return "PYRAMIDKV";
+    case PolicyKind::kAdaKv:
+      return "ADAKV";
+    case PolicyKind::kCriticalKv:
+      return "CRITICALKV";
+    case PolicyKind::kCriticalAdaKv:
+      return "CRITICAL_ADAKV";
+    case PolicyKind::kCake:
+      return "CAKE";
+  }
+  return "?";
+}
+
+absl::string_view NumericModeName(NumericMode m) {
+  return m == NumericMode::kKvpressCompat ? "KVPRESS_COMPAT" : "EXACT";
+}
+
+PolicySpec PolicySpec::ForKind(PolicyKind kind) {
+  PolicySpec spec;
+  spec.kind = kind;
+  switch (kind) {
+    case PolicyKind::kLaprox:
+      break;
+    case PolicyKind::kStreamingLlm:
+      spec.sinks = 4;
+      break;
+    case PolicyKind::kSnapKv:
+    case PolicyKind::kPyramidKv:
+    case PolicyKind::kAdaKv:
+    case PolicyKind::kCriticalKv:
+    case PolicyKind::kCriticalAdaKv:
+      spec.window = 64;
+      spec.pool_kernel = 5;
+      break;
+    case PolicyKind::kCake:
+      spec.pool_kernel = 5;
+      break;
+  }
+  return spec;
+}
 
 absl::string_view AllocationName(Allocation a) {
   switch (a) {
@@ -74,7 +154,10 @@ absl::Status PolicySpec::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("policy.min_per_head = ", min_per_head, " is negative"));
   }
-  if (indicator != Indicator::kAttentionXProjectedValue && gqa_value != GqaValue::kMeanHeadNorm) {
+  if (absl::Status s = ValidateBaseline(baseline); !s.ok()) return s;
+  // Baselines ignore indicator and gqa_value, so their combination does not matter there.
+  if (kind == PolicyKind::kLaprox && indicator != Indicator::kAttentionXProjectedValue &&
+      gqa_value != GqaValue::kMeanHeadNorm) {
     return absl::InvalidArgumentError(absl::StrCat(
         "policy.gqa_value = ", GqaValueName(gqa_value), " needs indicator ",
         IndicatorName(Indicator::kAttentionXProjectedValue), ", got ", IndicatorName(indicator)));

@@ -13,7 +13,8 @@ cmake --build "$build_dir" -j "$(nproc)" --target laproxd laprox-cli
 
 run=$(mktemp -d "${TMPDIR:-/tmp}/laprox-demo.XXXXXX")
 socket=$run/laproxd.sock
-"$build_dir/service/laproxd" --socket="$socket" --backend=cpu >"$run/laproxd.log" 2>&1 &
+"$build_dir/service/laproxd" --socket="$socket" --backend=cpu --metrics_listen=127.0.0.1:0 \
+  >"$run/laproxd.log" 2>&1 &
 pid=$!
 trap 'kill -TERM "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; rm -rf "$run"' EXIT
 for _ in $(seq 1 100); do [[ -S "$socket" ]] && break; sleep 0.1; done

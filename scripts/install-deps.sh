@@ -12,7 +12,8 @@ packages=(
   libopenblas-dev libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev
   libprotobuf-dev protobuf-compiler libgrpc++-dev protobuf-compiler-grpc
-  python3 python3-numpy
+  python3 python3-numpy python3-grpcio python3-protobuf python3-yaml python3-venv
+  prometheus-cpp-dev libmicrohttpd-dev prometheus curl systemd
 )
 
 missing=()

@@ -1,11 +1,17 @@
 // laproxd: the laprox sidecar. Serves laprox.v1.Laprox, the standard grpc.health.v1 service and
-// server reflection on a Unix domain socket (mode 0660) by default, TCP only when asked for.
+// server reflection on a Unix domain socket (mode 0660) by default, TCP only when asked for;
+// Prometheus metrics over HTTP on --metrics_listen; optionally grpc.health.v1 alone on a TCP
+// port (--health_listen) for Kubernetes probes. Every flag can also be set through the
+// environment as LAPROXD_<FLAG> (LAPROXD_METRICS_LISTEN=...); the command line wins.
 // SIGTERM or SIGINT stops accepting calls, lets in-flight calls finish, and exits 0.
 //
 //   laproxd --socket=/tmp/laproxd.sock --backend=cpu --threads=2
-//   laproxd --listen=127.0.0.1:50051        # TCP, e.g. for a Kubernetes gRPC probe port
+//   laproxd --listen=127.0.0.1:50051        # the whole API over TCP too
+//   laproxd --health_listen=0.0.0.0:9465 --metrics_listen=0.0.0.0:9464   # in a pod
+#include <cctype>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -17,19 +23,34 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include <prometheus/registry.h>
+
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "laprox/kernels/registry.h"
 #include "service/core/core.h"
 #include "service/core/work_queue.h"
 #include "service/grpc/laprox_service.h"
+#include "service/metrics/http_exposer.h"
+#include "service/metrics/metrics.h"
 
 ABSL_FLAG(std::string, socket, "/tmp/laproxd.sock",
           "Unix domain socket to listen on (created with mode 0660); empty to disable");
 ABSL_FLAG(std::string, listen, "",
-          "also listen on this TCP address (host:port; port 0 picks one and prints it)");
+          "also serve the whole API on this TCP address (host:port; port 0 picks one and "
+          "prints it)");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
+          "serve Prometheus metrics over HTTP at /metrics on this address (host:port; port 0 "
+          "picks one and prints it); empty to disable");
+ABSL_FLAG(std::string, health_listen, "",
+          "serve only grpc.health.v1 on this TCP address, for probes (host:port; port 0 picks "
+          "one and prints it): service \"\" is SERVING while laproxd runs, service "
+          "\"laprox.v1.Laprox\" only while a model is registered");
 ABSL_FLAG(std::string, backend, "auto", "compute backend: auto, cpu or cuda");
 ABSL_FLAG(int, threads, 2, "CPU backend worker threads per request");
 ABSL_FLAG(int, device, 0, "CUDA device ordinal (cuda backend)");
@@ -45,6 +66,34 @@ ABSL_FLAG(int64_t, max_request_bytes, int64_t{256} << 20,
 namespace {
 
 constexpr char kVersion[] = "0.1.0";
+// The health service name that reports readiness (a model is registered).
+constexpr char kReadinessService[] = "laprox.v1.Laprox";
+
+// Sets every flag defined in this file that is not on the command line from LAPROXD_<FLAG>.
+// Returns false (after printing why) when a variable holds a value the flag does not take.
+bool ApplyEnvironment(int argc, char** argv) {
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (!absl::EndsWith(flag->Filename(), "service/main.cc")) continue;
+    std::string variable = "LAPROXD_";
+    for (char c : name) variable += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    const char* value = std::getenv(variable.c_str());
+    if (value == nullptr) continue;
+    bool on_command_line = false;
+    for (int i = 1; i < argc; ++i) {
+      const absl::string_view arg = argv[i];
+      for (const std::string& prefix : {absl::StrCat("--", name), absl::StrCat("-", name)}) {
+        if (arg == prefix || absl::StartsWith(arg, prefix + "=")) on_command_line = true;
+      }
+    }
+    if (on_command_line) continue;
+    std::string error;
+    if (!flag->ParseFrom(value, &error)) {
+      std::fprintf(stderr, "laproxd: %s=%s: %s\n", variable.c_str(), value, error.c_str());
+      return false;
+    }
+  }
+  return true;
+}
 
 // Blocks SIGTERM and SIGINT in every thread (call before any thread starts) and waits for one.
 int WaitForStopSignal(const sigset_t& signals) {
@@ -56,7 +105,17 @@ int WaitForStopSignal(const sigset_t& signals) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("laprox sidecar: KV-cache keep-plans over gRPC");
+  absl::SetProgramUsageMessage(
+      "laprox sidecar: KV-cache keep-plans over gRPC. Every flag can also come from the "
+      "environment as LAPROXD_<FLAG IN UPPER CASE>; the command line wins.");
+  // --help lists this file's flags (absl would look for a file named after the binary).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "service/main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
+  if (!ApplyEnvironment(argc, argv)) return 1;
   absl::ParseCommandLine(argc, argv);
 
   sigset_t stop_signals;
@@ -77,7 +136,50 @@ int main(int argc, char** argv) {
                                                    .max_tokens = absl::GetFlag(FLAGS_max_tokens)});
   auto work = std::make_unique<laprox::service::WorkQueue>(absl::GetFlag(FLAGS_workers),
                                                            absl::GetFlag(FLAGS_max_pending));
-  laprox::service::LaproxService service(core, *work, kVersion);
+
+  const laprox::kernels::Backend& compute = core.backend();
+  laprox::service::Metrics metrics(
+      std::make_shared<prometheus::Registry>(),
+      {.version = kVersion,
+       .backend = compute.kind() == laprox::kernels::BackendKind::kCuda ? "cuda" : "cpu",
+       .backend_description = compute.Describe(),
+       .device = "",
+       .max_regions = core.limits().max_regions,
+       .max_models = core.limits().max_models,
+       .snapshot = [&core] {
+         laprox::service::StateSnapshot s;
+         for (const laprox::service::RegionInfo& r : core.regions().List()) {
+           auto& totals =
+               s.regions_by_kind[r.kind == laprox::service::RegionKind::kShm ? "shm" : "cuda_ipc"];
+           ++totals.count;
+           totals.bytes += r.byte_size;
+         }
+         const auto models = core.model_totals();
+         s.models = models.count;
+         s.prepared_bytes = models.prepared_bytes;
+         return s;
+       }});
+  std::unique_ptr<laprox::service::HttpExposer> exposer;
+  if (const std::string address = absl::GetFlag(FLAGS_metrics_listen); !address.empty()) {
+    auto started = laprox::service::HttpExposer::Start(
+        address, [&metrics] { return metrics.SerializeText(); });
+    if (!started.ok()) {
+      std::fprintf(stderr, "laproxd: %s\n", started.status().ToString().c_str());
+      return 1;
+    }
+    exposer = *std::move(started);
+  }
+
+  // Health: "" is SERVING while the server runs; kReadinessService while a model is registered.
+  std::vector<grpc::HealthCheckServiceInterface*> health;
+  auto set_ready = [&health, &metrics](int64_t models) {
+    for (grpc::HealthCheckServiceInterface* h : health) {
+      h->SetServingStatus(kReadinessService, models > 0);
+    }
+    metrics.SetReady(models > 0);
+  };
+  laprox::service::LaproxService service(core, *work, kVersion,
+                                         {.metrics = &metrics, .models_changed = set_ready});
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -105,16 +207,43 @@ int main(int argc, char** argv) {
   if (!socket.empty() && chmod(socket.c_str(), 0660) != 0) {
     std::perror("laproxd: chmod of the socket");
   }
-  std::printf("laproxd %s: %s; listening on%s%s%s\n", kVersion, core.backend().Describe().c_str(),
-              socket.empty() ? "" : absl::StrCat(" unix:", socket).c_str(),
-              tcp.empty() ? "" : " tcp port ", tcp.empty() ? "" : std::to_string(tcp_port).c_str());
+  health.push_back(server->GetHealthCheckService());
+
+  // A second server with only the health service, so a probe port exposes nothing else.
+  std::unique_ptr<grpc::Server> health_server;
+  int health_port = 0;
+  const std::string health_address = absl::GetFlag(FLAGS_health_listen);
+  if (!health_address.empty()) {
+    grpc::ServerBuilder health_builder;
+    health_builder.AddListeningPort(health_address, grpc::InsecureServerCredentials(),
+                                    &health_port);
+    health_server = health_builder.BuildAndStart();
+    if (health_server == nullptr) {
+      std::fprintf(stderr, "laproxd: cannot serve health on %s\n", health_address.c_str());
+      server->Shutdown();
+      return 1;
+    }
+    health.push_back(health_server->GetHealthCheckService());
+  }
+  set_ready(0);
+  metrics.SetServing(true);
+
+  std::string endpoints;
+  if (!socket.empty()) absl::StrAppend(&endpoints, " unix:", socket);
+  if (!tcp.empty()) absl::StrAppend(&endpoints, " tcp port ", tcp_port);
+  if (health_server) absl::StrAppend(&endpoints, "; health on tcp port ", health_port);
+  if (exposer) absl::StrAppend(&endpoints, "; metrics on http port ", exposer->port());
+  std::printf("laproxd %s: %s; listening on%s\n", kVersion, core.backend().Describe().c_str(),
+              endpoints.c_str());
   std::fflush(stdout);
 
   const int signal = WaitForStopSignal(stop_signals);
   std::printf("laproxd: signal %d, finishing in-flight calls\n", signal);
   std::fflush(stdout);
-  server->GetHealthCheckService()->SetServingStatus(false);
+  for (grpc::HealthCheckServiceInterface* h : health) h->SetServingStatus(false);
+  metrics.SetServing(false);
   server->Shutdown();  // waits for in-flight calls (their jobs still run on the work queue)
+  if (health_server) health_server->Shutdown();
   work.reset();
   if (!socket.empty()) unlink(socket.c_str());
   std::printf("laproxd: stopped\n");

@@ -3,10 +3,14 @@
 //   laprox-cli info                          server version, backend, limits
 //   laprox-cli plan DUMP.safetensors         keep-plan of a KV dump, as a budget table
 //   laprox-cli demo [--save=FILE]            generate a realistic sample, plan it, print the table
+//   laprox-cli health [--service=NAME]       exit 0 when the grpc.health.v1 service says SERVING
 //
 // Common flags: --target (default unix:/tmp/laproxd.sock), --budget (tokens per KV head),
-// --compression_ratio, --window, --json (print {"counts","kept","layer_sums"}), --local (compute
-// in-process with the CPU backend instead of asking laproxd; the same library the server runs).
+// --compression_ratio, --policy (laprox, streaming_llm, snapkv, pyramidkv, adakv, criticalkv,
+// critical_adakv, cake), --numeric_mode (exact, kvpress_compat), --window, --pool_kernel,
+// --sinks (unset: the policy's default), --json (print {"counts","kept","layer_sums"}), --local
+// (compute in-process with the CPU backend instead of asking laproxd; the same library the
+// server runs).
 //
 // A dump holds layers.{l}.keys [Hkv,n,d], layers.{l}.values [Hkv,n,d],
 // layers.{l}.window_queries [H,w,d] (or layers.{l}.window_attention [H,w,n]; optionally
@@ -18,6 +22,8 @@
 #include <cstring>
 #include <exception>
 #include <fstream>
+#include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -27,7 +33,9 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/cli/safetensors.h"
 #include "common/half.h"
@@ -37,12 +45,22 @@
 ABSL_FLAG(std::string, target, "unix:/tmp/laproxd.sock", "laproxd address");
 ABSL_FLAG(int64_t, budget, 128, "kept tokens per KV head (window included)");
 ABSL_FLAG(double, compression_ratio, -1.0, "if >= 0: keep int((1 - cr) * n) per head instead");
-ABSL_FLAG(int, window, 32, "observation window w");
+ABSL_FLAG(std::string, policy, "laprox",
+          "laprox|streaming_llm|snapkv|pyramidkv|adakv|criticalkv|critical_adakv|cake");
+ABSL_FLAG(std::string, numeric_mode, "exact", "baselines: exact|kvpress_compat");
+ABSL_FLAG(std::optional<int>, window, std::nullopt,
+          "observation window w (unset: the policy's default, 32 or 64)");
+ABSL_FLAG(std::optional<int>, pool_kernel, std::nullopt,
+          "pooling kernel (unset: the policy's default, 7 or 5)");
+ABSL_FLAG(std::optional<int>, sinks, std::nullopt,
+          "attention sinks (unset: the policy's default, 0 or 4 for streaming_llm)");
 ABSL_FLAG(bool, json, false, "print the plan as JSON");
 ABSL_FLAG(bool, local, false, "compute in-process (CPU backend) instead of asking laproxd");
 ABSL_FLAG(std::string, geometry, "", "JSON file with the geometry (else the dump's metadata)");
 ABSL_FLAG(std::string, save, "", "demo: also write the generated sample to this safetensors file");
 ABSL_FLAG(std::string, shm_name, "", "shared-memory name for the upload (default per process)");
+ABSL_FLAG(std::string, service, "",
+          "health: the service to ask about (\"\" = the server; laprox.v1.Laprox = ready)");
 
 namespace laprox::cli {
 namespace {
@@ -99,12 +117,41 @@ absl::StatusOr<Dump> LoadDump(SafeTensorsFile file) {
   return dump;
 }
 
-kernels::PolicySpec Policy() {
-  kernels::PolicySpec policy;
-  policy.window = absl::GetFlag(FLAGS_window);
+// The policy the flags describe: the kind's defaults, then every flag that is set.
+absl::StatusOr<kernels::PolicySpec> Policy() {
+  using kernels::PolicyKind;
+  static const auto* const kKinds =
+      new std::map<std::string, PolicyKind>{{"laprox", PolicyKind::kLaprox},
+                                            {"streaming_llm", PolicyKind::kStreamingLlm},
+                                            {"snapkv", PolicyKind::kSnapKv},
+                                            {"pyramidkv", PolicyKind::kPyramidKv},
+                                            {"adakv", PolicyKind::kAdaKv},
+                                            {"criticalkv", PolicyKind::kCriticalKv},
+                                            {"critical_adakv", PolicyKind::kCriticalAdaKv},
+                                            {"cake", PolicyKind::kCake}};
+  const std::string kind = absl::GetFlag(FLAGS_policy);
+  auto it = kKinds->find(kind);
+  if (it == kKinds->end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--policy=", kind,
+                     " is not one of laprox, streaming_llm, snapkv, pyramidkv, adakv, criticalkv, "
+                     "critical_adakv, cake"));
+  }
+  kernels::PolicySpec policy = kernels::PolicySpec::ForKind(it->second);
+  const std::string mode = absl::GetFlag(FLAGS_numeric_mode);
+  if (mode == "kvpress_compat") {
+    policy.numeric_mode = kernels::NumericMode::kKvpressCompat;
+  } else if (mode != "exact") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--numeric_mode=", mode, " is not one of exact, kvpress_compat"));
+  }
+  if (auto w = absl::GetFlag(FLAGS_window)) policy.window = *w;
+  if (auto k = absl::GetFlag(FLAGS_pool_kernel)) policy.pool_kernel = *k;
+  if (auto s = absl::GetFlag(FLAGS_sinks)) policy.sinks = *s;
   const double cr = absl::GetFlag(FLAGS_compression_ratio);
   policy.budget = cr >= 0 ? kernels::Budget::CompressionRatio(cr)
                           : kernels::Budget::TokensPerHead(absl::GetFlag(FLAGS_budget));
+  if (absl::Status s = policy.Validate(); !s.ok()) return s;
   return policy;
 }
 
@@ -119,7 +166,9 @@ absl::StatusOr<kernels::KeepPlan> PlanLocal(const Dump& dump) {
   std::vector<kernels::TensorView> o_proj;
   kernels::KeepPlanRequest request;
   request.n = dump.n;
-  request.policy = Policy();
+  auto policy = Policy();
+  if (!policy.ok()) return policy.status();
+  request.policy = *policy;
   for (int l = 0; l < dump.geometry.num_layers; ++l) {
     o_proj.push_back(view(dump.Get(l, "o_proj")));
     kernels::LayerInputs& in = request.layers.emplace_back();
@@ -139,6 +188,8 @@ absl::StatusOr<kernels::KeepPlan> PlanLocal(const Dump& dump) {
 
 // Through laproxd: every tensor is copied once into one shared buffer and sent by reference.
 absl::StatusOr<kernels::KeepPlan> PlanRemote(const Dump& dump) {
+  auto policy = Policy();
+  if (!policy.ok()) return policy.status();
   auto client = client::Client::Connect(absl::GetFlag(FLAGS_target));
   if (!client.ok()) return client.status();
   size_t total = 0;
@@ -175,7 +226,7 @@ absl::StatusOr<kernels::KeepPlan> PlanRemote(const Dump& dump) {
   }
   auto model = (*client)->RegisterModel("laprox-cli", dump.geometry, o_proj);
   if (!model.ok()) return model.status();
-  auto plan = (*client)->ComputeKeepPlan(*model, dump.n, layers, Policy());
+  auto plan = (*client)->ComputeKeepPlan(*model, dump.n, layers, *policy);
   (*client)->UnregisterModel(*model).IgnoreError();
   return plan;
 }
@@ -217,9 +268,10 @@ void PrintTable(const kernels::KeepPlan& plan) {
 }
 
 // A sample with the structure of real prefills: attention sinks at the first positions, a few
-// heavy-hitter tokens the window queries attend to, value norms growing with depth.
+// heavy-hitter tokens the window queries attend to, value norms growing with depth. It has 64
+// window query rows, so that every policy's default window fits.
 SafeTensorsFile MakeDemo() {
-  constexpr int L = 8, H = 9, Hkv = 3, d = 64, D = 576, w = 32;
+  constexpr int L = 8, H = 9, Hkv = 3, d = 64, D = 576, w = 64;
   constexpr int64_t n = 2048;
   std::mt19937 rng(20261130);
   std::normal_distribution<float> normal(0.f, 1.f);
@@ -251,11 +303,13 @@ SafeTensorsFile MakeDemo() {
     for (float& x : values) x = normal(rng) * value_scale;
     std::uniform_int_distribution<int64_t> position(8, n - w - 1);
     for (int g = 0; g < Hkv; ++g) {
-      // Sinks and heavy hitters: keys aligned with the group's query direction.
+      // Sinks and heavy hitters: keys aligned with the group's last query (inside every window).
       std::vector<int64_t> special = {0, 1, 2, 3};
       for (int i = 0; i < 12 + 4 * l; ++i) special.push_back(position(rng));
       for (int64_t p : special) {
-        for (int k = 0; k < d; ++k) keys[(g * n + p) * d + k] = queries[(g * 3 * w) * d + k] * 4;
+        for (int k = 0; k < d; ++k) {
+          keys[(g * n + p) * d + k] = queries[(g * 3 * w + w - 1) * d + k] * 4;
+        }
       }
     }
     file.tensors[absl::StrCat("layers.", l, ".keys")] = tensor({Hkv, n, d}, keys);
@@ -284,8 +338,17 @@ int RunPlan(SafeTensorsFile file) {
   return 0;
 }
 
+constexpr char kUsage[] =
+    "laprox-cli info | plan DUMP.safetensors | demo [--save=FILE] | health [--service=NAME]";
+
 int Main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("laprox-cli info | plan DUMP.safetensors | demo [--save=FILE]");
+  absl::SetProgramUsageMessage(kUsage);
+  absl::FlagsUsageConfig usage;  // --help lists this file's flags
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "cli/main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   const std::string command = args.size() > 1 ? args[1] : "";
   if (command == "info") {
@@ -297,6 +360,13 @@ int Main(int argc, char** argv) {
                 info->backend_description.c_str(), static_cast<long long>(info->max_tokens),
                 info->max_regions, info->max_models);
     return 0;
+  }
+  if (command == "health") {  // exit 0 when SERVING: for container HEALTHCHECKs and scripts
+    auto serving =
+        laprox::client::CheckHealth(absl::GetFlag(FLAGS_target), absl::GetFlag(FLAGS_service));
+    if (!serving.ok()) return Fail(serving.status());
+    std::printf("%s\n", *serving ? "SERVING" : "NOT_SERVING");
+    return *serving ? 0 : 1;
   }
   if (command == "plan" && args.size() == 3) {
     auto file = ReadSafeTensors(args[2]);
@@ -310,7 +380,7 @@ int Main(int argc, char** argv) {
     }
     return RunPlan(std::move(file));
   }
-  std::fprintf(stderr, "usage: laprox-cli info | plan DUMP.safetensors | demo [--save=FILE]\n");
+  std::fprintf(stderr, "usage: %s\n", kUsage);
   return 2;
 }
 

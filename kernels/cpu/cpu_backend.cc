@@ -2,17 +2,21 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <limits>
 #include <vector>
 
 #include <cblas.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/half.h"
 #include "common/parallel.h"
 #include "common/status_macros.h"
+#include "cpu/baseline_stats.h"
 #include "cpu/factors.h"
 #include "cpu/rows.h"
 #include "cpu/score.h"
+#include "policy/baselines.h"
 #include "policy/select.h"
 
 namespace laprox::kernels::cpu {
@@ -83,6 +87,7 @@ CpuPreparedModel::CpuPreparedModel(const ModelGeometry& geometry, const PrepareO
   const int64_t G = geometry.group_size();
   blocks_ = 1 + G + (options.cross_grams ? G * (G - 1) / 2 : 0);
   factors_.resize(int64_t{geometry.num_layers} * geometry.num_kv_heads * matrix_size());
+  if (options.output_projection) output_projection_.resize(geometry.num_layers * projection_size());
 }
 
 CpuBackend::CpuBackend(int threads) : threads_(std::max(threads, 1)) {
@@ -119,6 +124,9 @@ absl::StatusOr<std::shared_ptr<const PreparedModel>> CpuBackend::PrepareModelImp
       block.data = buffer.data();
     }
     LayerFactors(geometry, block.data, options.cross_grams, l, *model, scratch[worker].summed);
+    if (options.output_projection) {
+      std::copy(block.data, block.data + D * Hd, model->mutable_output_projection(l));
+    }
     return absl::OkStatus();
   }));
   return std::shared_ptr<const PreparedModel>(std::move(model));
@@ -128,6 +136,10 @@ absl::StatusOr<KeepPlan> CpuBackend::ComputeKeepPlanImpl(const PreparedModel& mo
                                                          const KeepPlanRequest& request,
                                                          const PlanShape& shape) {
   const auto& prepared = static_cast<const CpuPreparedModel&>(model);
+  if (request.policy.kind != PolicyKind::kLaprox) {
+    return ComputeBaselinePlan(prepared, request, shape);
+  }
+  const auto started = std::chrono::steady_clock::now();
   const int64_t Hkv = shape.num_kv_heads, n = shape.n;
   std::vector<float> raw(shape.num_layers * Hkv * n, 0.f);
   std::vector<ScoreWorkspace> workspaces(threads_);
@@ -142,7 +154,62 @@ absl::StatusOr<KeepPlan> CpuBackend::ComputeKeepPlanImpl(const PreparedModel& mo
     task.scale = scale;
     return ScoreHead(shape, request.policy, task, workspaces[worker], raw.data() + item * n);
   }));
-  return policy::SelectKeepPlan(shape, request.policy, raw, request.outputs);
+  const auto scored = std::chrono::steady_clock::now();
+  KeepPlan plan = policy::SelectKeepPlan(shape, request.policy, raw, request.outputs);
+  plan.timing.score_seconds = std::chrono::duration<double>(scored - started).count();
+  plan.timing.select_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - scored).count();
+  return plan;
+}
+
+absl::StatusOr<KeepPlan> CpuBackend::ComputeBaselinePlan(const CpuPreparedModel& model,
+                                                         const KeepPlanRequest& request,
+                                                         const PlanShape& shape) {
+  const auto started = std::chrono::steady_clock::now();
+  const PolicySpec& policy = request.policy;
+  const int64_t L = shape.num_layers, Hkv = shape.num_kv_heads, n = shape.n;
+  const bool critical =
+      policy.kind == PolicyKind::kCriticalKv || policy.kind == PolicyKind::kCriticalAdaKv;
+  const bool compat = policy.numeric_mode == NumericMode::kKvpressCompat;
+  std::vector<float> scores(L * Hkv * n, 0.f), norms(critical ? L * Hkv * n : 0);
+  std::vector<double> entropy(L * Hkv, 0.0), variance(L * Hkv, 0.0);
+  std::vector<float> safeguard(L, std::numeric_limits<float>::max());
+  for (int64_t l = 0; l < L && compat; ++l) {
+    // The model dtype is the keys' dtype: kvpress's scores have it, and so does their maximum.
+    const DType dtype = request.layers[l].keys.dtype();
+    if (dtype == DType::kBF16) safeguard[l] = Bf16ToFloat(0x7f7f);
+    if (dtype == DType::kF16) safeguard[l] = F16ToFloat(0x7bff);
+  }
+  std::vector<ScoreWorkspace> workspaces(threads_);
+  const float scale = model.geometry().EffectiveScale();
+  LAPROX_RETURN_IF_ERROR(RunAll(L * Hkv, threads_, [&](int64_t item, int worker) {
+    HeadTask task;
+    task.layer = item / Hkv;
+    task.kv_head = item % Hkv;
+    task.inputs = &request.layers[task.layer];
+    task.o_proj = model.output_projection(task.layer);
+    task.hidden_size = model.geometry().hidden_size;
+    task.scale = scale;
+    // Only attention computed here is rounded; the engine's attention rows are used as given.
+    const DType rounding =
+        compat && !shape.attention_given ? task.inputs->keys.dtype() : DType::kF32;
+    const BaselineHeadOutput out = {.scores = scores.data() + item * n,
+                                    .value_norms = critical ? norms.data() + item * n : nullptr,
+                                    .entropy = &entropy[item],
+                                    .variance = &variance[item]};
+    return BaselineHead(shape, policy, task, rounding, workspaces[worker], out);
+  }));
+  const auto scored = std::chrono::steady_clock::now();
+  const policy::BaselineStatistics statistics = {.prefix_scores = scores,
+                                                 .value_norms = norms,
+                                                 .entropy = entropy,
+                                                 .variance = variance,
+                                                 .safeguard = safeguard};
+  KeepPlan plan = policy::SelectBaselinePlan(shape, policy, statistics, request.outputs);
+  plan.timing.score_seconds = std::chrono::duration<double>(scored - started).count();
+  plan.timing.select_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - scored).count();
+  return plan;
 }
 
 }  // namespace laprox::kernels::cpu

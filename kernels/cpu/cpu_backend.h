@@ -1,5 +1,6 @@
 // CpuBackend: the reference backend. fp32 math on host memory, OpenBLAS sgemm for Q.K^T and
-// V.M, worker threads over (layer, KV head) pairs with single-threaded BLAS inside.
+// V.M, worker threads over (layer, KV head) pairs with single-threaded BLAS inside. Implements
+// LAPROX and every baseline policy.
 #ifndef LAPROX_KERNELS_CPU_CPU_BACKEND_H_
 #define LAPROX_KERNELS_CPU_CPU_BACKEND_H_
 
@@ -10,6 +11,8 @@
 
 namespace laprox::kernels::cpu {
 
+class CpuPreparedModel;
+
 class CpuBackend final : public Backend {
  public:
   // `threads` >= 1 workers over (layer, KV head) pairs. Sets OpenBLAS to one thread per call
@@ -18,6 +21,8 @@ class CpuBackend final : public Backend {
 
   BackendKind kind() const override { return BackendKind::kCpu; }
   std::string Describe() const override;
+  // Every policy kind: LAPROX and the baselines.
+  bool Supports(PolicyKind) const override { return true; }
 
  protected:
   bool CanRead(MemorySpace space) const override { return space == MemorySpace::kHost; }
@@ -29,6 +34,10 @@ class CpuBackend final : public Backend {
                                                const PlanShape& shape) override;
 
  private:
+  absl::StatusOr<KeepPlan> ComputeBaselinePlan(const CpuPreparedModel& model,
+                                               const KeepPlanRequest& request,
+                                               const PlanShape& shape);
+
   int threads_;
 };
 

@@ -6,6 +6,9 @@
 //   blocks G+1 ..      C_hh' = W_O^h W_O^h'^T for h < h', pairs in (0,1),(0,2),..,(1,2),..
 //                      order (EXACT_BLOCK; only with PrepareOptions::cross_grams)
 // so that ||v W_O^h||^2 = v M_h v^T and one sgemm of V with a column range covers a mode.
+//
+// With PrepareOptions::output_projection it also keeps each layer's o_proj.weight [D, H*d] in
+// fp32 (L * D * H * d * 4 bytes), which the CriticalKV baselines need for ||v W_O^h||_1.
 #ifndef LAPROX_KERNELS_CPU_FACTORS_H_
 #define LAPROX_KERNELS_CPU_FACTORS_H_
 
@@ -20,7 +23,9 @@ class CpuPreparedModel final : public PreparedModel {
  public:
   CpuPreparedModel(const ModelGeometry& geometry, const PrepareOptions& options);
 
-  int64_t ByteSize() const override { return static_cast<int64_t>(factors_.size()) * 4; }
+  int64_t ByteSize() const override {
+    return static_cast<int64_t>(factors_.size() + output_projection_.size()) * 4;
+  }
   // Blocks per (layer, KV head): 1 + G (+ G(G-1)/2 with cross-Grams).
   int64_t blocks() const { return blocks_; }
   // Row stride of a factor matrix in floats: blocks() * d.
@@ -31,12 +36,24 @@ class CpuPreparedModel final : public PreparedModel {
   float* mutable_factors(int64_t layer, int64_t kv_head) {
     return factors_.data() + (layer * geometry().num_kv_heads + kv_head) * matrix_size();
   }
+  // o_proj.weight of `layer`, row-major [D, H*d]; null without PrepareOptions::output_projection.
+  const float* output_projection(int64_t layer) const {
+    return output_projection_.empty() ? nullptr
+                                      : output_projection_.data() + layer * projection_size();
+  }
+  float* mutable_output_projection(int64_t layer) {
+    return output_projection_.data() + layer * projection_size();
+  }
 
  private:
   int64_t matrix_size() const { return int64_t{geometry().head_dim} * row_stride(); }
+  int64_t projection_size() const {
+    return int64_t{geometry().hidden_size} * geometry().num_heads * geometry().head_dim;
+  }
 
   int64_t blocks_;
   std::vector<float> factors_;
+  std::vector<float> output_projection_;
 };
 
 }  // namespace laprox::kernels::cpu

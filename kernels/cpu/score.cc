@@ -5,7 +5,6 @@
 
 #include <cblas.h>
 
-#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "cpu/rows.h"
 #include "cpu/vector_ops.h"
@@ -13,15 +12,9 @@
 namespace laprox::kernels::cpu {
 namespace {
 
-// Tokens per sgemm chunk. Q.K^T has a small inner dimension (d), so wide chunks amortise the
-// packing of Q (SmolLM2 at 4K: 1024 ran ~15% faster than 256 in paired runs). V.M writes a
-// [chunk, G*d] product that should stay in L2 (Llama: 256 x 512 fp32 = 512 KiB; 1024 was
-// ~8% slower there).
-constexpr int64_t kKeyChunk = 1024;
+// Values per V.M sgemm chunk: the [chunk, G*d] product should stay in L2 (Llama: 256 x 512
+// fp32 = 512 KiB; 1024 was ~8% slower there).
 constexpr int64_t kValueChunk = 256;
-
-// Tolerance on the row sums of a window attention row given by the engine (bf16 rows).
-constexpr double kRowSumTolerance = 1e-2;
 
 // How the attention columns of the group are summarised per token.
 enum class AttentionStat {
@@ -67,129 +60,6 @@ Modes ChooseModes(const PolicySpec& policy, int64_t group) {
       return {AttentionStat::kHeadGram, ValueStat::kExact, 1, group + pairs};
   }
   return {AttentionStat::kGroupMean, ValueStat::kNone, 0, 0};
-}
-
-template <typename T>
-T* Sized(std::vector<T>& v, int64_t size) {
-  if (static_cast<int64_t>(v.size()) < size) v.resize(size);
-  return v.data();
-}
-
-template <typename T>
-T* Zeroed(std::vector<T>& v, int64_t size) {
-  T* p = Sized(v, size);
-  std::fill(p, p + size, T{0});
-  return p;
-}
-
-// Fills ws.probs columns [0, prefix) and ws.row_scale with the group's window attention given
-// by the engine, checking every given row of the group's heads.
-absl::Status LoadGivenAttention(const PlanShape& shape, const HeadTask& task, int64_t prefix,
-                                ScoreWorkspace& ws) {
-  const TensorView& attention = task.inputs->window_attention;
-  const int64_t n = shape.n, we = shape.window, wq = shape.window_rows, G = shape.group_size;
-  const TensorName name{task.layer, "window_attention"};
-  float* probs = Sized(ws.probs, G * we * n);
-  float* row_scale = Sized(ws.row_scale, G * we);
-  for (int64_t hi = 0; hi < G; ++hi) {
-    const int64_t h = task.kv_head * G + hi;
-    for (int64_t row = 0; row < wq; ++row) {
-      RowBlock block;
-      LAPROX_RETURN_IF_ERROR(LoadRows(attention, h, row, 1, name, ws.rows, &block));
-      double sum = 0.0;
-      for (int64_t j = 0; j < n; ++j) {
-        if (block.data[j] < 0.f) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("layers[", task.layer, "].window_attention has a negative value (",
-                           block.data[j], ") at [", h, ", ", row, ", ", j, "]"));
-        }
-        sum += block.data[j];
-      }
-      if (std::abs(sum - 1.0) > kRowSumTolerance) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("layers[", task.layer, "].window_attention row [", h, ", ", row,
-                         "] sums to ", sum, ", not 1 (tolerance ", kRowSumTolerance, ")"));
-      }
-      const int64_t t = row - (wq - we);
-      if (t < 0) continue;
-      std::copy(block.data, block.data + prefix, probs + (hi * we + t) * n);
-      row_scale[hi * we + t] = 1.f;
-    }
-  }
-  return absl::OkStatus();
-}
-
-// Computes the group's window attention from queries and keys into ws.probs (unnormalised,
-// columns [0, prefix) valid) and ws.row_scale.
-absl::Status ComputeAttention(const PlanShape& shape, const HeadTask& task, int64_t prefix,
-                              ScoreWorkspace& ws) {
-  const LayerInputs& in = *task.inputs;
-  const int64_t n = shape.n, d = shape.head_dim, we = shape.window, wq = shape.window_rows,
-                G = shape.group_size, rows = G * we;
-  float* queries = Sized(ws.queries, rows * d);
-  for (int64_t hi = 0; hi < G; ++hi) {
-    const int64_t h = task.kv_head * G + hi;
-    RowBlock block;
-    LAPROX_RETURN_IF_ERROR(
-        LoadRows(in.window_queries, h, 0, wq, {task.layer, "window_queries"}, ws.rows, &block));
-    for (int64_t t = 0; t < we; ++t) {
-      const float* src = block.data + (wq - we + t) * block.ld;
-      float* dst = queries + (hi * we + t) * d;
-      for (int64_t k = 0; k < d; ++k) dst[k] = src[k] * task.scale;
-    }
-  }
-
-  std::vector<float> lse;
-  if (shape.lse_given) {
-    const TensorView& view = in.window_lse;
-    lse.resize(rows);
-    for (int64_t hi = 0; hi < G; ++hi) {
-      const int64_t h = task.kv_head * G + hi;
-      for (int64_t row = 0; row < wq; ++row) {
-        const float v = view.LoadAsFloat(h * view.stride(0) + row * view.stride(1));
-        if (!std::isfinite(v)) {
-          return absl::InvalidArgumentError(absl::StrCat("layers[", task.layer,
-                                                         "].window_lse has a non-finite value (", v,
-                                                         ") at [", h, ", ", row, "]"));
-        }
-        const int64_t t = row - (wq - we);
-        if (t >= 0) lse[hi * we + t] = v;
-      }
-    }
-  }
-
-  // Logits of every key a window row may see; with the engine's LSE only the prefix is needed
-  // (window keys are still checked for NaN/Inf).
-  const int64_t key_end = shape.lse_given ? prefix : n;
-  float* probs = Sized(ws.probs, rows * n);
-  for (int64_t j0 = 0; j0 < key_end; j0 += kKeyChunk) {
-    const int64_t count = std::min(kKeyChunk, key_end - j0);
-    RowBlock keys;
-    LAPROX_RETURN_IF_ERROR(
-        LoadRows(in.keys, task.kv_head, j0, count, {task.layer, "keys"}, ws.rows, &keys));
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows),
-                static_cast<int>(count), static_cast<int>(d), 1.f, queries, static_cast<int>(d),
-                keys.data, static_cast<int>(keys.ld), 0.f, probs + j0, static_cast<int>(n));
-  }
-  if (key_end < n) {
-    LAPROX_RETURN_IF_ERROR(CheckRowsFinite(in.keys, task.kv_head, key_end, n - key_end,
-                                           {task.layer, "keys"}, ws.rows));
-  }
-
-  float* row_scale = Sized(ws.row_scale, rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t = r % we;
-    float* row = probs + r * n;
-    if (shape.lse_given) {
-      ExpInPlace(row, prefix, lse[r]);
-      row_scale[r] = 1.f;
-    } else {
-      // Causal: window row t sees keys j <= n - we + t.
-      const double sum = ExpShiftedInPlace(row, n - we + t + 1);
-      row_scale[r] = static_cast<float>(1.0 / sum);
-    }
-  }
-  return absl::OkStatus();
 }
 
 // Per-token attention statistics over the prefix [0, prefix) into ws.attention.
@@ -282,36 +152,6 @@ absl::Status ValueStatistics(const PlanShape& shape, const HeadTask& task, const
   return CheckRowsFinite(values, task.kv_head, prefix, shape.n - prefix, name, ws.rows);
 }
 
-// out[i] for i in [begin, len) = pool(x)_i over x[0, len) (SEMANTICS.md, "pool").
-void Pool(Pooling kind, int64_t kernel, const float* x, int64_t len, int64_t begin, float* out,
-          std::vector<double>& prefix_sum) {
-  const int64_t half = kernel / 2;
-  switch (kind) {
-    case Pooling::kNone:
-      std::copy(x + begin, x + len, out + begin);
-      break;
-    case Pooling::kMax:
-      for (int64_t i = begin; i < len; ++i) {
-        float best = x[i];
-        for (int64_t j = std::max<int64_t>(0, i - half); j <= std::min(len - 1, i + half); ++j) {
-          best = std::max(best, x[j]);
-        }
-        out[i] = best;
-      }
-      break;
-    case Pooling::kAvg: {
-      double* sums = Sized(prefix_sum, len + 1);
-      sums[0] = 0.0;
-      for (int64_t i = 0; i < len; ++i) sums[i + 1] = sums[i] + x[i];
-      for (int64_t i = begin; i < len; ++i) {
-        const int64_t lo = std::max<int64_t>(0, i - half), hi = std::min(len, i + half + 1);
-        out[i] = static_cast<float>((sums[hi] - sums[lo]) / static_cast<double>(kernel));
-      }
-      break;
-    }
-  }
-}
-
 }  // namespace
 
 absl::Status ScoreHead(const PlanShape& shape, const PolicySpec& policy, const HeadTask& task,
@@ -320,11 +160,7 @@ absl::Status ScoreHead(const PlanShape& shape, const PolicySpec& policy, const H
   const int64_t prefix = shape.n - shape.window;  // pooled range: sinks and candidates
   const Modes modes = ChooseModes(policy, G);
 
-  if (shape.attention_given) {
-    LAPROX_RETURN_IF_ERROR(LoadGivenAttention(shape, task, prefix, ws));
-  } else {
-    LAPROX_RETURN_IF_ERROR(ComputeAttention(shape, task, prefix, ws));
-  }
+  LAPROX_RETURN_IF_ERROR(WindowAttention(shape, task, ws));
   LAPROX_RETURN_IF_ERROR(ValueStatistics(shape, task, modes, prefix, ws));
   if (prefix == 0) return absl::OkStatus();
   AttentionStatistics(shape, modes.attention, prefix, ws);

@@ -96,6 +96,12 @@ float DotScalar(const float* a, const float* b, int64_t begin, int64_t d) {
   return sum;
 }
 
+float AbsSumScalar(const float* x, int64_t begin, int64_t count) {
+  float sum = 0.f;
+  for (int64_t i = begin; i < count; ++i) sum += x[i] < 0.f ? -x[i] : x[i];
+  return sum;
+}
+
 // ---- AVX2 + FMA versions ----------------------------------------------------------------------
 
 #if LAPROX_HAVE_X86
@@ -211,6 +217,16 @@ LAPROX_AVX2 float DotAvx2(const float* a, const float* b, int64_t d) {
   return HorizontalSum(sum) + DotScalar(a, b, k, d);
 }
 
+LAPROX_AVX2 float AbsSumAvx2(const float* x, int64_t count) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 sum = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    sum = _mm256_add_ps(sum, _mm256_and_ps(_mm256_loadu_ps(x + i), magnitude));
+  }
+  return HorizontalSum(sum) + AbsSumScalar(x, i, count);
+}
+
 #undef LAPROX_AVX2
 #endif  // LAPROX_HAVE_X86
 
@@ -265,6 +281,10 @@ void AccumulateProduct(const float* a, const float* b, float scale, int64_t coun
 
 float Dot(const float* a, const float* b, int64_t d) {
   LAPROX_DISPATCH(DotAvx2(a, b, d), DotScalar(a, b, 0, d));
+}
+
+float AbsSum(const float* x, int64_t count) {
+  LAPROX_DISPATCH(AbsSumAvx2(x, count), AbsSumScalar(x, 0, count));
 }
 
 }  // namespace laprox::kernels::cpu

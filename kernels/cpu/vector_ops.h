@@ -29,6 +29,9 @@ void AccumulateProduct(const float* a, const float* b, float scale, int64_t coun
 // Dot product of two length-d vectors in fp32.
 float Dot(const float* a, const float* b, int64_t d);
 
+// sum_i |x[i]| in fp32 (the L1 norm), i < count.
+float AbsSum(const float* x, int64_t count);
+
 // Tests: true forces the portable versions on every thread (false restores the choice).
 void ForcePortableVectorOps(bool portable);
 

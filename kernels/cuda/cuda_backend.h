@@ -21,6 +21,8 @@ class CudaBackend final : public Backend {
 
   BackendKind kind() const override { return BackendKind::kCuda; }
   std::string Describe() const override;
+  // LAPROX only; the baselines are UNIMPLEMENTED here (use the CPU backend).
+  bool Supports(PolicyKind kind) const override { return kind == PolicyKind::kLaprox; }
 
  protected:
   bool CanRead(MemorySpace) const override { return true; }

@@ -10,14 +10,24 @@ int64_t BudgetTokensPerHead(const Budget& budget, int64_t n) {
   return static_cast<int64_t>((1.0 - budget.compression_ratio) * static_cast<double>(n));
 }
 
+double BudgetTokensExact(const Budget& budget, int64_t n) {
+  if (budget.kind == Budget::Kind::kTokensPerHead) {
+    return static_cast<double>(std::min(budget.tokens_per_head, n));
+  }
+  return (1.0 - budget.compression_ratio) * static_cast<double>(n);
+}
+
 void DeriveBudget(const PolicySpec& policy, PlanShape& shape) {
-  shape.window = static_cast<int32_t>(std::min<int64_t>(policy.window, shape.n));
+  const bool streaming = policy.kind == PolicyKind::kStreamingLlm;
+  const bool sinks = streaming || policy.kind == PolicyKind::kLaprox;
+  shape.window = streaming ? 0 : static_cast<int32_t>(std::min<int64_t>(policy.window, shape.n));
   const int64_t before_window = shape.n - shape.window;
-  shape.sinks = static_cast<int32_t>(std::min<int64_t>(policy.sinks, before_window));
+  shape.sinks = sinks ? static_cast<int32_t>(std::min<int64_t>(policy.sinks, before_window)) : 0;
   shape.candidates = before_window - shape.sinks;
   const int64_t forced = int64_t{shape.window} + shape.sinks;
-  shape.quota = std::clamp<int64_t>(BudgetTokensPerHead(policy.budget, shape.n) - forced, 0,
-                                    shape.candidates);
+  const int64_t budget = BudgetTokensPerHead(policy.budget, shape.n);
+  shape.quota = std::clamp<int64_t>(budget - forced, 0, shape.candidates);
+  shape.kept_per_head = std::min(budget, shape.n);
 }
 
 }  // namespace laprox::kernels::policy

@@ -14,8 +14,14 @@ namespace laprox::kernels::policy {
 // B itself, or int((1.0 - cr) * n) in IEEE double, truncated.
 int64_t BudgetTokensPerHead(const Budget& budget, int64_t n);
 
-// Fills window, sinks, candidates and quota of `shape` from n, window_rows and the policy.
-// Preconditions: policy validated, shape.n >= 1, 1 <= policy.window <= shape.window_rows.
+// The baselines' budget before truncation: min(B, n), or (1.0 - cr) * n in IEEE double
+// (kvpress derives PyramidKV's and CriticalKV's budgets from this product).
+double BudgetTokensExact(const Budget& budget, int64_t n);
+
+// Fills window, sinks, candidates, quota and kept_per_head of `shape` from n, window_rows and
+// the policy (STREAMING_LLM: no window; other baselines: no sinks).
+// Preconditions: policy validated, shape.n >= 1, 1 <= policy.window <= shape.window_rows
+// unless the kind is STREAMING_LLM.
 void DeriveBudget(const PolicySpec& policy, PlanShape& shape);
 
 }  // namespace laprox::kernels::policy

@@ -59,36 +59,22 @@ class Selector {
 
 }  // namespace
 
-void PartitionBest(absl::Span<ScoredToken> tokens, int64_t k) {
-  if (k <= 0 || k >= static_cast<int64_t>(tokens.size())) return;
-  std::nth_element(tokens.begin(), tokens.begin() + k, tokens.end(), SelectedBefore);
-}
-
 KeepPlan SelectKeepPlan(const PlanShape& shape, const PolicySpec& policy,
                         absl::Span<const float> raw, const OutputOptions& outputs) {
   const int64_t L = shape.num_layers, Hkv = shape.num_kv_heads, n = shape.n;
   const int64_t se = shape.sinks, m = shape.candidates, q = shape.quota;
   const int64_t candidates_end = se + m;
 
-  KeepPlan plan;
-  plan.num_layers = shape.num_layers;
-  plan.num_kv_heads = shape.num_kv_heads;
-  plan.n = n;
-  plan.window = shape.window;
-  plan.sinks = shape.sinks;
-  plan.quota = q;
-  plan.selected_total = L * Hkv * q;
-
   // Competing scores: +inf marks forced tokens (sinks, window) in the output.
   std::vector<float> scores(raw.size(), std::numeric_limits<float>::infinity());
-  plan.layer_sums.assign(L, 0.0);
+  std::vector<double> layer_sums(L, 0.0);
   for (int64_t l = 0; l < L; ++l) {
     double sum = 0.0;
     for (int64_t g = 0; g < Hkv; ++g) {
       const float* p = raw.data() + (l * Hkv + g) * n;
       for (int64_t i = se; i < candidates_end; ++i) sum += p[i];
     }
-    plan.layer_sums[l] = sum;
+    layer_sums[l] = sum;
     const bool uniform = !(sum > 0.0) || !std::isfinite(sum);
     const double uniform_score = m > 0 ? 1.0 / static_cast<double>(Hkv * m) : 0.0;
     for (int64_t g = 0; g < Hkv; ++g) {
@@ -139,22 +125,41 @@ KeepPlan SelectKeepPlan(const PlanShape& shape, const PolicySpec& policy,
     }
   }
 
-  // Outputs: forced tokens (sinks, window) and the selected candidates, ascending.
-  const std::vector<uint8_t>& selected = selector.selected();
-  auto kept = [&](int64_t base, int64_t i) {
-    return i < se || i >= candidates_end || selected[base + i] != 0;
-  };
+  // Kept: forced tokens (sinks, window) and the selected candidates.
+  std::vector<uint8_t> kept = selector.selected();
+  for (int64_t lg = 0; lg < L * Hkv; ++lg) {
+    std::fill_n(kept.begin() + lg * n, se, 1);
+    std::fill(kept.begin() + lg * n + candidates_end, kept.begin() + (lg + 1) * n, 1);
+  }
+  KeepPlan plan = BuildKeepPlan(shape, kept, std::move(scores), outputs);
+  plan.selected_total = L * Hkv * q;
+  plan.layer_sums = std::move(layer_sums);
+  return plan;
+}
+
+KeepPlan BuildKeepPlan(const PlanShape& shape, absl::Span<const uint8_t> kept,
+                       std::vector<float> scores, const OutputOptions& outputs) {
+  const int64_t L = shape.num_layers, Hkv = shape.num_kv_heads, n = shape.n;
+  const int64_t candidates_begin = shape.sinks, candidates_end = n - shape.window;
+  KeepPlan plan;
+  plan.num_layers = shape.num_layers;
+  plan.num_kv_heads = shape.num_kv_heads;
+  plan.n = n;
+  plan.window = shape.window;
+  plan.sinks = shape.sinks;
+  plan.quota = shape.quota;
   plan.counts.resize(L * Hkv);
   plan.offsets.resize(L * Hkv + 1);
   plan.offsets[0] = 0;
   const int64_t mask_bytes = (n + 7) / 8;
   if (outputs.bitmask) plan.bitmask.assign(L * Hkv * mask_bytes, 0);
   for (int64_t lg = 0; lg < L * Hkv; ++lg) {
-    const int64_t base = lg * n;
+    const uint8_t* row = kept.data() + lg * n;
     int64_t count = 0;
     for (int64_t i = 0; i < n; ++i) {
-      if (!kept(base, i)) continue;
+      if (row[i] == 0) continue;
       ++count;
+      if (i >= candidates_begin && i < candidates_end) ++plan.selected_total;
       if (outputs.positions) plan.positions.push_back(static_cast<int32_t>(i));
       if (outputs.bitmask) plan.bitmask[lg * mask_bytes + i / 8] |= uint8_t{1} << (i % 8);
     }

@@ -4,6 +4,7 @@
 #ifndef LAPROX_KERNELS_POLICY_SELECT_H_
 #define LAPROX_KERNELS_POLICY_SELECT_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -14,20 +15,39 @@
 
 namespace laprox::kernels::policy {
 
-// A scored candidate: `index` is the flat (layer, head, position) index (l * Hkv + g) * n + i.
-struct ScoredToken {
-  float score;
+// A scored candidate: `index` is the flat (layer, head, position) index (l * Hkv + g) * n + i
+// (the baselines use positions inside a head or a layer). Score is float, or double where
+// scores may exceed the fp32 range (the baselines' safeguarded values times u).
+template <typename Score>
+struct Ranked {
+  Score score;
   uint32_t index;
 };
+using ScoredToken = Ranked<float>;
 
 // The selection order: higher score first, then lower flat index (layer, head, position).
-inline bool SelectedBefore(const ScoredToken& a, const ScoredToken& b) {
+template <typename Score>
+bool RankedBefore(const Ranked<Score>& a, const Ranked<Score>& b) {
   return a.score > b.score || (a.score == b.score && a.index < b.index);
 }
+inline bool SelectedBefore(const ScoredToken& a, const ScoredToken& b) {
+  return RankedBefore(a, b);
+}
 
-// Reorders `tokens` so that its first `k` elements are the best `k` by SelectedBefore (in no
+// Reorders `tokens` so that its first `k` elements are the best `k` by RankedBefore (in no
 // particular order among themselves). Exact threshold select, O(size) expected.
-void PartitionBest(absl::Span<ScoredToken> tokens, int64_t k);
+template <typename Score>
+void PartitionBest(absl::Span<Ranked<Score>> tokens, int64_t k) {
+  if (k <= 0 || k >= static_cast<int64_t>(tokens.size())) return;
+  std::nth_element(tokens.begin(), tokens.begin() + k, tokens.end(), RankedBefore<Score>);
+}
+
+// The KeepPlan of a kept mask `kept` ([L, Hkv, n], nonzero = kept) with the output scores
+// `scores` ([L, Hkv, n], moved into the plan when requested): counts, offsets, positions and
+// bitmask as `outputs` asks, window / sinks / quota from `shape`, selected_total = the kept
+// positions among the candidates [sinks, n - window). layer_sums are left empty.
+KeepPlan BuildKeepPlan(const PlanShape& shape, absl::Span<const uint8_t> kept,
+                       std::vector<float> scores, const OutputOptions& outputs);
 
 // Builds the keep-plan from raw scores `raw` ([L, Hkv, n], read only at candidate positions).
 // Layer sums are accumulated in double in a fixed order, so the plan does not depend on how the

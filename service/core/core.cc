@@ -1,5 +1,6 @@
 #include "service/core/core.h"
 
+#include <chrono>
 #include <cstring>
 #include <utility>
 
@@ -149,7 +150,18 @@ absl::Status Core::UnregisterModel(uint64_t id) {
   return absl::OkStatus();
 }
 
+Core::ModelTotals Core::model_totals() const {
+  ModelTotals totals;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, model] : models_) {
+    ++totals.count;
+    totals.prepared_bytes += model->info.prepared_bytes;
+  }
+  return totals;
+}
+
 absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call) {
+  const auto started = std::chrono::steady_clock::now();
   std::shared_ptr<const Model> model;
   {
     absl::MutexLock lock(&mu_);
@@ -204,8 +216,11 @@ absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call
     request.outputs.bitmask |= call.destination->bitmask.has_value();
     request.outputs.scores |= call.destination->scores.has_value();
   }
+  const auto resolved = std::chrono::steady_clock::now();
   auto plan = backend_->ComputeKeepPlan(*model->prepared, request);
-  if (!plan.ok() || destination == nullptr) return plan;
+  if (!plan.ok()) return plan;
+  plan->timing.validate_seconds += std::chrono::duration<double>(resolved - started).count();
+  if (destination == nullptr) return plan;
   const OutputDestination& to = *call.destination;
   absl::Status s;
   if (to.counts) s.Update(WriteOutput(*destination, *to.counts, plan->counts, "counts"));

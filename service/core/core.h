@@ -96,6 +96,13 @@ class Core {
   // NOT_FOUND for an unknown id. Requests already using the model finish with it.
   absl::Status UnregisterModel(uint64_t id);
 
+  struct ModelTotals {
+    int64_t count = 0;
+    int64_t prepared_bytes = 0;
+  };
+  // The registered models, counted (for metrics).
+  ModelTotals model_totals() const;
+
   // Resolves every reference (holding leases on the regions it names until the plan is
   // computed), then computes the plan, and writes the outputs the destination names.
   // NOT_FOUND: unknown model or region; RESOURCE_EXHAUSTED: n above max_tokens; reference errors

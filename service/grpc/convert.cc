@@ -11,6 +11,8 @@ namespace {
 using kernels::Allocation;
 using kernels::GqaValue;
 using kernels::Indicator;
+using kernels::NumericMode;
+using kernels::PolicyKind;
 using kernels::Pooling;
 
 absl::StatusOr<kernels::DType> DTypeFromProto(v1::DType dtype, const std::string& field) {
@@ -63,7 +65,11 @@ static_assert(v1::ALLOCATION_UNIFORM == static_cast<int>(Allocation::kUniform) +
 static_assert(v1::INDICATOR_ATTENTION == static_cast<int>(Indicator::kAttention) + 1);
 static_assert(v1::GQA_VALUE_EXACT_BLOCK == static_cast<int>(GqaValue::kExactBlock) + 1);
 static_assert(v1::POOLING_NONE == static_cast<int>(Pooling::kNone) + 1);
-static_assert(kernels::PolicySpec().allocation == Allocation{} &&
+static_assert(v1::POLICY_KIND_CAKE == static_cast<int>(PolicyKind::kCake) + 1);
+static_assert(v1::NUMERIC_MODE_KVPRESS_COMPAT == static_cast<int>(NumericMode::kKvpressCompat) + 1);
+static_assert(kernels::PolicySpec().kind == PolicyKind{} &&
+              kernels::PolicySpec().numeric_mode == NumericMode{} &&
+              kernels::PolicySpec().allocation == Allocation{} &&
               kernels::PolicySpec().indicator == Indicator{} &&
               kernels::PolicySpec().gqa_value == GqaValue{} &&
               kernels::PolicySpec().pooling == Pooling{});
@@ -83,19 +89,22 @@ Wire EnumToWire(Kernel value) {
 
 absl::StatusOr<kernels::PolicySpec> PolicyFromProto(const v1::ComputeKeepMaskRequest& request) {
   const v1::Policy& p = request.policy();
-  kernels::PolicySpec spec;
-  if (p.kind() != v1::POLICY_KIND_UNSPECIFIED && p.kind() != v1::POLICY_KIND_LAPROX) {
-    return absl::UnimplementedError(absl::StrCat("policy.kind = ", v1::PolicyKind_Name(p.kind()),
-                                                 " is not implemented by this server"));
-  }
+  // The kind first: every field that is not set takes its default (the backend answers
+  // UNIMPLEMENTED for a kind it does not implement).
+  auto kind = EnumFromWire<PolicyKind>(p.kind(), v1::PolicyKind_MAX, "kind");
+  if (!kind.ok()) return kind.status();
+  kernels::PolicySpec spec = kernels::PolicySpec::ForKind(*kind);
+  auto numeric_mode =
+      EnumFromWire<NumericMode>(p.numeric_mode(), v1::NumericMode_MAX, "numeric_mode");
   auto allocation = EnumFromWire<Allocation>(p.allocation(), v1::Allocation_MAX, "allocation");
   auto indicator = EnumFromWire<Indicator>(p.indicator(), v1::Indicator_MAX, "indicator");
   auto gqa_value = EnumFromWire<GqaValue>(p.gqa_value(), v1::GqaValue_MAX, "gqa_value");
   auto pooling = EnumFromWire<Pooling>(p.pooling(), v1::Pooling_MAX, "pooling");
-  for (const absl::Status& s :
-       {allocation.status(), indicator.status(), gqa_value.status(), pooling.status()}) {
+  for (const absl::Status& s : {numeric_mode.status(), allocation.status(), indicator.status(),
+                                gqa_value.status(), pooling.status()}) {
     if (!s.ok()) return s;
   }
+  spec.numeric_mode = *numeric_mode;
   spec.allocation = *allocation;
   spec.indicator = *indicator;
   spec.gqa_value = *gqa_value;
@@ -105,6 +114,14 @@ absl::StatusOr<kernels::PolicySpec> PolicyFromProto(const v1::ComputeKeepMaskReq
   if (p.has_sinks()) spec.sinks = p.sinks();
   if (p.has_min_per_head()) spec.min_per_head = p.min_per_head();
   spec.head_uniform_layers = p.head_uniform_layers();
+  kernels::BaselineParams& b = spec.baseline;
+  if (p.has_pyramid_beta()) b.pyramid_beta = p.pyramid_beta();
+  if (p.has_alpha_safeguard()) b.alpha_safeguard = p.alpha_safeguard();
+  if (p.has_epsilon()) b.epsilon = p.epsilon();
+  if (p.has_first_stage_ratio()) b.first_stage_ratio = p.first_stage_ratio();
+  if (p.has_cake_tau1()) b.cake_tau1 = p.cake_tau1();
+  if (p.has_cake_tau2()) b.cake_tau2 = p.cake_tau2();
+  if (p.has_cake_gamma()) b.cake_gamma = p.cake_gamma();
   switch (request.budget().kind_case()) {
     case v1::Budget::kTokensPerHead:
       spec.budget = kernels::Budget::TokensPerHead(request.budget().tokens_per_head());
@@ -205,7 +222,8 @@ void KeepPlanToProto(const kernels::KeepPlan& plan, const KeepPlanCall& call,
   proto->set_selected_total(plan.selected_total);
   proto->set_tokens_per_head(kernels::policy::BudgetTokensPerHead(call.policy.budget, plan.n));
   v1::Policy* p = proto->mutable_effective_policy();
-  p->set_kind(v1::POLICY_KIND_LAPROX);
+  p->set_kind(EnumToWire<v1::PolicyKind>(call.policy.kind));
+  p->set_numeric_mode(EnumToWire<v1::NumericMode>(call.policy.numeric_mode));
   p->set_allocation(EnumToWire<v1::Allocation>(call.policy.allocation));
   p->set_indicator(EnumToWire<v1::Indicator>(call.policy.indicator));
   p->set_gqa_value(EnumToWire<v1::GqaValue>(call.policy.gqa_value));
@@ -215,6 +233,14 @@ void KeepPlanToProto(const kernels::KeepPlan& plan, const KeepPlanCall& call,
   p->set_sinks(call.policy.sinks);
   p->set_min_per_head(call.policy.min_per_head);
   p->set_head_uniform_layers(call.policy.head_uniform_layers);
+  const kernels::BaselineParams& b = call.policy.baseline;
+  p->set_pyramid_beta(b.pyramid_beta);
+  p->set_alpha_safeguard(b.alpha_safeguard);
+  p->set_epsilon(b.epsilon);
+  p->set_first_stage_ratio(b.first_stage_ratio);
+  p->set_cake_tau1(b.cake_tau1);
+  p->set_cake_tau2(b.cake_tau2);
+  p->set_cake_gamma(b.cake_gamma);
 }
 
 void RegionInfoToProto(const RegionInfo& info, v1::RegionInfo* proto) {

@@ -1,6 +1,7 @@
 #include "service/grpc/laprox_service.h"
 
 #include <chrono>
+#include <memory>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -12,35 +13,80 @@
 namespace laprox::service {
 namespace {
 
-grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, const absl::Status& s) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(s));
-  return reactor;
-}
-
 absl::Time Deadline(const grpc::CallbackServerContext* context) {
   return absl::FromChrono(context->deadline());
 }
 
+double SecondsBetween(std::chrono::steady_clock::time_point from,
+                      std::chrono::steady_clock::time_point to) {
+  return std::chrono::duration<double>(to - from).count();
+}
+
 }  // namespace
 
-template <typename Job>
-grpc::ServerUnaryReactor* LaproxService::Offload(grpc::CallbackServerContext* context, Job job) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::Status queued = work_.Submit([context, reactor, job = std::move(job)]() mutable {
-    if (context->IsCancelled()) {
-      reactor->Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled before it started"));
-      return;
-    }
-    reactor->Finish(ToGrpcStatus(job()));
-  });
-  if (!queued.ok()) reactor->Finish(ToGrpcStatus(queued));
+class LaproxService::Call {
+ public:
+  Call(Metrics* metrics, Method method)
+      : metrics_(metrics), method_(method), received_(Clock::now()) {
+    if (metrics_ != nullptr) metrics_->CallStarted();
+  }
+  Call(Call&& other) noexcept
+      : metrics_(std::exchange(other.metrics_, nullptr)),
+        method_(other.method_),
+        received_(other.received_) {}
+  Call& operator=(Call&&) = delete;
+  Call(const Call&) = delete;
+  Call& operator=(const Call&) = delete;
+  ~Call() { Done(grpc::StatusCode::UNKNOWN); }  // only if never finished
+
+  Clock::time_point received() const { return received_; }
+
+  void Done(grpc::StatusCode code) {
+    if (metrics_ == nullptr) return;
+    metrics_->RecordCall(method_, static_cast<int>(code), SecondsBetween(received_, Clock::now()));
+    metrics_->CallFinished();
+    metrics_ = nullptr;
+  }
+
+ private:
+  Metrics* metrics_;
+  Method method_;
+  Clock::time_point received_;
+};
+
+grpc::ServerUnaryReactor* LaproxService::Reply(grpc::ServerUnaryReactor* reactor, Call& call,
+                                               const absl::Status& status) {
+  grpc::Status reply = ToGrpcStatus(status);
+  call.Done(reply.error_code());
+  reactor->Finish(std::move(reply));
   return reactor;
+}
+
+template <typename Job>
+grpc::ServerUnaryReactor* LaproxService::Offload(grpc::CallbackServerContext* context, Call call,
+                                                 Job job) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto shared_call = std::make_shared<Call>(std::move(call));
+  absl::Status queued =
+      work_.Submit([context, shared_call, reactor, job = std::move(job)]() mutable {
+        if (context->IsCancelled()) {
+          Reply(reactor, *shared_call, absl::CancelledError("cancelled before it started"));
+          return;
+        }
+        Reply(reactor, *shared_call, job(*shared_call));
+      });
+  if (!queued.ok()) return Reply(reactor, *shared_call, queued);
+  return reactor;
+}
+
+void LaproxService::ModelsChanged() {
+  if (hooks_.models_changed) hooks_.models_changed(core_.model_totals().count);
 }
 
 grpc::ServerUnaryReactor* LaproxService::GetServerInfo(grpc::CallbackServerContext* context,
                                                        const v1::GetServerInfoRequest*,
                                                        v1::GetServerInfoResponse* response) {
+  Call call(hooks_.metrics, Method::kGetServerInfo);
   response->set_version(version_);
   response->set_backend(core_.backend().kind() == kernels::BackendKind::kCuda
                             ? v1::BACKEND_KIND_CUDA
@@ -53,17 +99,23 @@ grpc::ServerUnaryReactor* LaproxService::GetServerInfo(grpc::CallbackServerConte
   limits->set_max_window(kernels::PolicySpec::kMaxWindow);
   limits->set_max_pool_kernel(kernels::PolicySpec::kMaxPoolKernel);
   limits->set_max_tokens_per_head(kernels::PolicySpec::kMaxTokensPerHead);
-  response->add_supported_policies(v1::POLICY_KIND_LAPROX);
+  for (int kind = v1::POLICY_KIND_LAPROX; kind <= v1::PolicyKind_MAX; ++kind) {
+    // Wire value = kernels value + 1 (convert.cc); the backend says which kinds it computes.
+    if (core_.backend().Supports(static_cast<kernels::PolicyKind>(kind - 1))) {
+      response->add_supported_policies(static_cast<v1::PolicyKind>(kind));
+    }
+  }
   for (v1::DType d : {v1::DTYPE_F32, v1::DTYPE_F16, v1::DTYPE_BF16}) {
     response->add_supported_dtypes(d);
   }
   response->add_supported_region_kinds(v1::REGION_KIND_SHM);
-  return Finish(context, absl::OkStatus());
+  return Reply(context->DefaultReactor(), call, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* LaproxService::RegisterRegion(grpc::CallbackServerContext* context,
                                                         const v1::RegisterRegionRequest* request,
                                                         v1::RegisterRegionResponse* response) {
+  Call call(hooks_.metrics, Method::kRegisterRegion);
   switch (request->kind_case()) {
     case v1::RegisterRegionRequest::kShm: {
       const v1::ShmRegion& shm = request->shm();
@@ -72,17 +124,18 @@ grpc::ServerUnaryReactor* LaproxService::RegisterRegion(grpc::CallbackServerCont
                                              .byte_size = shm.byte_size(),
                                              .writable = request->writable()});
       if (id.ok()) response->set_region_id(*id);
-      return Finish(context, id.status());
+      return Reply(context->DefaultReactor(), call, id.status());
     }
     case v1::RegisterRegionRequest::kCudaIpc:
-      return Finish(context, absl::UnimplementedError(absl::StrCat(
-                                 "cuda_ipc regions need the CUDA backend; this server runs ",
-                                 core_.backend().Describe())));
+      return Reply(context->DefaultReactor(), call,
+                   absl::UnimplementedError(
+                       absl::StrCat("cuda_ipc regions need the CUDA backend; this server runs ",
+                                    core_.backend().Describe())));
     case v1::RegisterRegionRequest::KIND_NOT_SET:
       break;
   }
-  return Finish(context,
-                absl::InvalidArgumentError("region kind is missing: give shm or cuda_ipc"));
+  return Reply(context->DefaultReactor(), call,
+               absl::InvalidArgumentError("region kind is missing: give shm or cuda_ipc"));
 }
 
 grpc::ServerUnaryReactor* LaproxService::UnregisterRegion(
@@ -91,60 +144,84 @@ grpc::ServerUnaryReactor* LaproxService::UnregisterRegion(
   const uint64_t id = request->region_id();
   const absl::Time deadline = Deadline(context);
   // Waits for in-flight requests: off the callback threads.
-  return Offload(context,
-                 [this, id, deadline] { return core_.regions().Unregister(id, deadline); });
+  return Offload(context, Call(hooks_.metrics, Method::kUnregisterRegion),
+                 [this, id, deadline](Call&) { return core_.regions().Unregister(id, deadline); });
 }
 
 grpc::ServerUnaryReactor* LaproxService::ListRegions(grpc::CallbackServerContext* context,
                                                      const v1::ListRegionsRequest*,
                                                      v1::ListRegionsResponse* response) {
+  Call call(hooks_.metrics, Method::kListRegions);
   for (const RegionInfo& info : core_.regions().List()) {
     RegionInfoToProto(info, response->add_regions());
   }
-  return Finish(context, absl::OkStatus());
+  return Reply(context->DefaultReactor(), call, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* LaproxService::RegisterModel(grpc::CallbackServerContext* context,
                                                        const v1::RegisterModelRequest* request,
                                                        v1::RegisterModelResponse* response) {
-  return Offload(context, [this, request, response]() -> absl::Status {
-    auto spec = ModelSpecFromProto(*request);
-    if (!spec.ok()) return spec.status();
-    auto model = core_.RegisterModel(*spec);
-    if (!model.ok()) return model.status();
-    response->set_model_id(model->id);
-    response->set_prepared_bytes(model->prepared_bytes);
-    return absl::OkStatus();
-  });
+  return Offload(context, Call(hooks_.metrics, Method::kRegisterModel),
+                 [this, request, response](Call&) -> absl::Status {
+                   auto spec = ModelSpecFromProto(*request);
+                   if (!spec.ok()) return spec.status();
+                   auto model = core_.RegisterModel(*spec);
+                   if (!model.ok()) return model.status();
+                   if (hooks_.metrics != nullptr) {
+                     hooks_.metrics->AddModel(model->id, model->name, model->geometry);
+                   }
+                   ModelsChanged();
+                   response->set_model_id(model->id);
+                   response->set_prepared_bytes(model->prepared_bytes);
+                   return absl::OkStatus();
+                 });
 }
 
 grpc::ServerUnaryReactor* LaproxService::UnregisterModel(grpc::CallbackServerContext* context,
                                                          const v1::UnregisterModelRequest* request,
                                                          v1::UnregisterModelResponse*) {
-  return Finish(context, core_.UnregisterModel(request->model_id()));
+  Call call(hooks_.metrics, Method::kUnregisterModel);
+  absl::Status status = core_.UnregisterModel(request->model_id());
+  if (status.ok()) {
+    if (hooks_.metrics != nullptr) hooks_.metrics->RemoveModel(request->model_id());
+    ModelsChanged();
+  }
+  return Reply(context->DefaultReactor(), call, status);
 }
 
 grpc::ServerUnaryReactor* LaproxService::ComputeKeepMask(grpc::CallbackServerContext* context,
                                                          const v1::ComputeKeepMaskRequest* request,
                                                          v1::ComputeKeepMaskResponse* response) {
-  const auto received = std::chrono::steady_clock::now();
-  return Offload(context, [this, request, response, received]() -> absl::Status {
-    using Seconds = std::chrono::duration<double>;
-    const auto started = std::chrono::steady_clock::now();
-    auto call = KeepPlanCallFromProto(*request);
-    if (!call.ok()) return call.status();
-    auto plan = core_.ComputeKeepPlan(*call);
-    if (!plan.ok()) return plan.status();
-    const auto computed = std::chrono::steady_clock::now();
-    KeepPlanToProto(*plan, *call, response);
-    const auto done = std::chrono::steady_clock::now();
-    v1::Timing* timing = response->mutable_timing();
-    timing->set_queue_seconds(Seconds(started - received).count());
-    timing->set_score_seconds(Seconds(computed - started).count());
-    timing->set_respond_seconds(Seconds(done - computed).count());
-    timing->set_total_seconds(Seconds(done - received).count());
-    return absl::OkStatus();
-  });
+  return Offload(context, Call(hooks_.metrics, Method::kComputeKeepMask),
+                 [this, request, response](Call& rpc) -> absl::Status {
+                   const Clock::time_point started = Clock::now();
+                   auto call = KeepPlanCallFromProto(*request);
+                   if (!call.ok()) return call.status();
+                   const Clock::time_point converted = Clock::now();
+                   auto plan = core_.ComputeKeepPlan(*call);
+                   if (!plan.ok()) return plan.status();
+                   const Clock::time_point computed = Clock::now();
+                   KeepPlanToProto(*plan, *call, response);
+                   const Clock::time_point done = Clock::now();
+                   const StageSeconds stages = {.queue = SecondsBetween(rpc.received(), started),
+                                                .validate = SecondsBetween(started, converted) +
+                                                            plan->timing.validate_seconds,
+                                                .score = plan->timing.score_seconds,
+                                                .select = plan->timing.select_seconds,
+                                                .respond = SecondsBetween(computed, done)};
+                   v1::Timing* timing = response->mutable_timing();
+                   timing->set_queue_seconds(stages.queue);
+                   timing->set_validate_seconds(stages.validate);
+                   timing->set_score_seconds(stages.score);
+                   timing->set_select_seconds(stages.select);
+                   timing->set_respond_seconds(stages.respond);
+                   timing->set_total_seconds(SecondsBetween(rpc.received(), done));
+                   if (hooks_.metrics != nullptr) {
+                     hooks_.metrics->RecordStages(stages);
+                     hooks_.metrics->RecordPlan(request->model_id(), *plan);
+                   }
+                   return absl::OkStatus();
+                 });
 }
 
 }  // namespace laprox::service

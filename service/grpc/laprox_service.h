@@ -5,19 +5,31 @@
 #ifndef LAPROX_SERVICE_GRPC_LAPROX_SERVICE_H_
 #define LAPROX_SERVICE_GRPC_LAPROX_SERVICE_H_
 
+#include <chrono>
+#include <functional>
 #include <string>
 
 #include "laprox/v1/laprox.grpc.pb.h"
 #include "service/core/core.h"
 #include "service/core/work_queue.h"
+#include "service/metrics/metrics.h"
 
 namespace laprox::service {
 
+// Optional observers of the service.
+struct ServiceHooks {
+  // Every call, every plan and every model (un)registration is recorded here.
+  Metrics* metrics = nullptr;
+  // Called with the number of registered models after a model was registered or unregistered
+  // (laproxd derives its readiness from it).
+  std::function<void(int64_t models)> models_changed;
+};
+
 class LaproxService final : public v1::Laprox::CallbackService {
  public:
-  // `core` and `work` must outlive the service.
-  LaproxService(Core& core, WorkQueue& work, std::string version)
-      : core_(core), work_(work), version_(std::move(version)) {}
+  // `core`, `work` and hooks.metrics must outlive the service.
+  LaproxService(Core& core, WorkQueue& work, std::string version, ServiceHooks hooks = {})
+      : core_(core), work_(work), version_(std::move(version)), hooks_(std::move(hooks)) {}
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
                                           const v1::GetServerInfoRequest* request,
@@ -42,13 +54,23 @@ class LaproxService final : public v1::Laprox::CallbackService {
                                             v1::ComputeKeepMaskResponse* response) override;
 
  private:
+  using Clock = std::chrono::steady_clock;
+
+  // One call from arrival to reply: counts it in flight, and records its method, code and time.
+  class Call;
+
+  // Finishes the call (its context's DefaultReactor, obtained once) with `status`.
+  static grpc::ServerUnaryReactor* Reply(grpc::ServerUnaryReactor* reactor, Call& call,
+                                         const absl::Status& status);
   // Runs `job` (returning absl::Status) on the work queue and finishes the call with its status.
   template <typename Job>
-  grpc::ServerUnaryReactor* Offload(grpc::CallbackServerContext* context, Job job);
+  grpc::ServerUnaryReactor* Offload(grpc::CallbackServerContext* context, Call call, Job job);
+  void ModelsChanged();
 
   Core& core_;
   WorkQueue& work_;
   const std::string version_;
+  const ServiceHooks hooks_;
 };
 
 }  // namespace laprox::service

@@ -64,6 +64,7 @@ TEST_F(ClientTest, ServerInfo) {
   EXPECT_EQ(info->version, "client-test");
   EXPECT_EQ(info->backend, "cpu");
   EXPECT_GT(info->max_tokens, 0);
+  EXPECT_EQ(info->supported_policies.size(), 8u);
 }
 
 TEST_F(ClientTest, KeepPlanThroughSharedBufferEqualsTheLibrary) {
@@ -128,6 +129,29 @@ TEST_F(ClientTest, KeepPlanThroughSharedBufferEqualsTheLibrary) {
   EXPECT_EQ(plan->layer_sums, direct.layer_sums);
   EXPECT_EQ(plan->kept(1, 1).size(), static_cast<size_t>(direct.count(1, 1)));
   EXPECT_EQ(plan->bitmask.size(), static_cast<size_t>(kL * kHkv * ((kN + 7) / 8)));
+
+  // Baselines, with every option the client sends: the server applies exactly the same policy.
+  for (PolicyKind kind : {PolicyKind::kStreamingLlm, PolicyKind::kCriticalAdaKv,
+                          PolicyKind::kPyramidKv, PolicyKind::kCake}) {
+    PolicySpec baseline = PolicySpec::ForKind(kind);
+    baseline.window = kWindow;
+    baseline.numeric_mode = NumericMode::kKvpressCompat;
+    baseline.budget = kernels::Budget::CompressionRatio(0.6);
+    baseline.baseline = {.pyramid_beta = 3,
+                         .alpha_safeguard = 0.5,
+                         .epsilon = 0.01,
+                         .first_stage_ratio = 0.25,
+                         .cake_tau1 = 1,
+                         .cake_tau2 = 2,
+                         .cake_gamma = 10};
+    auto remote = client_->ComputeKeepPlan(*model, kN, layers, baseline);
+    ASSERT_TRUE(remote.ok()) << remote.status();
+    request.policy = baseline;
+    const kernels::KeepPlan local = *backend->ComputeKeepPlan(*prepared, request);
+    EXPECT_EQ(remote->counts, local.counts) << kernels::PolicyKindName(kind);
+    EXPECT_EQ(remote->positions, local.positions) << kernels::PolicyKindName(kind);
+    EXPECT_EQ(remote->layer_sums, local.layer_sums) << kernels::PolicyKindName(kind);
+  }
 
   // Destroying the buffer unregisters the region and unlinks the object.
   ASSERT_EQ(core_->regions().List().size(), 1u);

@@ -46,10 +46,38 @@ TEST(ProtoContractTest, EveryPolicyOptionHasAWireValue) {
   for (Pooling p : {Pooling::kAvg, Pooling::kMax, Pooling::kNone}) {
     ExpectValue(v1::Pooling_descriptor(), "POOLING", PoolingName(p), static_cast<int>(p));
   }
+  for (PolicyKind k : {PolicyKind::kLaprox, PolicyKind::kStreamingLlm, PolicyKind::kSnapKv,
+                       PolicyKind::kPyramidKv, PolicyKind::kAdaKv, PolicyKind::kCriticalKv,
+                       PolicyKind::kCriticalAdaKv, PolicyKind::kCake}) {
+    ExpectValue(v1::PolicyKind_descriptor(), "POLICY_KIND", PolicyKindName(k), static_cast<int>(k));
+  }
+  for (NumericMode m : {NumericMode::kExact, NumericMode::kKvpressCompat}) {
+    ExpectValue(v1::NumericMode_descriptor(), "NUMERIC_MODE", NumericModeName(m),
+                static_cast<int>(m));
+  }
+  // Every wire value is reachable from the library (no kind or mode only a client can name).
+  EXPECT_EQ(v1::PolicyKind_MAX, static_cast<int>(PolicyKind::kCake) + 1);
+  EXPECT_EQ(v1::NumericMode_MAX, static_cast<int>(NumericMode::kKvpressCompat) + 1);
   for (DType d : {DType::kF32, DType::kF16, DType::kBF16}) {
     std::string name(DTypeName(d));
     for (char& c : name) c = static_cast<char>(std::toupper(c));
     ExpectValue(v1::DType_descriptor(), "DTYPE", name);
+  }
+}
+
+// Field numbers 20-49 of Policy hold the baseline options, each optional (unset = the kind's
+// default) except the numeric_mode enum.
+TEST(ProtoContractTest, BaselineOptionsUseTheReservedFieldNumbers) {
+  const auto* policy = v1::Policy::descriptor();
+  for (const char* name : {"numeric_mode", "pyramid_beta", "alpha_safeguard", "epsilon",
+                           "first_stage_ratio", "cake_tau1", "cake_tau2", "cake_gamma"}) {
+    const auto* field = policy->FindFieldByName(name);
+    ASSERT_NE(field, nullptr) << name;
+    EXPECT_GE(field->number(), 20) << name;
+    EXPECT_LE(field->number(), 49) << name;
+    if (field->type() == google::protobuf::FieldDescriptor::TYPE_DOUBLE) {
+      EXPECT_TRUE(field->has_presence()) << name << " must be optional";
+    }
   }
 }
 

@@ -5,6 +5,7 @@
 // (slice_last, then permute), prepares the model, computes the keep-plan with every output, and
 // writes cpp_counts.npy, cpp_kept.npy, cpp_bitmask.npy, cpp_scores.npy, cpp_layer_sums.npy and
 // cpp_meta.json — or cpp_error.json {"code", "message"} when the backend rejects the case.
+// Baseline policies ("kind" and their fields, see laprox_ref.py) start from the kind's defaults.
 // Driven by compare_test.py; LAPROX_CASE_THREADS sets the worker count (default 2).
 #include <cstdlib>
 #include <exception>
@@ -13,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -45,9 +47,27 @@ absl::StatusOr<kernels::PolicySpec> ParsePolicy(const json& p) {
   using kernels::Allocation;
   using kernels::GqaValue;
   using kernels::Indicator;
+  using kernels::NumericMode;
+  using kernels::PolicyKind;
   using kernels::Pooling;
-  kernels::PolicySpec spec;
-  absl::Status s;
+  // The kind first: unset fields take its defaults.
+  PolicyKind kind = PolicyKind::kLaprox;
+  absl::Status s = ParseEnum<PolicyKind>(p, "kind",
+                                         {{"LAPROX", PolicyKind::kLaprox},
+                                          {"STREAMING_LLM", PolicyKind::kStreamingLlm},
+                                          {"SNAPKV", PolicyKind::kSnapKv},
+                                          {"PYRAMIDKV", PolicyKind::kPyramidKv},
+                                          {"ADAKV", PolicyKind::kAdaKv},
+                                          {"CRITICALKV", PolicyKind::kCriticalKv},
+                                          {"CRITICAL_ADAKV", PolicyKind::kCriticalAdaKv},
+                                          {"CAKE", PolicyKind::kCake}},
+                                         &kind);
+  if (!s.ok()) return s;
+  kernels::PolicySpec spec = kernels::PolicySpec::ForKind(kind);
+  s.Update(ParseEnum<NumericMode>(
+      p, "numeric_mode",
+      {{"EXACT", NumericMode::kExact}, {"KVPRESS_COMPAT", NumericMode::kKvpressCompat}},
+      &spec.numeric_mode));
   s.Update(ParseEnum<Allocation>(p, "allocation",
                                  {{"GLOBAL_NORMALIZED", Allocation::kGlobalNormalized},
                                   {"GLOBAL_RAW", Allocation::kGlobalRaw},
@@ -75,6 +95,16 @@ absl::StatusOr<kernels::PolicySpec> ParsePolicy(const json& p) {
   spec.sinks = p.value("sinks", spec.sinks);
   spec.min_per_head = p.value("min_per_head", spec.min_per_head);
   spec.head_uniform_layers = p.value("head_uniform_layers", false);
+  kernels::BaselineParams& b = spec.baseline;
+  for (auto [key, field] : {std::pair{"pyramid_beta", &b.pyramid_beta},
+                            {"alpha_safeguard", &b.alpha_safeguard},
+                            {"epsilon", &b.epsilon},
+                            {"first_stage_ratio", &b.first_stage_ratio},
+                            {"cake_tau1", &b.cake_tau1},
+                            {"cake_tau2", &b.cake_tau2},
+                            {"cake_gamma", &b.cake_gamma}}) {
+    *field = p.value(key, *field);
+  }
   if (p.contains("compression_ratio") && !p.at("compression_ratio").is_null()) {
     spec.budget = kernels::Budget::CompressionRatio(p.at("compression_ratio").get<double>());
   } else {

@@ -20,12 +20,24 @@ Run it
     ctest -R reference_compare         (from the build tree), or
     /usr/bin/python3 tests/reference/compare_test.py --runner build/tests/reference/laprox_case_runner
     Options: --seed N, --only SUBSTRING (case names), --keep DIR (keep the case directories),
-    --plant-bug raw|reserve (sends C++ a wrong policy: GLOBAL_RAW while the oracle normalises,
-    or min_per_head 10 while the oracle has 0; the script then succeeds only if cases fail,
-    which proves the score and the kept-set comparisons can fail).
+    --plant-bug raw|reserve|pool (sends C++ a wrong policy: GLOBAL_RAW while the oracle
+    normalises, min_per_head 10 while the oracle has 0, or for baselines pool_kernel 1 while the
+    oracle pools over 5 or 7; the script then succeeds only if cases fail, which proves the
+    score and the kept-set comparisons can fail).
+
+    Baseline policies (cases named "bl-...", built by build_baseline_grid()) are compared the
+    same way with their own rules (compare_baseline): scores are the ranking scores with
+    sentinels (fp32 on the C++ side, so oracle values beyond fp32 range must be +inf there),
+    compared to a relative 2e-4 of the layer's largest finite score (2e-3 when KVPRESS_COMPAT
+    rounds 16-bit attention: C++ rounds from fp32, the oracle from float64); the competition
+    scope is the head (the layer for ADAKV and CRITICAL_ADAKV, whose head budgets come from a
+    layer-wide top-k); near-ties are 1e-5 relative (2e-3 with 16-bit rounding), on the ranking
+    score or on the oracle's raw prefix score (a near-tie in a first stage moves a token to the
+    other stage); CAKE's layer preferences (layer_sums) agree to 1e-3 relative.
 
 Extend it
-    Add a case to build_grid(): a name and a dict of overrides of BASE_CASE.
+    Add a case to build_grid(): a name and a dict of overrides of BASE_CASE, or to
+    build_baseline_grid(): bcase(name, kind, policy overrides, case overrides).
 """
 
 import argparse
@@ -60,6 +72,26 @@ def case(name, policy=None, **kw):
     c["policy"].update(policy or {})
     c["name"] = name
     return c
+
+
+def bcase(name, kind, policy=None, **kw):
+    """A baseline case: BASE_CASE's tensors, a policy with only `kind`, a budget (cr 0.5 unless
+    given) and the overrides, so that every other field takes the kind's default."""
+    c = json.loads(json.dumps(BASE_CASE))
+    c.update(kw)
+    c["policy"] = dict(kind=kind, compression_ratio=0.5)
+    c["policy"].update(policy or {})
+    if c["policy"].get("tokens_per_head") is not None:
+        c["policy"].pop("compression_ratio")
+    c["name"] = f"bl-{kind}-{name}"
+    return c
+
+
+def policy_window(policy):
+    """The window the policy uses (its kind's default unless given)."""
+    kind = policy.get("kind", "LAPROX")
+    defaults = dict(laprox_ref.POLICY_DEFAULTS, **laprox_ref.KIND_DEFAULTS[kind])
+    return policy.get("window", defaults["window"])
 
 
 def build_grid():
@@ -126,6 +158,77 @@ def build_grid():
                                                       gqa_value="EXACT_BLOCK"),
                      expect_error=True))
     grid.append(case("bad-even-kernel", policy=dict(pool_kernel=4), expect_error=True))
+    return grid + build_baseline_grid()
+
+
+def build_baseline_grid():
+    """Every baseline kind across group sizes, budgets, lengths around the window, dtypes in
+    both numeric modes and the ways of giving the window, plus each kind's own branches."""
+    grid = []
+    small = dict(L=2, d=8, D=24)
+    for kind in laprox_ref.BASELINE_KINDS:
+        w = policy_window({"kind": kind})
+        for G, (H, Hkv) in ((1, (3, 3)), (3, (6, 2)), (4, (8, 2))):
+            grid.append(bcase(f"G{G}", kind, H=H, Hkv=Hkv, n=257, **small))
+        for cr in (0.0, 0.5, 0.9):
+            grid.append(bcase(f"cr{cr}", kind, dict(compression_ratio=cr), n=500, **small))
+        for b in (0, 10, 100, 350):
+            grid.append(bcase(f"B{b}", kind, dict(tokens_per_head=b), n=300, **small))
+        # n around the window: all window (n < w, n = w), one prefix token, long sequences.
+        for n in (1, 2, w // 2, w, w + 1, 1000, 3000):
+            budget = dict(tokens_per_head=max(1, n // 3)) if n % 2 else {}
+            grid.append(bcase(f"n{n}", kind, budget, n=n, H=4, Hkv=2,
+                              L=1 if n == 3000 else 2, d=8, D=16))
+        for dtype in ("f32", "f16", "bf16"):
+            for mode in ("EXACT", "KVPRESS_COMPAT"):
+                grid.append(bcase(f"{dtype}-{mode}", kind, dict(numeric_mode=mode), dtype=dtype,
+                                  H=6, Hkv=2, n=400, **small))
+        for inputs in ("lse", "attention"):
+            grid.append(bcase(f"{inputs}-compat", kind, dict(numeric_mode="KVPRESS_COMPAT"),
+                              inputs=inputs, dtype="bf16", H=6, Hkv=2, n=300, **small))
+        grid.append(bcase("window17-maxpool", kind, dict(window=17, pooling="MAX", pool_kernel=3),
+                          n=200, **small))
+        grid.append(bcase("bad-window-gt-rows", kind, dict(window=16), wq=8, n=100,
+                          expect_error=kind != "STREAMING_LLM", **small))
+    # Strided layouts (the L1 norms read values through the same views).
+    for kind in ("SNAPKV", "CRITICALKV", "CAKE"):
+        for layout in ("nhd", "padded", "dmajor"):
+            grid.append(bcase(f"{layout}", kind, dict(numeric_mode="KVPRESS_COMPAT"),
+                              layout=layout, dtype="f16", H=6, Hkv=2, n=300, **small))
+    # StreamingLLM: sinks beyond the budget, no sinks.
+    for sinks, b in ((10, 6), (0, 50), (4, 4)):
+        grid.append(bcase(f"sinks{sinks}-B{b}", "STREAMING_LLM",
+                          dict(sinks=sinks, tokens_per_head=b), n=100, **small))
+    # PyramidKV branches: pyramid (L 4), the max >= n - w clamp, the fallback, one layer.
+    for name, n, cr, L in (("pyramid", 3000, 0.55, 4), ("clamp", 1000, 0.5, 3),
+                           ("fallback", 1000, 0.9, 3), ("one-layer", 3000, 0.55, 1)):
+        grid.append(bcase(name, "PYRAMIDKV", dict(compression_ratio=cr), n=n, L=L, H=4, Hkv=2,
+                          d=8, D=16))
+    grid.append(bcase("beta2", "PYRAMIDKV", dict(pyramid_beta=2.0, compression_ratio=0.3),
+                      n=600, L=3, **{k: v for k, v in small.items() if k != "L"}))
+    # CriticalKV: stage 1 smaller than the window (window tokens can lose), stage ratios.
+    for kind in ("CRITICALKV", "CRITICAL_ADAKV"):
+        grid.append(bcase("stage1-lt-window", kind, dict(tokens_per_head=100), n=300,
+                          value_spread=True, **small))
+        for r in (0.0, 1.0):
+            grid.append(bcase(f"fsr{r}", kind, dict(first_stage_ratio=r, epsilon=0.01), n=300,
+                              **small))
+    for alpha in (0.0, 1.0):
+        grid.append(bcase(f"alpha{alpha}", "ADAKV", dict(alpha_safeguard=alpha), n=300, **small))
+    # CAKE: layers with very different attention (a budget capped at n - w), no compression,
+    # a one-row window, other exponents.
+    grid.append(bcase("capped", "CAKE", dict(tokens_per_head=150), n=200, L=4,
+                      layer_logit_scales=[0.05, 0.3, 4.0, 8.0], H=4, Hkv=2, d=8, D=16))
+    grid.append(bcase("no-compression", "CAKE", dict(tokens_per_head=170), n=200, **small))
+    grid.append(bcase("w1", "CAKE", dict(window=1), n=200, **small))
+    grid.append(bcase("tau-gamma", "CAKE", dict(cake_tau1=1.0, cake_tau2=2.0, cake_gamma=0.0),
+                      n=300, L=3, **{k: v for k, v in small.items() if k != "L"}))
+    # Invalid baseline parameters both sides must reject.
+    for field, value in (("pyramid_beta", 0.5), ("alpha_safeguard", 1.5), ("epsilon", -1e-3),
+                         ("first_stage_ratio", 2.0), ("cake_tau1", 0.0), ("cake_tau2", -1.0),
+                         ("cake_gamma", -5.0)):
+        grid.append(bcase(f"bad-{field}", "SNAPKV", {field: value}, n=100, expect_error=True,
+                          **small))
     return grid
 
 
@@ -177,14 +280,17 @@ def quantised(x, dtype):
 
 def write_case(case_dir, c, rng, plant_bug):
     L, H, Hkv, d, D, n = c["L"], c["H"], c["Hkv"], c["d"], c["D"], c["n"]
-    wq = c["wq"] or max(c["policy"]["window"], 1)
+    wq = c["wq"] or max(policy_window(c["policy"]), 1)
     scale = 1.0 / np.sqrt(d)
     layers = []
     for layer in range(L):
         keys = rng.standard_normal((Hkv, n, d)).astype(np.float32)
         values = rng.standard_normal((Hkv, n, d)).astype(np.float32)
+        if c.get("value_spread"):  # value norms over orders of magnitude: u decides stage 2
+            values *= np.exp(2.0 * rng.standard_normal((Hkv, n, 1))).astype(np.float32)
         # Post-RoPE queries of the last wq positions; a larger logit scale makes attention peaky.
-        queries = (c["logit_scale"] * rng.standard_normal((H, wq, d))).astype(np.float32)
+        logit_scale = c.get("layer_logit_scales", [c["logit_scale"]] * L)[layer]
+        queries = (logit_scale * rng.standard_normal((H, wq, d))).astype(np.float32)
         o_proj = (rng.standard_normal((D, H * d)) / np.sqrt(H * d)).astype(np.float32)
         if c.get("special") == "zero_values" and layer == 0:
             values[:] = 0.0
@@ -236,6 +342,9 @@ def write_case(case_dir, c, rng, plant_bug):
             doc["policy"] = dict(policy, allocation="GLOBAL_RAW")
         if plant_bug == "reserve":
             doc["policy"] = dict(policy, min_per_head=10)
+        if plant_bug == "pool" and policy.get("kind", "LAPROX") not in ("LAPROX",
+                                                                         "STREAMING_LLM"):
+            doc["policy"] = dict(policy, pool_kernel=1)
         with open(os.path.join(case_dir, "case.json"), "w") as fh:
             json.dump(doc, fh)
 
@@ -277,6 +386,8 @@ def compare(case_dir, c):
         return [f"C++ rejects a case the oracle accepts: {cpp_error}"]
     if c.get("expect_error"):
         return ["case was expected to be rejected"]
+    if policy.get("kind", "LAPROX") != "LAPROX":
+        return compare_baseline(case_dir, c, policy, layers, ref)
 
     load = lambda name: np.load(os.path.join(case_dir, name))  # noqa: E731
     counts, kept = load("cpp_counts.npy"), load("cpp_kept.npy").astype(bool)
@@ -333,13 +444,78 @@ def compare(case_dir, c):
     return failures
 
 
+def compare_baseline(case_dir, c, policy, layers, ref):
+    """compare() for a baseline policy (module docstring); returns failure messages."""
+    load = lambda name: np.load(os.path.join(case_dir, name))  # noqa: E731
+    counts, kept = load("cpp_counts.npy"), load("cpp_kept.npy").astype(bool)
+    bitmask = load("cpp_bitmask.npy")
+    scores = load("cpp_scores.npy").astype(np.float64)
+    layer_sums = load("cpp_layer_sums.npy")
+    n = kept.shape[2]
+    kind = policy["kind"]
+    rounded = (policy.get("numeric_mode") == "KVPRESS_COMPAT" and c["dtype"] != "f32"
+               and c["inputs"] != "attention")
+    score_rtol = 2e-3 if rounded else SCORE_RTOL
+    tie_rtol = 2e-3 if rounded else NEAR_TIE_RTOL
+    failures = []
+    if not np.array_equal(counts, kept.sum(axis=2)):
+        failures.append("C++ counts differ from its kept positions")
+    unpacked = np.unpackbits(bitmask, axis=2, bitorder="little")[:, :, :n].astype(bool)
+    if not np.array_equal(unpacked, kept):
+        failures.append("C++ bitmask differs from its kept positions")
+
+    # Scores: the oracle's float64 values as fp32 (overflow -> inf) must match, the infinite and
+    # fp32-max (safeguard) values exactly, the others relative to the layer's largest finite.
+    with np.errstate(over="ignore"):
+        expected = ref["scores"].astype(np.float32).astype(np.float64)
+    for l in range(expected.shape[0]):
+        e, g = expected[l], scores[l]
+        if not np.array_equal(np.isinf(e), np.isinf(g)):
+            failures.append(f"layer {l}: infinite scores at different positions")
+            break
+        finite = np.isfinite(e)
+        if finite.any():
+            top = np.abs(e[finite]).max()
+            err = np.abs(g[finite] - e[finite]).max()
+            if err > score_rtol * max(top, 1e-30):
+                failures.append(f"layer {l}: scores differ by {err:.3g} (largest {top:.3g})")
+                break
+    if kind == "CAKE":
+        if not np.allclose(layer_sums, ref["layer_sums"], rtol=1e-3, atol=0.0):
+            failures.append(f"CAKE layer preferences {layer_sums} vs {ref['layer_sums']}")
+
+    # Kept sets up to near-ties inside one competition (head; layer for the Ada-KV kinds).
+    per_layer = kind in ("ADAKV", "CRITICAL_ADAKV")
+    rank, raw = ref["scores"], ref["raw"]
+
+    def near(a, b):
+        return abs(a - b) <= tie_rtol * max(abs(a), abs(b), 1e-300)
+
+    by_scope = {}
+    for side, idx in ((0, np.argwhere(kept & ~ref["kept"])), (1, np.argwhere(ref["kept"] & ~kept))):
+        for l, g, i in idx:
+            key = (int(l),) if per_layer else (int(l), int(g))
+            by_scope.setdefault(key, ([], []))[side].append((rank[l, g, i], raw[l, g, i]))
+    for key, (a, b) in by_scope.items():
+        if len(a) != len(b):
+            failures.append(f"scope {key}: {len(a)} kept only by C++, {len(b)} only by the oracle")
+            continue
+        for x, y in zip(sorted(a), sorted(b)):
+            if not (near(x[0], y[0]) or (np.isfinite(x[1]) and np.isfinite(y[1])
+                                         and near(x[1], y[1]))):
+                failures.append(f"scope {key}: kept sets differ beyond near-ties "
+                                f"(scores {x[0]:.9g} vs {y[0]:.9g}, raw {x[1]:.9g} vs {y[1]:.9g})")
+                break
+    return failures
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runner", required=True)
     ap.add_argument("--seed", type=int, default=20261130)
     ap.add_argument("--only", default="")
     ap.add_argument("--keep", default="")
-    ap.add_argument("--plant-bug", choices=("raw", "reserve"), default=None)
+    ap.add_argument("--plant-bug", choices=("raw", "reserve", "pool"), default=None)
     args = ap.parse_args()
 
     grid = [c for c in build_grid() if args.only in c["name"]]

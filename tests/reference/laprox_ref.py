@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Float64 numpy oracle of the LaProx keep plan (policy LAPROX).
+"""Float64 numpy oracle of the LaProx keep plan (policy LAPROX) and of the kvpress baselines.
 
 What it is
     An independent, deliberately plain implementation of the LaProx KV-cache eviction
@@ -17,6 +17,69 @@ Where it comes from
     For EXACT_BLOCK the Frobenius norm of sum_h a_h (outer) b_h is evaluated as
     sqrt(sum_{h,h'} (a_h . a_h') (b_h . b_h')) with the explicit b_h = v_i W_O^h (a pure
     algebraic identity; the self-tests check it against the literal we x D matrix).
+
+Baselines (policy["kind"] != "LAPROX")
+    STREAMING_LLM, SNAPKV, PYRAMIDKV, ADAKV, CRITICALKV, CRITICAL_ADAKV, CAKE, written from
+    DESIGN.md section 3 and the baseline issue text; the exact rules (budgets, sentinels, ties,
+    edge cases) are in SEMANTICS.md, "Baseline policies".  Entry point: keep_plan (it dispatches
+    to baseline_plan).
+
+    Policy dict (missing keys take these defaults):
+        kind               "LAPROX" | "STREAMING_LLM" | "SNAPKV" | "PYRAMIDKV" | "ADAKV" |
+                           "CRITICALKV" | "CRITICAL_ADAKV" | "CAKE"            (default LAPROX)
+        tokens_per_head | compression_ratio   exactly one (as for LAPROX)
+        window, pool_kernel, pooling   LAPROX 32/7/AVG; SNAPKV, PYRAMIDKV, ADAKV, CRITICALKV,
+                           CRITICAL_ADAKV 64/5/AVG; CAKE 32/5/AVG (pooling MAX/NONE also accepted)
+        sinks              LAPROX 0; STREAMING_LLM 4; ignored by the other baselines
+        numeric_mode       "EXACT" | "KVPRESS_COMPAT" (default EXACT; ignored by LAPROX)
+        pyramid_beta 20.0, alpha_safeguard 0.2, epsilon 1e-4, first_stage_ratio 0.5,
+        cake_tau1 1.6, cake_tau2 0.6, cake_gamma 200.0
+        allocation, indicator, gqa_value, min_per_head, head_uniform_layers: accepted, checked
+                           for valid values, ignored by baselines.
+    Layer dicts may carry "keys_dtype": "f32" | "f16" | "bf16" (None/absent = "f32"): the dtype
+    the keys were stored in.  load_case() sets it from the keys' tensor reference, so case.json
+    needs nothing new besides the policy fields above, e.g.
+        {"geometry": {"L":2,"H":4,"Hkv":2,"d":16,"D":32,"scale":0.25}, "n": 300,
+         "policy": {"kind": "SNAPKV", "compression_ratio": 0.5, "numeric_mode": "KVPRESS_COMPAT"},
+         "layers": [{"keys": {"file":"keys_0.npy","dtype":"bf16","slice_last":null,"permute":null},
+                     "values": {...}, "o_proj": {...}, "queries": {...},
+                     "attention": null, "lse": null}, ...]}
+    STREAMING_LLM needs no tensors at all (queries/attention may be null; given ones are still
+    checked).  SNAPKV, PYRAMIDKV, ADAKV, CAKE need queries+keys (optionally lse) or attention;
+    CRITICALKV and CRITICAL_ADAKV also need values and o_proj.  Baselines check policy.window
+    <= wq like LAPROX (not STREAMING_LLM).
+
+    Numerics.  EXACT: float64 throughout, no rounding anywhere.  KVPRESS_COMPAT: exactly one
+    cast is reproduced -- the window attention probabilities, computed from queries+keys by
+    window_attention() (float64, standing in for kvpress's fp32 softmax; also with an lse), are
+    rounded (round_to_dtype: nearest, ties to even, directly from float64) to the layer's
+    keys_dtype right after the softmax; f32 means no rounding.  Everything after it (means,
+    pooling, group mean, sentinels, value factors) stays float64.  Attention given as
+    "attention" is used as given (never rounded).  CAKE's layer entropy H_l and variance V_l use
+    the unrounded probabilities ("fp32 values"); its eviction score uses the rounded ones.  The
+    "dtype max" that AdaKV's safeguard and CriticalKV's stage 1 write is float32 max in EXACT
+    and max(keys_dtype) in KVPRESS_COMPAT (f32 max when keys_dtype is f32/absent); in both modes
+    those tokens are also forced by an explicit mask, so they win whatever that value is.
+
+    Output fields of baselines (same keys as LAPROX):
+        kept [L,Hkv,n] bool, counts [L,Hkv] int64   as for LAPROX.
+        scores [L,Hkv,n] float64   the ranking score the policy selects by, with its sentinels:
+            STREAMING_LLM  kvpress's 1.0 (kept region) / 0.0 (evicted region).
+            SNAPKV, PYRAMIDKV  SnapKV score, window = layer max of prefix scores + 1.
+            ADAKV          SnapKV score with each head's top n_safe set to dtype max.
+            CRITICALKV     (snap + epsilon) * u, stage-1 picks = dtype max.
+            CRITICAL_ADAKV (snap' + epsilon) * u with snap' = SnapKV after the safeguard
+                           (safeguarded tokens = dtype max, so their value may exceed float32
+                           range), each head's stage-1 picks = dtype max.
+            CAKE           pooled group eviction score on the prefix, +inf on the window.
+        raw [L,Hkv,n] float64   prefix score before sentinels/safeguard/stages (SnapKV score for
+            the five SnapKV-based kinds, the CAKE eviction score for CAKE) on [0, n - we), NaN on
+            the window; all NaN for STREAMING_LLM.
+        layer_sums [L] float64   CAKE: the layer preference P_l; other baselines: 0.0.
+        selected [L,Hkv,n] bool   CAKE: kept prefix tokens (kept minus window); others: = kept.
+        quota int   n_kept, the per-head budget (int((1.0 - cr) * n) or tokens_per_head,
+            clamped to n).
+        total_selected int   selected.sum().
 
 How to run
     As a library:   from laprox_ref import keep_plan
@@ -57,6 +120,40 @@ POLICY_DEFAULTS = {
 
 MAX_TOKENS_PER_HEAD = 2**31 - 1
 
+# Policy kinds: LAPROX (section 2) and the kvpress baselines (section 3, "Baseline policies" in
+# SEMANTICS.md).
+KINDS = ("LAPROX", "STREAMING_LLM", "SNAPKV", "PYRAMIDKV", "ADAKV", "CRITICALKV",
+         "CRITICAL_ADAKV", "CAKE")
+BASELINE_KINDS = KINDS[1:]
+NUMERIC_MODES = ("EXACT", "KVPRESS_COMPAT")
+KEY_DTYPES = ("f32", "f16", "bf16")
+
+# Fields added for the baselines (every kind accepts them; LAPROX ignores them).
+BASELINE_FIELD_DEFAULTS = {
+    "kind": "LAPROX",
+    "numeric_mode": "EXACT",
+    "pyramid_beta": 20.0,
+    "alpha_safeguard": 0.2,
+    "epsilon": 1e-4,
+    "first_stage_ratio": 0.5,
+    "cake_tau1": 1.6,
+    "cake_tau2": 0.6,
+    "cake_gamma": 200.0,
+}
+
+# Per-kind defaults that replace POLICY_DEFAULTS for fields the caller leaves out.
+_SNAP_DEFAULTS = {"window": 64, "pool_kernel": 5, "pooling": "AVG"}
+KIND_DEFAULTS = {
+    "LAPROX": {},
+    "STREAMING_LLM": {"sinks": 4},
+    "SNAPKV": _SNAP_DEFAULTS,
+    "PYRAMIDKV": _SNAP_DEFAULTS,
+    "ADAKV": _SNAP_DEFAULTS,
+    "CRITICALKV": _SNAP_DEFAULTS,
+    "CRITICAL_ADAKV": _SNAP_DEFAULTS,
+    "CAKE": {"window": 32, "pool_kernel": 5, "pooling": "AVG"},
+}
+
 
 # ----------------------------------------------------------------------------------------------
 # Validation
@@ -84,18 +181,46 @@ def validate_geometry(geometry):
     return int(L), int(H), int(Hkv), int(d), int(D), scale, int(H // Hkv)
 
 
+def _is_real(x):
+    return (isinstance(x, (int, float, np.integer, np.floating))
+            and not isinstance(x, (bool, np.bool_)) and math.isfinite(float(x)))
+
+
 def validate_policy(policy):
-    """Checks a policy dict; returns a complete copy (defaults filled in)."""
-    unknown = set(policy) - set(POLICY_DEFAULTS)
+    """Checks a policy dict; returns a complete copy (defaults filled in).
+
+    Defaults: POLICY_DEFAULTS, then BASELINE_FIELD_DEFAULTS, then KIND_DEFAULTS[kind], then
+    what the caller gave.  Fields a kind ignores are still checked for well-formedness, except
+    that the indicator/gqa_value combination rule applies to LAPROX only.
+    """
+    unknown = set(policy) - set(POLICY_DEFAULTS) - set(BASELINE_FIELD_DEFAULTS)
     if unknown:
         raise ValueError(f"policy: unknown fields {sorted(unknown)}")
+    kind = policy.get("kind", "LAPROX")
+    if kind not in KINDS:
+        raise ValueError(f"policy.kind = {kind!r} is not one of {KINDS}")
     p = dict(POLICY_DEFAULTS)
+    p.update(BASELINE_FIELD_DEFAULTS)
+    p.update(KIND_DEFAULTS[kind])
     p.update(policy)
     for name, allowed in (("allocation", ALLOCATIONS), ("indicator", INDICATORS),
-                          ("gqa_value", GQA_VALUES), ("pooling", POOLINGS)):
+                          ("gqa_value", GQA_VALUES), ("pooling", POOLINGS),
+                          ("numeric_mode", NUMERIC_MODES)):
         if p[name] not in allowed:
             raise ValueError(f"policy.{name} = {p[name]!r} is not one of {allowed}")
-    if p["indicator"] != "ATTENTION_X_PROJECTED_VALUE" and p["gqa_value"] != "MEAN_HEAD_NORM":
+    for name, ok, what in (
+            ("pyramid_beta", lambda x: x >= 1.0, ">= 1"),
+            ("alpha_safeguard", lambda x: 0.0 <= x <= 1.0, "in [0, 1]"),
+            ("epsilon", lambda x: x >= 0.0, ">= 0"),
+            ("first_stage_ratio", lambda x: 0.0 <= x <= 1.0, "in [0, 1]"),
+            ("cake_tau1", lambda x: x > 0.0, "> 0"),
+            ("cake_tau2", lambda x: x > 0.0, "> 0"),
+            ("cake_gamma", lambda x: x >= 0.0, ">= 0")):
+        if not _is_real(p[name]) or not ok(float(p[name])):
+            raise ValueError(f"policy.{name} must be a finite number {what}, got {p[name]!r}")
+        p[name] = float(p[name])
+    if kind == "LAPROX" and p["indicator"] != "ATTENTION_X_PROJECTED_VALUE" and \
+            p["gqa_value"] != "MEAN_HEAD_NORM":
         raise ValueError(f"policy: indicator {p['indicator']} accepts only gqa_value "
                          f"MEAN_HEAD_NORM, got {p['gqa_value']}")
     if not _is_int(p["window"]) or p["window"] < 1:
@@ -297,12 +422,62 @@ def _check_tensor(name, t, shape):
     return t
 
 
+def _layer_inputs(l, layer, gt, n, w, need_values, need_oproj, need_window=True):
+    """Checks the tensors of layers[l]; returns (q, att, lse, keys, values, o_proj, keys_dtype)
+    as float64 arrays (or None) and the keys' dtype name.
+
+    Every tensor that is given is checked (shape, NaN/Inf), even if the policy ignores it.
+    need_window=False (STREAMING_LLM) makes queries/attention optional and skips the
+    window <= wq check.
+    """
+    L, H, Hkv, d, D, scale, G = gt
+    get = lambda key: layer.get(key) if isinstance(layer, dict) else None  # noqa: E731
+    q, att, lse = get("queries"), get("attention"), get("lse")
+    keys, values, o_proj = get("keys"), get("values"), get("o_proj")
+    keys_dtype = get("keys_dtype")
+    if keys_dtype is not None and keys_dtype not in KEY_DTYPES:
+        raise ValueError(f"layers[{l}].keys_dtype = {keys_dtype!r} is not one of {KEY_DTYPES}")
+    if q is not None and att is not None:
+        raise ValueError(f"layers[{l}]: exactly one of queries and attention must be given")
+    if q is None and att is None and need_window:
+        raise ValueError(f"layers[{l}]: exactly one of queries and attention must be given")
+    if lse is not None and q is None:
+        raise ValueError(f"layers[{l}]: lse given without queries")
+    wq = None
+    if q is not None:
+        q = np.asarray(q, dtype=np.float64)
+        if q.ndim != 3:
+            raise ValueError(f"layers[{l}].queries: expected [H, wq, d], got {q.shape}")
+        wq = q.shape[1]
+        q = _check_tensor(f"layers[{l}].queries", q, (H, wq, d))
+        keys = _check_tensor(f"layers[{l}].keys", keys, (Hkv, n, d))
+        if lse is not None:
+            lse = _check_tensor(f"layers[{l}].lse", lse, (H, wq))
+    else:
+        if att is not None:
+            att = np.asarray(att, dtype=np.float64)
+            if att.ndim != 3:
+                raise ValueError(f"layers[{l}].attention: expected [H, wq, n], got {att.shape}")
+            wq = att.shape[1]
+            att = _check_tensor(f"layers[{l}].attention", att, (H, wq, n))
+        if keys is not None:
+            keys = _check_tensor(f"layers[{l}].keys", keys, (Hkv, n, d))
+    if values is not None or need_values:
+        values = _check_tensor(f"layers[{l}].values", values, (Hkv, n, d))
+    if o_proj is not None or need_oproj:
+        o_proj = _check_tensor(f"layers[{l}].o_proj", o_proj, (D, H * d))
+    if need_window and w > wq:
+        raise ValueError(f"layers[{l}]: policy.window={w} > {wq} window rows given")
+    return q, att, lse, keys, values, o_proj, keys_dtype
+
+
 def keep_plan(geometry, policy, layers, n):
     """Computes the LaProx keep plan.
 
-    geometry: {"L","H","Hkv","d","D","scale"}; policy: see POLICY_DEFAULTS; layers: L dicts
-    with "keys" [Hkv,n,d], "values" [Hkv,n,d], "o_proj" [D,H*d], and "queries" [H,wq,d]
-    (optionally "lse" [H,wq]) or "attention" [H,wq,n].  Returns a dict of numpy arrays:
+    geometry: {"L","H","Hkv","d","D","scale"}; policy: see POLICY_DEFAULTS (and the module
+    docstring for "kind" and the baseline fields); layers: L dicts with "keys" [Hkv,n,d],
+    "values" [Hkv,n,d], "o_proj" [D,H*d], and "queries" [H,wq,d] (optionally "lse" [H,wq]) or
+    "attention" [H,wq,n], optionally "keys_dtype".  Returns a dict of numpy arrays:
     kept, counts, scores, raw, layer_sums, selected, quota, total_selected.
     Raises ValueError on invalid input.
     """
@@ -314,6 +489,8 @@ def keep_plan(geometry, policy, layers, n):
     n = int(n)
     if len(layers) != L:
         raise ValueError(f"layers: {len(layers)} given, geometry says L={L}")
+    if pol["kind"] != "LAPROX":
+        return baseline_plan(gt, pol, layers, n)
 
     w = pol["window"]
     we = min(w, n)
@@ -330,38 +507,9 @@ def keep_plan(geometry, policy, layers, n):
     layer_sums = np.zeros(L)
     scratch = None
     for l, layer in enumerate(layers):
-        get = lambda key: layer.get(key) if isinstance(layer, dict) else None  # noqa: E731
-        q, att, lse = get("queries"), get("attention"), get("lse")
-        keys, values, o_proj = get("keys"), get("values"), get("o_proj")
-        if (q is None) == (att is None):
-            raise ValueError(f"layers[{l}]: exactly one of queries and attention must be given")
-        if lse is not None and q is None:
-            raise ValueError(f"layers[{l}]: lse given without queries")
-        # Every tensor that is given is checked (shape, NaN/Inf), even if this policy ignores it.
-        if q is not None:
-            q = np.asarray(q, dtype=np.float64)
-            if q.ndim != 3:
-                raise ValueError(f"layers[{l}].queries: expected [H, wq, d], got {q.shape}")
-            wq = q.shape[1]
-            q = _check_tensor(f"layers[{l}].queries", q, (H, wq, d))
-            keys = _check_tensor(f"layers[{l}].keys", keys, (Hkv, n, d))
-            if lse is not None:
-                lse = _check_tensor(f"layers[{l}].lse", lse, (H, wq))
-        else:
-            att = np.asarray(att, dtype=np.float64)
-            if att.ndim != 3:
-                raise ValueError(f"layers[{l}].attention: expected [H, wq, n], got {att.shape}")
-            wq = att.shape[1]
-            att = _check_tensor(f"layers[{l}].attention", att, (H, wq, n))
-            if keys is not None:
-                keys = _check_tensor(f"layers[{l}].keys", keys, (Hkv, n, d))
-        if values is not None or need_values:
-            values = _check_tensor(f"layers[{l}].values", values, (Hkv, n, d))
-        if o_proj is not None or need_oproj:
-            o_proj = _check_tensor(f"layers[{l}].o_proj", o_proj, (D, H * d))
-        if w > wq:
-            raise ValueError(f"layers[{l}]: policy.window={w} > {wq} window rows given")
-
+        q, att, lse, keys, values, o_proj, _ = _layer_inputs(l, layer, gt, n, w, need_values,
+                                                             need_oproj)
+        wq = (q if q is not None else att).shape[1]
         if q is not None:
             A = window_attention(q, keys, scale, n, we, G, lse)
         else:
@@ -430,6 +578,275 @@ def keep_plan(geometry, policy, layers, n):
     }
 
 
+# ----------------------------------------------------------------------------------------------
+# Baselines (DESIGN.md section 3; SEMANTICS.md "Baseline policies")
+# ----------------------------------------------------------------------------------------------
+
+F32_MAX = float(np.finfo(np.float32).max)            # 3.4028234663852886e38
+BF16_MAX = float.fromhex("0x1.fep127")               # (2 - 2^-7) * 2^127 = 3.3895313892515355e38
+F16_MAX = 65504.0
+# (significant bits incl. the implicit one, exponent of the smallest normal, largest finite)
+_DTYPE_FORMAT = {"bf16": (8, -126, BF16_MAX), "f16": (11, -14, F16_MAX)}
+DTYPE_MAX = {"f32": F32_MAX, "bf16": BF16_MAX, "f16": F16_MAX}
+
+
+def round_to_dtype(x, dtype):
+    """Rounds float64 values to the nearest `dtype` value (ties to even), returned as float64.
+
+    dtype "f32" returns x unchanged (KVPRESS_COMPAT: f32 means no rounding).  "bf16" and "f16"
+    are rounded directly from float64 (no intermediate float32 step), subnormals included;
+    magnitudes that round past the largest finite value become +-inf.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    if dtype == "f32":
+        return x.copy()
+    p, emin, vmax = _DTYPE_FORMAT[dtype]
+    _, e = np.frexp(x)                          # |x| in [2^(e-1), 2^e)
+    ulp_exp = np.maximum(e, emin + 1) - p       # spacing of dtype values around x
+    out = np.ldexp(np.rint(np.ldexp(x, -ulp_exp)), ulp_exp)   # rint: half to even
+    return np.where(np.abs(out) > vmax, np.copysign(np.inf, x), out)
+
+
+def _top_mask(score, k, forced=None):
+    """Mask (shape of `score`) of its k best entries: forced first, then score descending,
+    then flat C-order index ascending (position for one head; (head, position) for a
+    [Hkv, n] layer)."""
+    flat = np.asarray(score, dtype=np.float64).ravel()
+    f = np.zeros(flat.size, dtype=bool) if forced is None else np.asarray(forced).ravel()
+    out = np.zeros(flat.size, dtype=bool)
+    k = max(0, min(int(k), flat.size))
+    if k:
+        order = np.lexsort((np.arange(flat.size), -flat, ~f))   # last key is primary
+        out[order[:k]] = True
+    return out.reshape(np.shape(score))
+
+
+def snapkv_scores(A, Hkv, G, nx, pooling, k):
+    """SnapKV score of one layer: [Hkv, n] with the window sentinel, and the prefix part
+    [Hkv, nx] before the sentinel.
+
+    A [H, we, n] window attention (rows as used).  Per query head: mean over the we rows of
+    A[:, :, :nx], pool1d along [0, nx) (zero padding, AVG always / k), then mean over the G
+    heads of the group.  Window positions [nx, n) get max(prefix scores of the layer) + 1
+    (1.0 when nx == 0).
+    """
+    H, we, n = A.shape
+    x = A[:, :, :nx].mean(axis=1)                                   # [H, nx]
+    x = pool1d(x, pooling, k)
+    pre = x.reshape(Hkv, G, nx).mean(axis=1)                        # [Hkv, nx]
+    full = np.empty((Hkv, n))
+    full[:, :nx] = pre
+    full[:, nx:] = (pre.max() if nx > 0 else 0.0) + 1.0
+    return full, pre
+
+
+def value_l1_factor(values, o_proj, Hkv, G, d):
+    """CriticalKV value factor u [Hkv, n]: mean over the group's heads h of ||v_i W_O^h||_1,
+    with the explicit n x D product values[g] @ o_proj[:, h*d:(h+1)*d].T (no shortcut)."""
+    n = values.shape[1]
+    u = np.zeros((Hkv, n))
+    for g in range(Hkv):
+        for j in range(G):
+            h = g * G + j
+            u[g] += np.abs(values[g] @ o_proj[:, h * d:(h + 1) * d].T).sum(axis=1)
+    return u / G
+
+
+def pyramid_layer_counts(n, q, w, beta, L):
+    """PyramidKV kept tokens per layer (window included), kvpress arithmetic in double.
+
+    q = n * (1 - cr) as a float (with a tokens-per-head budget: q = n_kept).  w is the policy
+    window (not clamped to n).  cap = w + q; mn = (cap - w) / beta; mx = (cap - w) * 2 - mn;
+    if mx >= n - w: mx = n - w, mn = (cap - w) * 2 - mx.  If not n >= mx >= mn >= w, or L == 1,
+    every layer keeps round(q); else layer l keeps round(mx - l * (mx - mn) / (L - 1)),
+    evaluated left to right.  round() is half to even; results are clamped to [0, n].
+    """
+    cap = w + q
+    mn = (cap - w) / beta
+    mx = (cap - w) * 2 - mn
+    if mx >= n - w:
+        mx = n - w
+        mn = (cap - w) * 2 - mx
+    if not (n >= mx >= mn >= w) or L == 1:
+        counts = [round(q)] * L
+    else:
+        counts = [round(mx - l * (mx - mn) / (L - 1)) for l in range(L)]
+    return [max(0, min(int(c), n)) for c in counts]
+
+
+def _spread(B, r, cap):
+    """Adds r >= 0 tokens evenly over the layers with B[l] < cap (r // U each, one more to the
+    lowest r % U of them), clamps at cap, and spreads what the clamp cut off again, until
+    nothing is left or every layer is at cap."""
+    B = list(B)
+    while r > 0:
+        open_ = [l for l in range(len(B)) if B[l] < cap]
+        if not open_:
+            break
+        each, rem = divmod(r, len(open_))
+        for idx, l in enumerate(open_):
+            B[l] += each + (1 if idx < rem else 0)
+        r = sum(max(0, b - cap) for b in B)
+        B = [min(b, cap) for b in B]
+    return B
+
+
+def cake_layer_budgets(P, T, cap):
+    """CAKE prefix budget per layer (window not included).
+
+    1. B_l = int(P_l / sum(P) * T) (float64, truncated; sum by math.fsum).  If sum(P) is 0 or
+       not finite, every P_l counts as 1.
+    2. Clamp at cap (= n - w); the excess is spread evenly over the layers still below cap,
+       remainder one each to the lowest such layers; repeated while a spread overflows.
+    3. The truncation deficit T - sum(B) is then spread the same way (a second, separate
+       pass).  (A negative deficit, only possible through floating-point pathologies, takes
+       one token each from the highest layers with B_l > 0.)
+    """
+    L = len(P)
+    P = [float(x) for x in P]
+    tot = _fsum(P)
+    if not (tot > 0.0 and math.isfinite(tot)):
+        P, tot = [1.0] * L, float(L)
+    B = [int(P[l] / tot * T) for l in range(L)]
+    excess = sum(max(0, b - cap) for b in B)
+    B = _spread([min(b, cap) for b in B], excess, cap)
+    B = _spread(B, T - sum(B), cap)
+    over = sum(B) - T
+    for l in reversed(range(L)):
+        take = min(over, B[l])
+        B[l] -= take
+        over -= take
+    return B
+
+
+def baseline_plan(gt, pol, layers, n):
+    """Keep plan of a baseline policy (pol["kind"] in BASELINE_KINDS); see SEMANTICS.md,
+    "Baseline policies", and the module docstring for the output fields."""
+    L, H, Hkv, d, D, scale, G = gt
+    kind = pol["kind"]
+    w = pol["window"]
+    we = min(w, n)
+    nx = n - we                                   # prefix [0, nx), window [nx, n)
+    n_kept = min(budget_tokens(pol, n), n)
+    evict = n_kept < n
+    compat = pol["numeric_mode"] == "KVPRESS_COMPAT"
+    uses_window = kind != "STREAMING_LLM"
+    need_vo = kind in ("CRITICALKV", "CRITICAL_ADAKV")
+
+    scores = np.full((L, Hkv, n), np.nan)
+    raw = np.full((L, Hkv, n), np.nan)
+    layer_sums = np.zeros(L)
+    kept = np.zeros((L, Hkv, n), dtype=bool)
+    selected = None
+
+    if kind == "STREAMING_LLM":
+        for l, layer in enumerate(layers):
+            _layer_inputs(l, layer, gt, n, w, False, False, need_window=False)
+        sinks = pol["sinks"]
+        s = np.ones(n)
+        s[sinks:sinks + (n - n_kept)] = 0.0       # kvpress: ones, zeros on [sinks, sinks+pruned)
+        keep = _top_mask(s, n_kept)
+        scores[:] = s
+        kept[:] = keep
+    else:
+        r_ratio = pol["first_stage_ratio"]
+        if pol["tokens_per_head"] is not None:
+            q_float = float(n_kept)
+            stage1 = int(n_kept * r_ratio)
+        else:
+            cr = float(pol["compression_ratio"])
+            q_float = n * (1.0 - cr)
+            stage1 = min(int((1.0 - cr) * n * r_ratio), n_kept)
+        n_safe = int(n_kept * pol["alpha_safeguard"])
+        if kind == "PYRAMIDKV":
+            counts_l = pyramid_layer_counts(n, q_float, w, pol["pyramid_beta"], L)
+        cake_scores = []
+        for l, layer in enumerate(layers):
+            q, att, lse, keys, values, o_proj, kdt = _layer_inputs(l, layer, gt, n, w, need_vo,
+                                                                   need_vo)
+            if q is not None:
+                A_exact = window_attention(q, keys, scale, n, we, G, lse)
+                A = round_to_dtype(A_exact, kdt or "f32") if compat else A_exact
+            else:
+                A_exact = A = att[:, att.shape[1] - we:, :]             # used as given
+            vmax = DTYPE_MAX[kdt or "f32"] if compat else F32_MAX
+            pooling, k = pol["pooling"], pol["pool_kernel"]
+
+            if kind == "CAKE":
+                a = A_exact[:, :, :nx]                                  # H_l, V_l: unrounded
+                ent = max(0.0, -_fsum(a * np.log(a + 1e-10)))
+                var_rows = a.var(axis=1, ddof=1) if we > 1 else np.zeros((H, nx))
+                V = _fsum(var_rows)
+                layer_sums[l] = ent ** (1.0 / pol["cake_tau1"]) * V ** (1.0 / pol["cake_tau2"])
+                x = A[:, :, :nx]                                        # eviction score
+                ev = x.mean(axis=1) + pol["cake_gamma"] * (
+                    x.var(axis=1, ddof=1) if we > 1 else np.zeros((H, nx)))
+                pre = pool1d(ev, pooling, k).reshape(Hkv, G, nx).mean(axis=1)
+                raw[l, :, :nx] = pre
+                scores[l, :, :nx] = pre
+                scores[l, :, nx:] = np.inf
+                continue
+
+            s, pre = snapkv_scores(A, Hkv, G, nx, pooling, k)
+            raw[l, :, :nx] = pre
+            if kind in ("SNAPKV", "PYRAMIDKV"):
+                cnt = n_kept if kind == "SNAPKV" else counts_l[l]
+                scores[l] = s
+                for g in range(Hkv):
+                    kept[l, g] = _top_mask(s[g], cnt)
+            elif kind == "ADAKV":
+                safe = np.stack([_top_mask(s[g], n_safe) for g in range(Hkv)])
+                s2 = np.where(safe, vmax, s)
+                scores[l] = s2
+                kept[l] = _top_mask(s2, Hkv * n_kept, forced=safe)
+            elif kind == "CRITICALKV":
+                u = value_l1_factor(values, o_proj, Hkv, G, d)
+                first = np.stack([_top_mask(s[g], stage1) for g in range(Hkv)])
+                s2 = np.where(first, vmax, (s + pol["epsilon"]) * u)
+                scores[l] = s2
+                for g in range(Hkv):
+                    kept[l, g] = _top_mask(s2[g], n_kept, forced=first[g])
+            else:  # CRITICAL_ADAKV
+                u = value_l1_factor(values, o_proj, Hkv, G, d)
+                safe = np.stack([_top_mask(s[g], n_safe) for g in range(Hkv)])
+                s1 = np.where(safe, vmax, s)
+                budget = _top_mask(s1, Hkv * n_kept, forced=safe).sum(axis=1)
+                s2 = (s1 + pol["epsilon"]) * u
+                for g in range(Hkv):
+                    first = _top_mask(s1[g], int(int(budget[g]) * r_ratio))
+                    s2[g] = np.where(first, vmax, s2[g])
+                    kept[l, g] = _top_mask(s2[g], int(budget[g]), forced=first)
+                scores[l] = s2
+
+        if kind == "CAKE":
+            window = np.zeros(n, dtype=bool)
+            window[nx:] = True
+            if n <= n_kept + w:
+                kept[:] = True
+            else:                                     # here n > w, so we == w and nx == n - w
+                T = max(0, (n_kept - w) * L)
+                budgets = cake_layer_budgets(layer_sums, T, n - w)
+                for l in range(L):
+                    for g in range(Hkv):
+                        kept[l, g] = _top_mask(scores[l, g], budgets[l] + we)
+            selected = kept & ~window
+        elif not evict:
+            kept[:] = True
+
+    if selected is None:
+        selected = kept.copy()
+    return {
+        "kept": kept,
+        "counts": kept.sum(axis=2).astype(np.int64),
+        "scores": scores,
+        "raw": raw,
+        "layer_sums": layer_sums,
+        "selected": selected,
+        "quota": int(n_kept),
+        "total_selected": int(selected.sum()),
+    }
+
+
 def kept_positions(plan, l, g):
     """Kept positions of (layer l, KV head g), ascending, as a Python list."""
     return np.flatnonzero(plan["kept"][l, g]).tolist()
@@ -471,8 +888,11 @@ def load_case(case_dir):
         case = json.load(fh)
     layers = []
     for spec in case["layers"]:
-        layers.append({name: load_tensor(case_dir, spec.get(name))
-                       for name in ("keys", "values", "o_proj", "queries", "attention", "lse")})
+        layer = {name: load_tensor(case_dir, spec.get(name))
+                 for name in ("keys", "values", "o_proj", "queries", "attention", "lse")}
+        # KVPRESS_COMPAT rounds window attention to the dtype the keys are stored in.
+        layer["keys_dtype"] = spec["keys"]["dtype"] if spec.get("keys") else None
+        layers.append(layer)
     return case["geometry"], case["policy"], layers, case["n"]
 
 

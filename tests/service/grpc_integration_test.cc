@@ -164,7 +164,7 @@ class GrpcIntegrationTest : public ::testing::Test {
   }
 
   // The same plan from the library, called directly on the same memory.
-  static kernels::KeepPlan DirectPlan(const Prefill& prefill) {
+  static kernels::KeepPlan DirectPlan(const Prefill& prefill, kernels::PolicySpec policy = {}) {
     auto backend = *kernels::CreateBackend("cpu");
     kernels::ModelGeometry geometry{kL, kH, kHkv, kD, kHidden, 0.f};
     std::vector<kernels::TensorView> o_proj;
@@ -175,6 +175,7 @@ class GrpcIntegrationTest : public ::testing::Test {
     auto model = *backend->PrepareModel(geometry, o_proj);
     kernels::KeepPlanRequest request;
     request.n = kN;
+    request.policy = policy;
     request.policy.budget = kernels::Budget::TokensPerHead(64);
     for (int l = 0; l < kL; ++l) {
       const float* base = prefill.layer(l);
@@ -205,7 +206,11 @@ TEST_F(GrpcIntegrationTest, ServerInfoDescribesTheBackend) {
   ASSERT_TRUE(Call(&v1::Laprox::Stub::GetServerInfo, v1::GetServerInfoRequest(), &info).ok());
   EXPECT_EQ(info.backend(), v1::BACKEND_KIND_CPU);
   EXPECT_THAT(info.backend_description(), ::testing::HasSubstr("cpu"));
-  EXPECT_THAT(info.supported_policies(), ::testing::ElementsAre(v1::POLICY_KIND_LAPROX));
+  EXPECT_THAT(info.supported_policies(),
+              ::testing::ElementsAre(v1::POLICY_KIND_LAPROX, v1::POLICY_KIND_STREAMING_LLM,
+                                     v1::POLICY_KIND_SNAPKV, v1::POLICY_KIND_PYRAMIDKV,
+                                     v1::POLICY_KIND_ADAKV, v1::POLICY_KIND_CRITICALKV,
+                                     v1::POLICY_KIND_CRITICAL_ADAKV, v1::POLICY_KIND_CAKE));
   EXPECT_EQ(info.limits().max_window(), kernels::PolicySpec::kMaxWindow);
 }
 
@@ -225,6 +230,32 @@ TEST_F(GrpcIntegrationTest, KeepPlanOverSharedMemoryEqualsTheLibrary) {
   EXPECT_EQ(response.quota(), 64 - kWindow);
   EXPECT_EQ(response.effective_policy().window(), 32);
   EXPECT_GT(response.timing().total_seconds(), 0.0);
+}
+
+// A baseline with its options unset runs with the kind's defaults, which the response echoes.
+TEST_F(GrpcIntegrationTest, BaselineWithUnsetOptionsUsesTheKindsDefaults) {
+  Prefill prefill(5);
+  const uint64_t region = RegisterRegion(prefill);
+  const uint64_t model = RegisterModel(prefill);
+  v1::ComputeKeepMaskRequest request = GoodRequest(model, region, prefill);
+  request.mutable_policy()->set_kind(v1::POLICY_KIND_CAKE);
+  request.mutable_policy()->set_cake_gamma(50);
+  v1::ComputeKeepMaskResponse response;
+  grpc::Status s = Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  kernels::PolicySpec cake = kernels::PolicySpec::ForKind(kernels::PolicyKind::kCake);
+  cake.baseline.cake_gamma = 50;
+  const kernels::KeepPlan direct = DirectPlan(prefill, cake);
+  EXPECT_THAT(response.counts(), ::testing::ElementsAreArray(direct.counts));
+  EXPECT_THAT(response.positions(), ::testing::ElementsAreArray(direct.positions));
+  const v1::Policy& applied = response.effective_policy();
+  EXPECT_EQ(applied.kind(), v1::POLICY_KIND_CAKE);
+  EXPECT_EQ(applied.numeric_mode(), v1::NUMERIC_MODE_EXACT);
+  EXPECT_EQ(applied.window(), 32);
+  EXPECT_EQ(applied.pool_kernel(), 5);
+  EXPECT_EQ(applied.cake_gamma(), 50);
+  EXPECT_EQ(applied.cake_tau1(), 1.6);
+  EXPECT_EQ(response.window(), 32);
 }
 
 // Each case breaks one thing in a good request; the server answers with the code and a message
@@ -280,8 +311,19 @@ TEST_F(GrpcIntegrationTest, BadRequestsGetPreciseStatusesAndLeakNothing) {
        "budget is missing"},
       {"keys missing", [](auto& r) { r.mutable_layers(2)->clear_keys(); },
        grpc::StatusCode::INVALID_ARGUMENT, "layers[2].keys is missing"},
-      {"baseline policy", [](auto& r) { r.mutable_policy()->set_kind(v1::POLICY_KIND_SNAPKV); },
-       grpc::StatusCode::UNIMPLEMENTED, "POLICY_KIND_SNAPKV"},
+      {"unknown policy kind",
+       [](auto& r) { r.mutable_policy()->set_kind(static_cast<v1::PolicyKind>(99)); },
+       grpc::StatusCode::INVALID_ARGUMENT, "policy.kind = 99"},
+      {"baseline default window above the rows given",
+       [](auto& r) { r.mutable_policy()->set_kind(v1::POLICY_KIND_SNAPKV); },
+       grpc::StatusCode::INVALID_ARGUMENT, "policy.window = 64 is larger than the 32"},
+      {"baseline parameter out of range",
+       [](auto& r) {
+         r.mutable_policy()->set_kind(v1::POLICY_KIND_ADAKV);
+         r.mutable_policy()->set_window(8);
+         r.mutable_policy()->set_alpha_safeguard(1.5);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "policy.alpha_safeguard = 1.5"},
   };
   for (const BadCase& c : cases) {
     v1::ComputeKeepMaskRequest request = GoodRequest(model, region, prefill);

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "laprox/v1/laprox.grpc.pb.h"
 
 namespace laprox::client {
@@ -62,10 +63,16 @@ static_assert(v1::ALLOCATION_UNIFORM == static_cast<int>(kernels::Allocation::kU
 static_assert(v1::INDICATOR_ATTENTION == static_cast<int>(kernels::Indicator::kAttention) + 1);
 static_assert(v1::GQA_VALUE_EXACT_BLOCK == static_cast<int>(kernels::GqaValue::kExactBlock) + 1);
 static_assert(v1::POOLING_NONE == static_cast<int>(kernels::Pooling::kNone) + 1);
+static_assert(v1::POLICY_KIND_CAKE == static_cast<int>(kernels::PolicyKind::kCake) + 1);
+static_assert(v1::NUMERIC_MODE_KVPRESS_COMPAT ==
+              static_cast<int>(kernels::NumericMode::kKvpressCompat) + 1);
 
+// Every option is sent explicitly, so the server applies exactly `policy` (start from
+// PolicySpec::ForKind for a kind's defaults).
 void ToProto(const PolicySpec& policy, v1::ComputeKeepMaskRequest* request) {
   v1::Policy* p = request->mutable_policy();
-  p->set_kind(v1::POLICY_KIND_LAPROX);
+  p->set_kind(static_cast<v1::PolicyKind>(static_cast<int>(policy.kind) + 1));
+  p->set_numeric_mode(static_cast<v1::NumericMode>(static_cast<int>(policy.numeric_mode) + 1));
   p->set_allocation(static_cast<v1::Allocation>(static_cast<int>(policy.allocation) + 1));
   p->set_indicator(static_cast<v1::Indicator>(static_cast<int>(policy.indicator) + 1));
   p->set_gqa_value(static_cast<v1::GqaValue>(static_cast<int>(policy.gqa_value) + 1));
@@ -75,6 +82,14 @@ void ToProto(const PolicySpec& policy, v1::ComputeKeepMaskRequest* request) {
   p->set_sinks(policy.sinks);
   p->set_min_per_head(policy.min_per_head);
   p->set_head_uniform_layers(policy.head_uniform_layers);
+  const kernels::BaselineParams& b = policy.baseline;
+  p->set_pyramid_beta(b.pyramid_beta);
+  p->set_alpha_safeguard(b.alpha_safeguard);
+  p->set_epsilon(b.epsilon);
+  p->set_first_stage_ratio(b.first_stage_ratio);
+  p->set_cake_tau1(b.cake_tau1);
+  p->set_cake_tau2(b.cake_tau2);
+  p->set_cake_gamma(b.cake_gamma);
   if (policy.budget.kind == kernels::Budget::Kind::kTokensPerHead) {
     request->mutable_budget()->set_tokens_per_head(policy.budget.tokens_per_head);
   } else {
@@ -126,6 +141,11 @@ absl::StatusOr<ServerInfo> Client::GetServerInfo() {
   info.version = response.version();
   info.backend = response.backend() == v1::BACKEND_KIND_CUDA ? "cuda" : "cpu";
   info.backend_description = response.backend_description();
+  for (int kind : response.supported_policies()) {
+    if (kind > v1::POLICY_KIND_UNSPECIFIED && kind <= v1::PolicyKind_MAX) {
+      info.supported_policies.push_back(static_cast<PolicyKind>(kind - 1));
+    }
+  }
   info.max_tokens = response.limits().max_tokens();
   info.max_regions = response.limits().max_regions();
   info.max_models = response.limits().max_models();
@@ -280,6 +300,19 @@ void SharedBuffer::Reset() {
   client_ = nullptr;
   data_ = nullptr;
   region_id_ = 0;
+}
+
+absl::StatusOr<bool> CheckHealth(const std::string& target, const std::string& service,
+                                 absl::Duration deadline) {
+  auto stub = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(deadline));
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  if (absl::Status s = FromGrpc(stub->Check(&context, request, &response)); !s.ok()) return s;
+  return response.status() == grpc::health::v1::HealthCheckResponse::SERVING;
 }
 
 }  // namespace laprox::client

@@ -37,6 +37,11 @@ struct PrepareOptions {
   // Also precompute the cross-Grams W_O^h W_O^h'^T within each KV group, which the EXACT_BLOCK
   // gqa_value needs: (G-1)/2 times more memory than the per-head factors.
   bool cross_grams = false;
+  // Also keep each layer's o_proj.weight in fp32 (L * D * H * d * 4 bytes: 2 GiB for
+  // Llama-3.1-8B, 40 MiB for SmolLM2-135M), which CRITICALKV and CRITICAL_ADAKV need for
+  // ||v W_O^h||_1 (an L1 norm has no d x d shortcut). Without it those policies are
+  // FAILED_PRECONDITION.
+  bool output_projection = true;
 };
 
 // A model's per-head factors, prepared by one backend and usable only with that backend.
@@ -89,10 +94,12 @@ struct PlanShape {
   int32_t group_size = 0;
   int32_t head_dim = 0;
   int32_t window_rows = 0;       // wq, rows given per query head
-  int32_t window = 0;            // we = min(w, n), rows used (the last we of wq)
-  int32_t sinks = 0;             // se = min(sinks, n - we)
+  int32_t window = 0;            // we = min(w, n), rows used (the last we of wq); 0 for
+                                 // STREAMING_LLM, which reads no window
+  int32_t sinks = 0;             // se = min(sinks, n - we) (LAPROX, STREAMING_LLM; else 0)
   int64_t candidates = 0;        // m = n - we - se per (layer, head)
   int64_t quota = 0;             // q = clamp(B - we - se, 0, m)
+  int64_t kept_per_head = 0;     // n_kept = min(B, n), the baselines' per-head budget
   bool attention_given = false;  // window_attention instead of window_queries
   bool lse_given = false;
 };
@@ -106,6 +113,8 @@ class Backend {
   virtual BackendKind kind() const = 0;
   // One line for logs and GetServerInfo, e.g. "cpu: 2 threads, OpenBLAS 0.3.21".
   virtual std::string Describe() const = 0;
+  // Whether ComputeKeepPlan computes plans of this policy kind (else it is UNIMPLEMENTED).
+  virtual bool Supports(PolicyKind kind) const = 0;
 
   // Precomputes the per-head factors from each layer's o_proj.weight [D, H*d] (any dtype,
   // strides, memory space the backend reads). Blocks until done; the views are not retained.
@@ -119,9 +128,10 @@ class Backend {
   // views only during the call. Deterministic: the same inputs give the same plan, whatever the
   // thread count. INVALID_ARGUMENT names the field and values for every malformed input
   // (shape, stride, dtype, option, NaN/Inf, attention rows that are not probabilities);
-  // FAILED_PRECONDITION when the model was prepared by another backend or without cross-Grams
-  // for EXACT_BLOCK; OUT_OF_RANGE when a view's extent overflows int64; UNIMPLEMENTED for a
-  // memory space the backend cannot read.
+  // FAILED_PRECONDITION when the model was prepared by another backend, without cross-Grams
+  // for EXACT_BLOCK or without the output projection for CRITICALKV / CRITICAL_ADAKV;
+  // OUT_OF_RANGE when a view's extent overflows int64; UNIMPLEMENTED for a memory space the
+  // backend cannot read or a policy kind it does not implement (see Supports).
   absl::StatusOr<KeepPlan> ComputeKeepPlan(const PreparedModel& model,
                                            const KeepPlanRequest& request);
 

@@ -14,6 +14,14 @@ struct OutputOptions {
   bool positions = true;  // kept positions, ascending, concatenated in (layer, head) order
   bool bitmask = false;   // [L, Hkv, ceil(n/8)] bytes, bit i%8 of byte i/8 (LSB first)
   bool scores = false;    // [L, Hkv, n] fp32 competing scores; +inf for sinks and window
+                          // (baselines: the score they rank by, with their sentinels)
+};
+
+// Where the time of one ComputeKeepPlan went (seconds, steady clock).
+struct PlanTiming {
+  double validate_seconds = 0;  // checks before any tensor data is read
+  double score_seconds = 0;     // reading the inputs and scoring every (layer, head, token)
+  double select_seconds = 0;    // allocating the budget and selecting (0 when fused into score)
 };
 
 struct KeepPlan {
@@ -23,7 +31,7 @@ struct KeepPlan {
   int32_t window = 0;          // effective window min(w, n)
   int32_t sinks = 0;           // effective sinks min(sinks, n - window)
   int64_t quota = 0;           // q: selected candidates per head under a uniform split
-  int64_t selected_total = 0;  // K = L * Hkv * q
+  int64_t selected_total = 0;  // K = L * Hkv * q (baselines: kept positions in [sinks, n - window))
 
   std::vector<int32_t> counts;     // [L * Hkv] kept tokens per (layer, head)
   std::vector<int64_t> offsets;    // [L * Hkv + 1] into positions (filled even without positions)
@@ -31,6 +39,8 @@ struct KeepPlan {
   std::vector<uint8_t> bitmask;    // when requested
   std::vector<float> scores;       // when requested
   std::vector<double> layer_sums;  // [L] sum of raw scores p over the layer's candidates
+                                   // (CAKE: layer preference P_l; other baselines: 0)
+  PlanTiming timing;
 
   int32_t count(int layer, int kv_head) const { return counts[layer * num_kv_heads + kv_head]; }
   // Kept positions of one (layer, head); requires OutputOptions::positions.

@@ -1,4 +1,6 @@
-// PolicySpec: every option of the LaProx keep-plan (DESIGN.md section 2).
+// PolicySpec: every option of the LaProx keep-plan (DESIGN.md section 2) and of the baseline
+// policies it is compared with (DESIGN.md section 3: StreamingLLM, SnapKV, PyramidKV, Ada-KV,
+// CriticalKV, CriticalAdaKV, CAKE, with NVIDIA kvpress semantics).
 //
 // The exact meaning of each option, including the points DESIGN.md leaves open, is written in
 // tests/reference/SEMANTICS.md; the float64 oracle in tests/reference/ implements the same text.
@@ -12,6 +14,27 @@
 #include "absl/strings/string_view.h"
 
 namespace laprox::kernels {
+
+// The eviction method. Values are in laprox.v1 PolicyKind order (wire value = value + 1).
+enum class PolicyKind {
+  kLaprox,         // DESIGN.md section 2
+  kStreamingLlm,   // `sinks` first positions + the most recent ones, the same for every head
+  kSnapKv,         // mean window attention, pooled, top n_kept per head (window included)
+  kPyramidKv,      // SnapKV scores, linearly decreasing per-layer counts (pyramid_beta)
+  kAdaKv,          // SnapKV scores, heads of a layer share Hkv * n_kept (alpha_safeguard)
+  kCriticalKv,     // SnapKV first stage, then (score + epsilon) * ||v W_O||_1 per head
+  kCriticalAdaKv,  // Ada-KV head budgets, then the CriticalKV stages inside each head
+  kCake,           // per-layer budgets from attention entropy and variance, mean + gamma * var
+};
+
+// How the baselines round intermediate values. LAPROX ignores it (always fp32 / fp64 sums).
+enum class NumericMode {
+  kExact,          // window attention kept in fp32
+  kKvpressCompat,  // window attention computed from queries is rounded to the model dtype
+                   // (the keys' dtype) as kvpress does after its fp32 softmax (given attention
+                   // rows are used as given; CAKE's layer preference stays unrounded), and
+                   // safeguard values are that dtype's maximum
+};
 
 // How the model-wide budget is spread over layers and heads.
 enum class Allocation {
@@ -49,7 +72,23 @@ struct Budget {
   static Budget CompressionRatio(double cr) { return {Kind::kCompressionRatio, 0, cr}; }
 };
 
+// Parameters of the baseline policies (kvpress defaults). LAPROX ignores them.
+struct BaselineParams {
+  double pyramid_beta = 20.0;      // PYRAMIDKV pyramid steepness, finite and >= 1
+  double alpha_safeguard = 0.2;    // ADAKV, CRITICAL_ADAKV: share of n_kept each head keeps, [0, 1]
+  double epsilon = 1e-4;           // CRITICALKV, CRITICAL_ADAKV: score offset, finite and >= 0
+  double first_stage_ratio = 0.5;  // CRITICALKV, CRITICAL_ADAKV: stage-1 share, [0, 1]
+  double cake_tau1 = 1.6;          // CAKE entropy exponent 1/tau1, finite and > 0
+  double cake_tau2 = 0.6;          // CAKE variance exponent 1/tau2, finite and > 0
+  double cake_gamma = 200.0;       // CAKE eviction score mean + gamma * variance, finite, >= 0
+};
+
+// Every option of a keep-plan request. The baselines use kind, numeric_mode, window, pooling,
+// pool_kernel, budget and `baseline` (STREAMING_LLM: sinks and budget only); they ignore
+// allocation, indicator, gqa_value, min_per_head and head_uniform_layers.
 struct PolicySpec {
+  PolicyKind kind = PolicyKind::kLaprox;
+  NumericMode numeric_mode = NumericMode::kExact;
   Allocation allocation = Allocation::kGlobalNormalized;
   Indicator indicator = Indicator::kAttentionXProjectedValue;
   GqaValue gqa_value = GqaValue::kMeanHeadNorm;
@@ -60,16 +99,26 @@ struct PolicySpec {
   int32_t min_per_head = 0;          // candidates each head reserves before the global competition
   bool head_uniform_layers = false;  // keep the layer's share but spread it evenly over heads
   Budget budget;
+  BaselineParams baseline;
 
   static constexpr int32_t kMaxWindow = 4096;
   static constexpr int32_t kMaxPoolKernel = 1025;
   static constexpr int64_t kMaxTokensPerHead = (int64_t{1} << 31) - 1;
 
-  // OK, or INVALID_ARGUMENT naming the option and its value: ranges above, and the indicator /
-  // gqa_value combination (ATTENTION and ATTENTION_X_VALUE take only MEAN_HEAD_NORM).
+  // The defaults of `kind`: LAPROX as above (window 32, avg pool 7, no sinks); STREAMING_LLM
+  // sinks 4; SNAPKV, PYRAMIDKV, ADAKV, CRITICALKV, CRITICAL_ADAKV window 64, avg pool 5; CAKE
+  // window 32, avg pool 5. The budget is the default budget.
+  static PolicySpec ForKind(PolicyKind kind);
+
+  // OK, or INVALID_ARGUMENT naming the option and its value: ranges above (baseline parameters
+  // whatever the kind) and, for LAPROX, the indicator / gqa_value combination (ATTENTION and
+  // ATTENTION_X_VALUE take only MEAN_HEAD_NORM).
   absl::Status Validate() const;
 };
 
+// Upper-case names as in laprox.v1 without the enum prefix ("SNAPKV", "KVPRESS_COMPAT").
+absl::string_view PolicyKindName(PolicyKind k);
+absl::string_view NumericModeName(NumericMode m);
 absl::string_view AllocationName(Allocation a);
 absl::string_view IndicatorName(Indicator i);
 absl::string_view GqaValueName(GqaValue g);

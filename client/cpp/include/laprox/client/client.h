@@ -37,7 +37,9 @@ namespace laprox::client {
 using kernels::DType;
 using kernels::KeepPlan;
 using kernels::ModelGeometry;
+using kernels::NumericMode;
 using kernels::OutputOptions;
+using kernels::PolicyKind;
 using kernels::PolicySpec;
 
 // A tensor for the server: a slice of a registered region (no copy), or host bytes sent inline
@@ -70,6 +72,7 @@ struct ServerInfo {
   std::string version;
   std::string backend;  // "cpu" or "cuda"
   std::string backend_description;
+  std::vector<PolicyKind> supported_policies;  // what ComputeKeepPlan accepts
   int64_t max_tokens = 0;
   int32_t max_regions = 0;
   int32_t max_models = 0;
@@ -133,6 +136,8 @@ class Client {
                                          bool cross_grams = false);
   absl::Status UnregisterModel(uint64_t model_id);
 
+  // The keep-plan of one prefill under `policy`: LAPROX or a baseline (policy.kind; start from
+  // PolicySpec::ForKind(kind) for that kind's defaults). Every option of `policy` is sent.
   absl::StatusOr<KeepPlan> ComputeKeepPlan(uint64_t model_id, int64_t n,
                                            absl::Span<const LayerRefs> layers,
                                            const PolicySpec& policy,
@@ -143,6 +148,13 @@ class Client {
   explicit Client(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// Asks the standard grpc.health.v1 service at `target` about `service` ("" is the server as a
+// whole; laproxd reports "laprox.v1.Laprox" SERVING only while a model is registered): true for
+// SERVING, false otherwise. NOT_FOUND for a service the server does not know; UNAVAILABLE or
+// DEADLINE_EXCEEDED when nothing answers in time.
+absl::StatusOr<bool> CheckHealth(const std::string& target, const std::string& service = "",
+                                 absl::Duration deadline = absl::Seconds(5));
 
 }  // namespace laprox::client
 

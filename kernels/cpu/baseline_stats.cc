@@ -1,0 +1,154 @@
+#include "cpu/baseline_stats.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <cblas.h>
+
+#include "common/half.h"
+#include "common/status_macros.h"
+#include "cpu/rows.h"
+#include "cpu/vector_ops.h"
+
+namespace laprox::kernels::cpu {
+namespace {
+
+// Bytes of one [chunk, D] product V W_O^h: small enough to stay in L2 while its rows are summed.
+constexpr int64_t kProjectionChunkBytes = 256 * 1024;
+
+// CAKE's entropy guard inside the logarithm.
+constexpr float kEntropyEpsilon = 1e-10f;
+
+// Rounds x[i], i < count, to the nearest `dtype` value (ties to even), as kvpress casts its
+// fp32 softmax to the model dtype; kF32 leaves x as it is.
+void RoundTo(DType dtype, float* x, int64_t count) {
+  if (dtype == DType::kBF16) {
+    for (int64_t i = 0; i < count; ++i) x[i] = Bf16ToFloat(FloatToBf16(x[i]));
+  } else if (dtype == DType::kF16) {
+    for (int64_t i = 0; i < count; ++i) x[i] = F16ToFloat(FloatToF16(x[i]));
+  }
+}
+
+// Mean and, unless `var` is null, unbiased variance (0 with one row) over `we` rows (row
+// stride n) of columns [0, prefix).
+void RowMoments(const float* rows, int64_t we, int64_t n, int64_t prefix, float* mean, float* var) {
+  std::fill(mean, mean + prefix, 0.f);
+  for (int64_t t = 0; t < we; ++t) {
+    for (int64_t i = 0; i < prefix; ++i) mean[i] += rows[t * n + i];
+  }
+  const float inv_rows = 1.f / static_cast<float>(we);
+  for (int64_t i = 0; i < prefix; ++i) mean[i] *= inv_rows;
+  if (var == nullptr) return;
+  std::fill(var, var + prefix, 0.f);
+  if (we < 2) return;
+  for (int64_t t = 0; t < we; ++t) {
+    for (int64_t i = 0; i < prefix; ++i) {
+      const float dev = rows[t * n + i] - mean[i];
+      var[i] += dev * dev;
+    }
+  }
+  const float inv_dof = 1.f / static_cast<float>(we - 1);
+  for (int64_t i = 0; i < prefix; ++i) var[i] *= inv_dof;
+}
+
+// u_i = (1/G) sum_{h in g} ||v_i W_O^h||_1 for every token i < n. An L1 norm has no d x d
+// shortcut, so V W_O^h is formed, but a chunk of tokens at a time (never n x D at once).
+absl::Status ProjectedValueL1(const PlanShape& shape, const HeadTask& task, ScoreWorkspace& ws,
+                              float* u) {
+  const int64_t n = shape.n, d = shape.head_dim, G = shape.group_size, D = task.hidden_size;
+  const int64_t Hd = int64_t{shape.num_kv_heads} * G * d;
+  const int64_t chunk = std::clamp<int64_t>(kProjectionChunkBytes / (4 * D), 8, 256);
+  float* product = Sized(ws.projected, chunk * D);
+  const float inv_group = 1.f / static_cast<float>(G);
+  for (int64_t i0 = 0; i0 < n; i0 += chunk) {
+    const int64_t count = std::min(chunk, n - i0);
+    RowBlock v;
+    LAPROX_RETURN_IF_ERROR(LoadRows(task.inputs->values, task.kv_head, i0, count,
+                                    {task.layer, "values"}, ws.rows, &v));
+    std::fill(u + i0, u + i0 + count, 0.f);
+    for (int64_t hi = 0; hi < G; ++hi) {
+      // o_proj[:, h*d:(h+1)*d] is W_O^h transposed: [D, d] with leading dimension H*d.
+      const float* w = task.o_proj + (task.kv_head * G + hi) * d;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(count),
+                  static_cast<int>(D), static_cast<int>(d), 1.f, v.data, static_cast<int>(v.ld), w,
+                  static_cast<int>(Hd), 0.f, product, static_cast<int>(D));
+      for (int64_t j = 0; j < count; ++j) u[i0 + j] += AbsSum(product + j * D, D);
+    }
+    for (int64_t j = 0; j < count; ++j) u[i0 + j] *= inv_group;
+  }
+  return absl::OkStatus();
+}
+
+// The pooled group score over the prefix (and CAKE's sums) from the window attention in ws.
+// Each query head's score is pooled before the group mean (they commute only for AVG).
+void WindowStatistics(const PlanShape& shape, const PolicySpec& policy, DType attention_dtype,
+                      ScoreWorkspace& ws, const BaselineHeadOutput& out) {
+  const int64_t n = shape.n, we = shape.window, G = shape.group_size, prefix = n - we;
+  const bool cake = policy.kind == PolicyKind::kCake;
+  const float gamma = static_cast<float>(policy.baseline.cake_gamma);
+  float* mean = Sized(ws.value, 2 * prefix);
+  float* var = mean + prefix;
+  float* head_score = Sized(ws.pre_pool, prefix);
+  float* pooled = Sized(ws.attention, prefix);
+  std::fill(out.scores, out.scores + prefix, 0.f);
+  double entropy = 0.0, variance = 0.0;
+  for (int64_t hi = 0; hi < G; ++hi) {
+    float* rows = ws.probs.data() + hi * we * n;
+    for (int64_t t = 0; t < we; ++t) {
+      float* row = rows + t * n;
+      const float scale = ws.row_scale[hi * we + t];
+      for (int64_t i = 0; i < prefix; ++i) row[i] *= scale;
+    }
+    if (cake) {
+      // The layer preference uses the attention before any rounding (SEMANTICS.md, CAKE).
+      RowMoments(rows, we, n, prefix, mean, var);
+      for (int64_t t = 0; t < we; ++t) {
+        const float* row = rows + t * n;
+        float row_entropy = 0.f;
+        for (int64_t i = 0; i < prefix; ++i) {
+          row_entropy -= row[i] * std::log(row[i] + kEntropyEpsilon);
+        }
+        entropy += row_entropy;
+      }
+      for (int64_t i = 0; i < prefix; ++i) variance += var[i];
+    }
+    if (attention_dtype != DType::kF32) {
+      for (int64_t t = 0; t < we; ++t) RoundTo(attention_dtype, rows + t * n, prefix);
+      if (cake) RowMoments(rows, we, n, prefix, mean, var);
+    }
+    if (cake) {
+      for (int64_t i = 0; i < prefix; ++i) head_score[i] = mean[i] + gamma * var[i];
+    } else {
+      RowMoments(rows, we, n, prefix, head_score, nullptr);
+    }
+    Pool(policy.pooling, policy.pool_kernel, head_score, prefix, 0, pooled, ws.prefix_sum);
+    for (int64_t i = 0; i < prefix; ++i) out.scores[i] += pooled[i];
+  }
+  const float inv_group = 1.f / static_cast<float>(G);
+  for (int64_t i = 0; i < prefix; ++i) out.scores[i] *= inv_group;
+  if (cake) {
+    *out.entropy = entropy;
+    *out.variance = variance;
+  }
+}
+
+}  // namespace
+
+absl::Status BaselineHead(const PlanShape& shape, const PolicySpec& policy, const HeadTask& task,
+                          DType attention_dtype, ScoreWorkspace& ws,
+                          const BaselineHeadOutput& out) {
+  LAPROX_RETURN_IF_ERROR(WindowAttention(shape, task, ws));
+  if (out.value_norms != nullptr) {
+    LAPROX_RETURN_IF_ERROR(ProjectedValueL1(shape, task, ws, out.value_norms));
+  } else {
+    LAPROX_RETURN_IF_ERROR(CheckRowsFinite(task.inputs->values, task.kv_head, 0, shape.n,
+                                           {task.layer, "values"}, ws.rows));
+  }
+  if (policy.kind == PolicyKind::kStreamingLlm || shape.window == shape.n) {
+    return absl::OkStatus();
+  }
+  WindowStatistics(shape, policy, attention_dtype, ws, out);
+  return absl::OkStatus();
+}
+
+}  // namespace laprox::kernels::cpu

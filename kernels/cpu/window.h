@@ -1,0 +1,69 @@
+// Window attention of one KV group and pooling along positions on the CPU: the parts that the
+// LaProx score (score.cc) and the baseline statistics (baseline_stats.cc) share.
+#ifndef LAPROX_KERNELS_CPU_WINDOW_H_
+#define LAPROX_KERNELS_CPU_WINDOW_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "laprox/kernels/backend.h"
+
+namespace laprox::kernels::cpu {
+
+// Scratch memory of one worker thread, reused across (layer, head) tasks and requests.
+struct ScoreWorkspace {
+  std::vector<float> queries;    // [G * we, d], scaled
+  std::vector<float> probs;      // [G * we, n], logits, then unnormalised probabilities
+  std::vector<float> row_scale;  // [G * we], 1 / row sum
+  std::vector<float> rows;       // converted key / value / attention rows
+  std::vector<float> projected;  // [chunk, F * d] V times factor blocks, or [chunk, D] V W_O^h
+  std::vector<float> attention;  // attention statistics [S, n - we]
+  std::vector<float> value;      // value statistics [F, n - we]
+  std::vector<float> pre_pool;   // [n - we]
+  std::vector<double> prefix_sum;
+};
+
+// One (layer, KV head) of a request.
+struct HeadTask {
+  const LayerInputs* inputs = nullptr;
+  int64_t layer = 0;
+  int64_t kv_head = 0;
+  const float* factors = nullptr;  // CpuPreparedModel::factors(layer, kv_head)
+  int64_t factor_ld = 0;           // CpuPreparedModel::row_stride()
+  const float* o_proj = nullptr;   // CpuPreparedModel::output_projection(layer), [D, H*d] fp32
+  int64_t hidden_size = 0;         // D
+  float scale = 0.f;               // softmax scale
+};
+
+// Grows `v` to at least `size` elements and returns its data.
+template <typename T>
+T* Sized(std::vector<T>& v, int64_t size) {
+  if (static_cast<int64_t>(v.size()) < size) v.resize(size);
+  return v.data();
+}
+
+// The same, with the first `size` elements set to 0.
+template <typename T>
+T* Zeroed(std::vector<T>& v, int64_t size) {
+  T* p = Sized(v, size);
+  std::fill(p, p + size, T{0});
+  return p;
+}
+
+// The window attention of the G query heads of `task` (SEMANTICS.md, "Scores"): from the
+// engine's window_attention rows, or from queries and keys (fp32 sgemm, causal softmax, or the
+// engine's window_lse). Afterwards row r = hi * we + t of ws.probs ([G * we, n]) times
+// ws.row_scale[r] is A^h[t, :] for query head h = kv_head * G + hi, valid in columns
+// [0, n - we). Checks every input element it reads (the group's keys, queries or attention
+// rows, LSE) and answers INVALID_ARGUMENT naming the tensor and element on bad data.
+absl::Status WindowAttention(const PlanShape& shape, const HeadTask& task, ScoreWorkspace& ws);
+
+// out[i] for i in [begin, len) = pool(x)_i over x[0, len) (SEMANTICS.md, "pool"); `prefix_sum`
+// is scratch.
+void Pool(Pooling kind, int64_t kernel, const float* x, int64_t len, int64_t begin, float* out,
+          std::vector<double>& prefix_sum);
+
+}  // namespace laprox::kernels::cpu
+
+#endif  // LAPROX_KERNELS_CPU_WINDOW_H_

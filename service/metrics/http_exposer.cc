@@ -1,0 +1,114 @@
+#include "service/metrics/http_exposer.h"
+
+#include <cstring>
+#include <utility>
+
+#include <arpa/inet.h>
+#include <microhttpd.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace laprox::service {
+namespace {
+
+constexpr char kContentType[] = "text/plain; version=0.0.4; charset=utf-8";
+constexpr size_t kStackBytes = size_t{1} << 20;  // the thread serialises the whole registry
+
+MHD_Result Reply(MHD_Connection* connection, unsigned int code, const std::string& body,
+                 const char* content_type) {
+  MHD_Response* response = MHD_create_response_from_buffer(
+      body.size(), const_cast<char*>(body.data()), MHD_RESPMEM_MUST_COPY);
+  if (response == nullptr) return MHD_NO;
+  MHD_add_response_header(response, MHD_HTTP_HEADER_CONTENT_TYPE, content_type);
+  const MHD_Result result = MHD_queue_response(connection, code, response);
+  MHD_destroy_response(response);
+  return result;
+}
+
+MHD_Result Dispatch(void* cls, MHD_Connection* connection, const char* url, const char* method,
+                    const char* /*version*/, const char* /*upload_data*/,
+                    size_t* /*upload_data_size*/, void** /*state*/) {
+  if (std::strcmp(method, MHD_HTTP_METHOD_GET) != 0 &&
+      std::strcmp(method, MHD_HTTP_METHOD_HEAD) != 0) {
+    return Reply(connection, MHD_HTTP_METHOD_NOT_ALLOWED, "only GET\n", "text/plain");
+  }
+  if (std::strcmp(url, "/metrics") == 0) {
+    return Reply(connection, MHD_HTTP_OK, static_cast<const HttpExposer*>(cls)->Render(),
+                 kContentType);
+  }
+  if (std::strcmp(url, "/") == 0) {
+    return Reply(connection, MHD_HTTP_OK, "laproxd: metrics are at /metrics\n", "text/plain");
+  }
+  return Reply(connection, MHD_HTTP_NOT_FOUND, "not found; metrics are at /metrics\n",
+               "text/plain");
+}
+
+// "host:port" -> socket address; IPv4 dotted quad or "[v6]".
+struct Address {
+  sockaddr_storage storage{};
+  bool v6 = false;
+};
+
+absl::StatusOr<Address> ParseAddress(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  int port = 0;
+  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port) ||
+      port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics address \"", address, "\" is not host:port"));
+  }
+  std::string host = address.substr(0, colon);
+  Address out;
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    auto* in6 = reinterpret_cast<sockaddr_in6*>(&out.storage);
+    in6->sin6_family = AF_INET6;
+    in6->sin6_port = htons(static_cast<uint16_t>(port));
+    if (inet_pton(AF_INET6, host.substr(1, host.size() - 2).c_str(), &in6->sin6_addr) != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("metrics address \"", address, "\": \"", host, "\" is not an IPv6 address"));
+    }
+    out.v6 = true;
+    return out;
+  }
+  if (host.empty()) host = "0.0.0.0";
+  if (host == "localhost") host = "127.0.0.1";
+  auto* in4 = reinterpret_cast<sockaddr_in*>(&out.storage);
+  in4->sin_family = AF_INET;
+  in4->sin_port = htons(static_cast<uint16_t>(port));
+  if (inet_pton(AF_INET, host.c_str(), &in4->sin_addr) != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics address \"", address, "\": \"", host, "\" is not an IPv4 address"));
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<HttpExposer>> HttpExposer::Start(const std::string& address,
+                                                                std::function<std::string()> body) {
+  absl::StatusOr<Address> parsed = ParseAddress(address);
+  if (!parsed.ok()) return parsed.status();
+  std::unique_ptr<HttpExposer> exposer(new HttpExposer(std::move(body)));
+  unsigned int flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL;
+  if (parsed->v6) flags |= MHD_USE_IPv6;
+  exposer->daemon_ = MHD_start_daemon(
+      flags, 0, nullptr, nullptr, &Dispatch, exposer.get(), MHD_OPTION_SOCK_ADDR,
+      reinterpret_cast<const sockaddr*>(&parsed->storage), MHD_OPTION_THREAD_STACK_SIZE,
+      kStackBytes, MHD_OPTION_CONNECTION_TIMEOUT, static_cast<unsigned int>(30), MHD_OPTION_END);
+  if (exposer->daemon_ == nullptr) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on ", address, ": ", std::strerror(errno)));
+  }
+  const MHD_DaemonInfo* info = MHD_get_daemon_info(exposer->daemon_, MHD_DAEMON_INFO_BIND_PORT);
+  exposer->port_ = info != nullptr ? info->port : 0;
+  return exposer;
+}
+
+HttpExposer::~HttpExposer() {
+  if (daemon_ != nullptr) MHD_stop_daemon(daemon_);
+}
+
+}  // namespace laprox::service

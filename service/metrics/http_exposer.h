@@ -1,0 +1,45 @@
+// HttpExposer: serves Prometheus' text format at GET /metrics over HTTP (libmicrohttpd).
+//
+// prometheus-cpp's own exposer runs on civetweb, whose Debian build gives its worker threads a
+// fixed 100 KiB stack; glibc carves a process's static TLS out of that (OpenBLAS alone brings
+// 60 KiB), and the first scrape of laproxd overflowed it. libmicrohttpd lets the stack size be
+// chosen, so the text still comes from prometheus-cpp's serializer, served from here.
+#ifndef LAPROX_SERVICE_METRICS_HTTP_EXPOSER_H_
+#define LAPROX_SERVICE_METRICS_HTTP_EXPOSER_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+struct MHD_Daemon;
+
+namespace laprox::service {
+
+class HttpExposer {
+ public:
+  // Listens on `address` ("host:port", IPv4 or "[v6]:port"; port 0 picks one) and answers
+  // GET /metrics with `body()` (also "/" with a pointer to it). INVALID_ARGUMENT for a malformed
+  // address, UNAVAILABLE when it cannot listen there.
+  static absl::StatusOr<std::unique_ptr<HttpExposer>> Start(const std::string& address,
+                                                            std::function<std::string()> body);
+  ~HttpExposer();
+  HttpExposer(const HttpExposer&) = delete;
+  HttpExposer& operator=(const HttpExposer&) = delete;
+
+  int port() const { return port_; }
+  // The page /metrics serves now.
+  std::string Render() const { return body_(); }
+
+ private:
+  explicit HttpExposer(std::function<std::string()> body) : body_(std::move(body)) {}
+
+  std::function<std::string()> body_;
+  MHD_Daemon* daemon_ = nullptr;
+  int port_ = 0;
+};
+
+}  // namespace laprox::service
+
+#endif  // LAPROX_SERVICE_METRICS_HTTP_EXPOSER_H_

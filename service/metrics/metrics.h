@@ -1,0 +1,136 @@
+// Metrics: laproxd's Prometheus metrics (monitoring/METRICS.md is the catalogue).
+//
+// Every family is declared once, in the constructor; every child the request path touches is
+// created there too (per method x gRPC code, per stage) or when a model registers (per layer x
+// KV head), so recording a call is a few atomic adds. Values that are state rather than events
+// (regions, models, prepared bytes) are read from the Core when Prometheus scrapes, so they
+// cannot drift from the truth.
+#ifndef LAPROX_SERVICE_METRICS_METRICS_H_
+#define LAPROX_SERVICE_METRICS_METRICS_H_
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "laprox/kernels/geometry.h"
+#include "laprox/kernels/keep_plan.h"
+
+namespace prometheus {
+class Collectable;
+class Counter;
+class Gauge;
+class Histogram;
+class Registry;
+template <typename T>
+class Family;
+}  // namespace prometheus
+
+namespace laprox::service {
+
+// The RPCs of laprox.v1.Laprox, in proto order.
+enum class Method {
+  kGetServerInfo,
+  kRegisterRegion,
+  kUnregisterRegion,
+  kListRegions,
+  kRegisterModel,
+  kUnregisterModel,
+  kComputeKeepMask,
+};
+inline constexpr int kNumMethods = 7;
+const char* MethodName(Method m);
+
+// The stages of one ComputeKeepMask (the response's Timing).
+struct StageSeconds {
+  double queue = 0, validate = 0, score = 0, select = 0, respond = 0;
+};
+
+// State read at scrape time.
+struct StateSnapshot {
+  struct RegionTotals {
+    int64_t count = 0;
+    int64_t bytes = 0;
+  };
+  std::map<std::string, RegionTotals> regions_by_kind;  // "shm", "cuda_ipc"
+  int64_t models = 0;
+  int64_t prepared_bytes = 0;
+  std::map<std::string, int64_t> device_memory_used_bytes;  // by device uuid (CUDA only)
+};
+
+struct MetricsOptions {
+  std::string version;
+  std::string backend;              // "cpu" or "cuda"
+  std::string backend_description;  // one line
+  std::string device;               // device UUID, or "" for the CPU backend
+  int64_t max_regions = 0;
+  int64_t max_models = 0;
+  std::function<StateSnapshot()> snapshot;  // called on every scrape
+};
+
+class Metrics {
+ public:
+  Metrics(std::shared_ptr<prometheus::Registry> registry, MetricsOptions options);
+  ~Metrics();
+  Metrics(const Metrics&) = delete;
+  Metrics& operator=(const Metrics&) = delete;
+
+  const std::shared_ptr<prometheus::Registry>& registry() const { return registry_; }
+  // The scrape-time state (regions, models, memory); an exposer registers it beside registry().
+  std::shared_ptr<prometheus::Collectable> state_collectable() const;
+  // Everything, in Prometheus' text format (what /metrics serves).
+  std::string SerializeText() const;
+
+  // A finished call: its method, gRPC status code (0..16) and wall time from arrival to reply.
+  void RecordCall(Method method, int grpc_code, double seconds);
+  void CallStarted();
+  void CallFinished();
+  // The stages of a successful ComputeKeepMask.
+  void RecordStages(const StageSeconds& stages);
+  // A successful plan for a registered model: tokens in and kept, kept ratio, and the budget
+  // share of every (layer, KV head) and layer.
+  void RecordPlan(uint64_t model_id, const kernels::KeepPlan& plan);
+
+  // Per-layer/head children exist only while their model is registered.
+  void AddModel(uint64_t model_id, const std::string& name, const kernels::ModelGeometry& g);
+  void RemoveModel(uint64_t model_id);
+
+  // 1 while the server accepts calls, 0 while it drains or after a fatal backend error.
+  void SetServing(bool serving);
+  // 1 once a model is registered (the readiness the health service reports).
+  void SetReady(bool ready);
+
+ private:
+  struct ModelSeries;
+  class StateCollector;
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<StateCollector> state_;
+
+  std::array<std::array<prometheus::Counter*, 17>, kNumMethods> requests_{};
+  std::array<prometheus::Histogram*, kNumMethods> request_seconds_{};
+  std::array<prometheus::Histogram*, 5> stage_seconds_{};
+  prometheus::Gauge* in_flight_ = nullptr;
+  prometheus::Gauge* serving_ = nullptr;
+  prometheus::Gauge* ready_ = nullptr;
+  prometheus::Counter* tokens_received_ = nullptr;
+  prometheus::Counter* tokens_kept_ = nullptr;
+  prometheus::Histogram* kept_ratio_ = nullptr;
+
+  prometheus::Family<prometheus::Gauge>* head_share_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* head_share_hist_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* layer_share_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* layer_share_hist_ = nullptr;
+
+  absl::Mutex mu_;
+  std::map<uint64_t, std::unique_ptr<ModelSeries>> models_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace laprox::service
+
+#endif  // LAPROX_SERVICE_METRICS_METRICS_H_
