@@ -10,14 +10,16 @@ set(LAPROX_CMAKE_DIR "${CMAKE_INSTALL_LIBDIR}/cmake/laprox")
 set_target_properties(laprox_kernels PROPERTIES EXPORT_NAME kernels)
 set_target_properties(laprox_proto PROPERTIES EXPORT_NAME proto)
 set_target_properties(laprox_client PROPERTIES EXPORT_NAME client)
-install(TARGETS laprox_kernels laprox_proto laprox_client
+set_target_properties(laprox_wire PROPERTIES EXPORT_NAME wire)
+install(TARGETS laprox_kernels laprox_proto laprox_wire laprox_client
         EXPORT laproxTargets
         ARCHIVE DESTINATION "${CMAKE_INSTALL_LIBDIR}"
         LIBRARY DESTINATION "${CMAKE_INSTALL_LIBDIR}"
         INCLUDES DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}")
 install(TARGETS laproxd RUNTIME DESTINATION "${CMAKE_INSTALL_BINDIR}")
 install(DIRECTORY "${PROJECT_SOURCE_DIR}/kernels/include/" "${PROJECT_SOURCE_DIR}/client/cpp/include/"
-        DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}")
+                  "${PROJECT_SOURCE_DIR}/proto/wire/"
+        DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}" FILES_MATCHING PATTERN "*.h")
 install(FILES "${PROJECT_SOURCE_DIR}/proto/laprox/v1/laprox.proto"
         DESTINATION "${CMAKE_INSTALL_DATADIR}/laprox/proto/laprox/v1")
 install(EXPORT laproxTargets NAMESPACE laprox:: DESTINATION "${LAPROX_CMAKE_DIR}")

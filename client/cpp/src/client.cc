@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "laprox/v1/laprox.grpc.pb.h"
+#include "laprox/v1/policy_wire.h"
 
 namespace laprox::client {
 namespace {
@@ -21,18 +22,6 @@ namespace {
 absl::Status FromGrpc(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
-}
-
-v1::DType ToProto(DType dtype) {
-  switch (dtype) {
-    case DType::kF32:
-      return v1::DTYPE_F32;
-    case DType::kF16:
-      return v1::DTYPE_F16;
-    case DType::kBF16:
-      return v1::DTYPE_BF16;
-  }
-  return v1::DTYPE_UNSPECIFIED;
 }
 
 void ToProto(const TensorRef& ref, v1::TensorRef* proto) {
@@ -53,48 +42,9 @@ void ToProto(const TensorRef& ref, v1::TensorRef* proto) {
     proto->mutable_region()->set_region_id(ref.region_id);
     proto->mutable_region()->set_byte_offset(ref.byte_offset);
   }
-  proto->set_dtype(ToProto(ref.dtype));
+  proto->set_dtype(v1::DTypeToProto(ref.dtype));
   proto->mutable_shape()->Assign(ref.shape.begin(), ref.shape.end());
   proto->mutable_strides()->Assign(ref.strides.begin(), ref.strides.end());
-}
-
-// Kernels enums map to wire enums by value + 1 (after UNSPECIFIED = 0).
-static_assert(v1::ALLOCATION_UNIFORM == static_cast<int>(kernels::Allocation::kUniform) + 1);
-static_assert(v1::INDICATOR_ATTENTION == static_cast<int>(kernels::Indicator::kAttention) + 1);
-static_assert(v1::GQA_VALUE_EXACT_BLOCK == static_cast<int>(kernels::GqaValue::kExactBlock) + 1);
-static_assert(v1::POOLING_NONE == static_cast<int>(kernels::Pooling::kNone) + 1);
-static_assert(v1::POLICY_KIND_CAKE == static_cast<int>(kernels::PolicyKind::kCake) + 1);
-static_assert(v1::NUMERIC_MODE_KVPRESS_COMPAT ==
-              static_cast<int>(kernels::NumericMode::kKvpressCompat) + 1);
-
-// Every option is sent explicitly, so the server applies exactly `policy` (start from
-// PolicySpec::ForKind for a kind's defaults).
-void ToProto(const PolicySpec& policy, v1::ComputeKeepMaskRequest* request) {
-  v1::Policy* p = request->mutable_policy();
-  p->set_kind(static_cast<v1::PolicyKind>(static_cast<int>(policy.kind) + 1));
-  p->set_numeric_mode(static_cast<v1::NumericMode>(static_cast<int>(policy.numeric_mode) + 1));
-  p->set_allocation(static_cast<v1::Allocation>(static_cast<int>(policy.allocation) + 1));
-  p->set_indicator(static_cast<v1::Indicator>(static_cast<int>(policy.indicator) + 1));
-  p->set_gqa_value(static_cast<v1::GqaValue>(static_cast<int>(policy.gqa_value) + 1));
-  p->set_pooling(static_cast<v1::Pooling>(static_cast<int>(policy.pooling) + 1));
-  p->set_window(policy.window);
-  p->set_pool_kernel(policy.pool_kernel);
-  p->set_sinks(policy.sinks);
-  p->set_min_per_head(policy.min_per_head);
-  p->set_head_uniform_layers(policy.head_uniform_layers);
-  const kernels::BaselineParams& b = policy.baseline;
-  p->set_pyramid_beta(b.pyramid_beta);
-  p->set_alpha_safeguard(b.alpha_safeguard);
-  p->set_epsilon(b.epsilon);
-  p->set_first_stage_ratio(b.first_stage_ratio);
-  p->set_cake_tau1(b.cake_tau1);
-  p->set_cake_tau2(b.cake_tau2);
-  p->set_cake_gamma(b.cake_gamma);
-  if (policy.budget.kind == kernels::Budget::Kind::kTokensPerHead) {
-    request->mutable_budget()->set_tokens_per_head(policy.budget.tokens_per_head);
-  } else {
-    request->mutable_budget()->set_compression_ratio(policy.budget.compression_ratio);
-  }
 }
 
 }  // namespace
@@ -239,7 +189,10 @@ absl::StatusOr<KeepPlan> Client::ComputeKeepPlan(uint64_t model_id, int64_t n,
   v1::ComputeKeepMaskRequest request;
   request.set_model_id(model_id);
   request.set_n(n);
-  ToProto(policy, &request);
+  // Every option is sent explicitly, so the server applies exactly `policy` (start from
+  // PolicySpec::ForKind for a kind's defaults).
+  v1::PolicyToProto(policy, request.mutable_policy());
+  v1::BudgetToProto(policy.budget, request.mutable_budget());
   request.mutable_outputs()->set_positions(outputs.positions);
   request.mutable_outputs()->set_bitmask(outputs.bitmask);
   request.mutable_outputs()->set_scores(outputs.scores);
