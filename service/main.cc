@@ -178,8 +178,14 @@ int main(int argc, char** argv) {
     }
     metrics.SetReady(models > 0);
   };
-  laprox::service::LaproxService service(core, *work, kVersion,
-                                         {.metrics = &metrics, .models_changed = set_ready});
+  // Protobuf cannot serialise a message of 2 GiB or more, whatever gRPC allows.
+  constexpr int64_t kMaxResponseBytes = (int64_t{1} << 31) - 1;
+  laprox::service::LaproxService service(
+      core, *work, kVersion,
+      {.metrics = &metrics,
+       .models_changed = set_ready,
+       .max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes),
+       .max_response_bytes = kMaxResponseBytes});
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -80,13 +80,13 @@ grpc::ServerUnaryReactor* LaproxService::Offload(grpc::CallbackServerContext* co
 }
 
 void LaproxService::ModelsChanged() {
-  if (hooks_.models_changed) hooks_.models_changed(core_.model_totals().count);
+  if (options_.models_changed) options_.models_changed(core_.model_totals().count);
 }
 
 grpc::ServerUnaryReactor* LaproxService::GetServerInfo(grpc::CallbackServerContext* context,
                                                        const v1::GetServerInfoRequest*,
                                                        v1::GetServerInfoResponse* response) {
-  Call call(hooks_.metrics, Method::kGetServerInfo);
+  Call call(options_.metrics, Method::kGetServerInfo);
   response->set_version(version_);
   response->set_backend(core_.backend().kind() == kernels::BackendKind::kCuda
                             ? v1::BACKEND_KIND_CUDA
@@ -96,6 +96,8 @@ grpc::ServerUnaryReactor* LaproxService::GetServerInfo(grpc::CallbackServerConte
   limits->set_max_regions(static_cast<int32_t>(core_.limits().max_regions));
   limits->set_max_models(static_cast<int32_t>(core_.limits().max_models));
   limits->set_max_tokens(core_.limits().max_tokens);
+  limits->set_max_request_bytes(options_.max_request_bytes);
+  limits->set_max_response_bytes(options_.max_response_bytes);
   limits->set_max_window(kernels::PolicySpec::kMaxWindow);
   limits->set_max_pool_kernel(kernels::PolicySpec::kMaxPoolKernel);
   limits->set_max_tokens_per_head(kernels::PolicySpec::kMaxTokensPerHead);
@@ -115,7 +117,7 @@ grpc::ServerUnaryReactor* LaproxService::GetServerInfo(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* LaproxService::RegisterRegion(grpc::CallbackServerContext* context,
                                                         const v1::RegisterRegionRequest* request,
                                                         v1::RegisterRegionResponse* response) {
-  Call call(hooks_.metrics, Method::kRegisterRegion);
+  Call call(options_.metrics, Method::kRegisterRegion);
   switch (request->kind_case()) {
     case v1::RegisterRegionRequest::kShm: {
       const v1::ShmRegion& shm = request->shm();
@@ -144,14 +146,14 @@ grpc::ServerUnaryReactor* LaproxService::UnregisterRegion(
   const uint64_t id = request->region_id();
   const absl::Time deadline = Deadline(context);
   // Waits for in-flight requests: off the callback threads.
-  return Offload(context, Call(hooks_.metrics, Method::kUnregisterRegion),
+  return Offload(context, Call(options_.metrics, Method::kUnregisterRegion),
                  [this, id, deadline](Call&) { return core_.regions().Unregister(id, deadline); });
 }
 
 grpc::ServerUnaryReactor* LaproxService::ListRegions(grpc::CallbackServerContext* context,
                                                      const v1::ListRegionsRequest*,
                                                      v1::ListRegionsResponse* response) {
-  Call call(hooks_.metrics, Method::kListRegions);
+  Call call(options_.metrics, Method::kListRegions);
   for (const RegionInfo& info : core_.regions().List()) {
     RegionInfoToProto(info, response->add_regions());
   }
@@ -161,14 +163,14 @@ grpc::ServerUnaryReactor* LaproxService::ListRegions(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* LaproxService::RegisterModel(grpc::CallbackServerContext* context,
                                                        const v1::RegisterModelRequest* request,
                                                        v1::RegisterModelResponse* response) {
-  return Offload(context, Call(hooks_.metrics, Method::kRegisterModel),
+  return Offload(context, Call(options_.metrics, Method::kRegisterModel),
                  [this, request, response](Call&) -> absl::Status {
                    auto spec = ModelSpecFromProto(*request);
                    if (!spec.ok()) return spec.status();
                    auto model = core_.RegisterModel(*spec);
                    if (!model.ok()) return model.status();
-                   if (hooks_.metrics != nullptr) {
-                     hooks_.metrics->AddModel(model->id, model->name, model->geometry);
+                   if (options_.metrics != nullptr) {
+                     options_.metrics->AddModel(model->id, model->name, model->geometry);
                    }
                    ModelsChanged();
                    response->set_model_id(model->id);
@@ -180,10 +182,10 @@ grpc::ServerUnaryReactor* LaproxService::RegisterModel(grpc::CallbackServerConte
 grpc::ServerUnaryReactor* LaproxService::UnregisterModel(grpc::CallbackServerContext* context,
                                                          const v1::UnregisterModelRequest* request,
                                                          v1::UnregisterModelResponse*) {
-  Call call(hooks_.metrics, Method::kUnregisterModel);
+  Call call(options_.metrics, Method::kUnregisterModel);
   absl::Status status = core_.UnregisterModel(request->model_id());
   if (status.ok()) {
-    if (hooks_.metrics != nullptr) hooks_.metrics->RemoveModel(request->model_id());
+    if (options_.metrics != nullptr) options_.metrics->RemoveModel(request->model_id());
     ModelsChanged();
   }
   return Reply(context->DefaultReactor(), call, status);
@@ -192,7 +194,7 @@ grpc::ServerUnaryReactor* LaproxService::UnregisterModel(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* LaproxService::ComputeKeepMask(grpc::CallbackServerContext* context,
                                                          const v1::ComputeKeepMaskRequest* request,
                                                          v1::ComputeKeepMaskResponse* response) {
-  return Offload(context, Call(hooks_.metrics, Method::kComputeKeepMask),
+  return Offload(context, Call(options_.metrics, Method::kComputeKeepMask),
                  [this, request, response](Call& rpc) -> absl::Status {
                    const Clock::time_point started = Clock::now();
                    auto call = KeepPlanCallFromProto(*request);
@@ -216,9 +218,9 @@ grpc::ServerUnaryReactor* LaproxService::ComputeKeepMask(grpc::CallbackServerCon
                    timing->set_select_seconds(stages.select);
                    timing->set_respond_seconds(stages.respond);
                    timing->set_total_seconds(SecondsBetween(rpc.received(), done));
-                   if (hooks_.metrics != nullptr) {
-                     hooks_.metrics->RecordStages(stages);
-                     hooks_.metrics->RecordPlan(request->model_id(), *plan);
+                   if (options_.metrics != nullptr) {
+                     options_.metrics->RecordStages(stages);
+                     options_.metrics->RecordPlan(request->model_id(), *plan);
                    }
                    return absl::OkStatus();
                  });

@@ -16,20 +16,24 @@
 
 namespace laprox::service {
 
-// Optional observers of the service.
-struct ServiceHooks {
+// How laproxd runs the service; every field is optional.
+struct ServiceOptions {
   // Every call, every plan and every model (un)registration is recorded here.
   Metrics* metrics = nullptr;
   // Called with the number of registered models after a model was registered or unregistered
   // (laproxd derives its readiness from it).
   std::function<void(int64_t models)> models_changed;
+  // The transport's message limits, reported by GetServerInfo (0: not reported).
+  int64_t max_request_bytes = 0;
+  int64_t max_response_bytes = 0;
 };
 
 class LaproxService final : public v1::Laprox::CallbackService {
  public:
-  // `core`, `work` and hooks.metrics must outlive the service.
-  LaproxService(Core& core, WorkQueue& work, std::string version, ServiceHooks hooks = {})
-      : core_(core), work_(work), version_(std::move(version)), hooks_(std::move(hooks)) {}
+  // `core`, `work` and options.metrics must outlive the service.
+  LaproxService(Core& core, WorkQueue& work, std::string version,
+                ServiceOptions options = {})
+      : core_(core), work_(work), version_(std::move(version)), options_(std::move(options)) {}
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
                                           const v1::GetServerInfoRequest* request,
@@ -70,7 +74,7 @@ class LaproxService final : public v1::Laprox::CallbackService {
   Core& core_;
   WorkQueue& work_;
   const std::string version_;
-  const ServiceHooks hooks_;
+  const ServiceOptions options_;
 };
 
 }  // namespace laprox::service

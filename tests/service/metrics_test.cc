@@ -71,7 +71,7 @@ class MetricsTest : public ::testing::Test {
                        }});
     service_ = std::make_unique<LaproxService>(
         *core_, *work_, "test",
-        ServiceHooks{.metrics = metrics_.get(),
+        ServiceOptions{.metrics = metrics_.get(),
                      .models_changed = [this](int64_t models) { metrics_->SetReady(models > 0); }});
     static std::atomic<int> counter{0};
     socket_ =

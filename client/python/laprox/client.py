@@ -1,0 +1,502 @@
+"""laprox.Client: talk to laproxd with numpy arrays or torch tensors in, KeepPlan out.
+
+    with laprox.Client("unix:/tmp/laproxd.sock") as client:
+        model = client.register_model("smollm2", geometry, o_proj)        # once
+        plan = client.compute_keep_plan(model, keys, values, window_queries,
+                                        budget=128)                       # per prefill
+        masks = plan.to_masks()                                           # [L, Hkv, n] bool
+
+Tensors (keys, values: per layer [Hkv, n, d]; window_queries [H, wq, d]; window_attention
+[H, wq, n]; window_lse [H, wq]; o_proj [D, H * d]) are given as a list with one entry per layer
+or as one stacked array with a leading layer dimension. Each entry may be
+  - a numpy array (float32, float16, float64 -> sent as float32, bfloat16 from ml_dtypes, or
+    uint16/int16 bfloat16 bits with dtype="bf16"), any strides: copied once into the client's
+    shared-memory staging region (see laprox._shm) and sent as a reference;
+  - a torch tensor: CPU tensors take the numpy path without an extra copy (bfloat16 included),
+    CUDA tensors are shared through CUDA IPC without any copy (see laprox._cuda);
+  - a laprox.RegionTensor: a reference into a region you registered yourself.
+
+Errors: every failure raises laprox.LaproxError with a grpc.StatusCode (`.code`) and a message.
+Threads: a Client may be shared; calls that stage host arrays or CUDA regions run one at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import grpc
+import numpy as np
+
+from . import _cuda, _shm
+from . import types as t
+from ._proto import health_pb2, health_pb2_grpc, laprox_pb2_grpc, pb
+from ._proto import policy_from_proto, policy_to_proto
+from .errors import LaproxError, from_rpc_error, invalid_argument
+
+DEFAULT_TARGET = "unix:/tmp/laproxd.sock"
+
+# Tensor fields of LayerInputs and the rank of one layer's tensor.
+_LAYER_FIELDS = (("keys", 3), ("values", 3), ("window_queries", 3), ("window_attention", 3),
+                 ("window_lse", 2))
+
+
+def _call(method: Any, request: Any, timeout: Optional[float]) -> Any:
+    try:
+        return method(request, timeout=timeout)
+    except grpc.RpcError as e:
+        raise from_rpc_error(e) from None
+
+
+# Region calls as plain functions of the stub, so that the finalizer that releases the regions
+# holds no reference to the Client.
+def _register_shm(stub: Any, timeout: float, name: str, byte_size: int) -> int:
+    request = pb.RegisterRegionRequest(shm=pb.ShmRegion(name=name, offset=0,
+                                                        byte_size=byte_size))
+    return _call(stub.RegisterRegion, request, timeout).region_id
+
+
+def _register_cuda(stub: Any, timeout: float, handle: bytes, device_uuid: str, offset: int,
+                   byte_size: int) -> int:
+    request = pb.RegisterRegionRequest(cuda_ipc=pb.CudaIpcRegion(
+        handle=handle, device_uuid=device_uuid, offset=offset, byte_size=byte_size))
+    return _call(stub.RegisterRegion, request, timeout).region_id
+
+
+def _unregister(stub: Any, timeout: float, region_id: int) -> None:
+    _call(stub.UnregisterRegion, pb.UnregisterRegionRequest(region_id=region_id), timeout)
+
+
+def _release(arena: _shm.StagingArena, cuda: _cuda.CudaRegions, channel: grpc.Channel) -> None:
+    """Releases what a Client holds; runs once (close(), garbage collection or exit)."""
+    try:
+        arena.release()
+    finally:
+        try:
+            if len(cuda):
+                cuda.release()
+        finally:
+            channel.close()
+
+
+# --- response decoding --------------------------------------------------------------------------
+
+def _varint(data: bytes, pos: int) -> Tuple[int, int]:
+    result = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+
+
+def _packed_chunks(data: bytes, fields: Tuple[int, ...]) -> Dict[int, List[memoryview]]:
+    """The length-delimited records of the given top-level fields of a serialized message."""
+    view = memoryview(data)
+    chunks: Dict[int, List[memoryview]] = {}
+    pos, end = 0, len(data)
+    while pos < end:
+        key, pos = _varint(data, pos)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            _, pos = _varint(data, pos)
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        elif wire_type == 2:
+            length, pos = _varint(data, pos)
+            if number in fields:
+                chunks.setdefault(number, []).append(view[pos:pos + length])
+            pos += length
+        else:
+            raise ValueError(f"wire type {wire_type}")
+    return chunks
+
+
+def _repeated(chunks: Dict[int, List[memoryview]], number: int, container: Any,
+              dtype: str) -> np.ndarray:
+    """A packed repeated fixed-width field as a numpy array: a view of the response bytes
+    (no per-element conversion), or converted from the parsed message if it is not packed."""
+    parts = chunks.get(number, [])
+    if parts:
+        raw = parts[0] if len(parts) == 1 else b"".join(parts)
+        array = np.frombuffer(raw, dtype=dtype)
+        if array.size == len(container):
+            return array
+    return np.array(container, dtype=dtype)
+
+
+# --- inputs -------------------------------------------------------------------------------------
+
+def _per_layer(name: str, value: Any, rank: int) -> List[Any]:
+    """One entry per layer: a list/tuple as given, a stacked array split along axis 0."""
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        value = np.asarray(value)
+        shape = value.shape
+    if len(shape) != rank + 1:
+        raise invalid_argument(f"{name}: expected a list of per-layer [{rank}-d] tensors or one "
+                               f"stacked [{rank + 1}-d] tensor, got shape {tuple(shape)}")
+    return [value[i] for i in range(shape[0])]
+
+
+class _Staging:
+    """The host arrays of one request and the TensorRef messages they fill."""
+
+    def __init__(self, bf16: bool):
+        self.bf16 = bf16
+        self.arrays: List[_shm.HostArray] = []
+        self.targets: List[Any] = []
+        self.cuda: List[Tuple[Any, Any]] = []  # (torch tensor, TensorRef message)
+
+    def add(self, name: str, value: Any, message: Any) -> None:
+        if isinstance(value, t.RegionTensor):
+            _fill_region_ref(message, value)
+            return
+        if _cuda.is_torch_tensor(value):
+            if value.is_cuda:
+                self.cuda.append((value, message))
+                return
+            value, is_bf16 = _cuda.cpu_tensor_as_numpy(value)
+            host = _shm.host_array(name, value, self.bf16 or is_bf16)
+        else:
+            host = _shm.host_array(name, value, self.bf16)
+        self.arrays.append(host)
+        self.targets.append(message)
+        message.dtype = int(host.dtype)
+        message.shape[:] = [int(s) for s in host.array.shape]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+
+def _fill_region_ref(message: Any, ref: t.RegionTensor) -> None:
+    message.region.region_id = int(ref.region_id)
+    message.region.byte_offset = int(ref.byte_offset)
+    message.dtype = int(t.DType.parse(ref.dtype))
+    message.shape[:] = [int(s) for s in ref.shape]
+    if ref.strides is not None:
+        message.strides[:] = [int(s) for s in ref.strides]
+
+
+def _bf16_flag(dtype: Optional[str]) -> bool:
+    if dtype is None:
+        return False
+    if str(dtype).lower() in ("bf16", "bfloat16"):
+        return True
+    raise invalid_argument(f"dtype {dtype!r}: only \"bf16\" (reinterpret uint16 arrays) is "
+                           "accepted here; float arrays carry their own dtype")
+
+
+class Client:
+    """A connection to laproxd.
+
+    Args:
+        target: a gRPC target, "unix:/path/to/socket" or "host:port". Connects lazily: the
+            first call raises LaproxError(UNAVAILABLE) when nothing listens.
+        timeout: deadline of each call in seconds.
+        inline_max_bytes: requests whose host tensors total at most this many bytes send them
+            inline in the message instead of through shared memory (0: never).
+
+    The client owns one shared-memory staging region for host arrays (created on first use,
+    registered once, grown when a call needs more) and the CUDA IPC regions of the torch
+    storages it has shared; close() (or leaving a `with` block, also by an exception), garbage
+    collection and interpreter exit unregister and free them.
+    """
+
+    def __init__(self, target: str = DEFAULT_TARGET, timeout: float = 60.0,
+                 inline_max_bytes: int = 0):
+        if not target:
+            raise invalid_argument("target is empty")
+        self.target = target
+        self.timeout = float(timeout)
+        self.inline_max_bytes = int(inline_max_bytes)
+        self._channel = grpc.insecure_channel(target, options=[
+            ("grpc.max_receive_message_length", -1),
+            ("grpc.max_send_message_length", -1),
+        ])
+        self._stub = laprox_pb2_grpc.LaproxStub(self._channel)
+        # ComputeKeepMask's response is decoded here (see _decode_plan), so take raw bytes.
+        self._compute_raw = self._channel.unary_unary(
+            "/laprox.v1.Laprox/ComputeKeepMask",
+            request_serializer=pb.ComputeKeepMaskRequest.SerializeToString,
+            response_deserializer=None)
+        self._lock = threading.RLock()
+        self._closed = False
+        self._register_shm = functools.partial(_register_shm, self._stub, self.timeout)
+        self._unregister = functools.partial(_unregister, self._stub, self.timeout)
+        self._arena = _shm.StagingArena(self._register_shm, self._unregister)
+        self._cuda = _cuda.CudaRegions(
+            functools.partial(_register_cuda, self._stub, self.timeout), self._unregister)
+        self._finalizer = weakref.finalize(self, _release, self._arena, self._cuda,
+                                           self._channel)
+
+    # --- lifetime ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unregisters and frees the staging region and CUDA regions, closes the channel.
+        Idempotent; server errors while unregistering are ignored (the server may be gone)."""
+        with self._lock:
+            self._closed = True
+            self._finalizer()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LaproxError(grpc.StatusCode.FAILED_PRECONDITION, "the client is closed")
+
+    def _rpc(self, method: Any, request: Any, timeout: Optional[float] = None) -> Any:
+        self._check_open()
+        return _call(method, request, self.timeout if timeout is None else timeout)
+
+    # --- server -----------------------------------------------------------------------------
+
+    def info(self) -> t.ServerInfo:
+        """Version, backend, devices, limits and what the server supports."""
+        r = self._rpc(self._stub.GetServerInfo, pb.GetServerInfoRequest())
+        lim = r.limits
+
+        def known(enum_type: Any, values: Any) -> Tuple[Any, ...]:
+            return tuple(enum_type(v) for v in values if v in enum_type._value2member_map_)
+
+        return t.ServerInfo(
+            version=r.version,
+            backend="cuda" if r.backend == pb.BACKEND_KIND_CUDA else "cpu",
+            description=r.backend_description,
+            devices=tuple(t.DeviceInfo(d.uuid, d.name, d.ordinal, d.total_memory_bytes,
+                                       (d.compute_capability_major,
+                                        d.compute_capability_minor), d.active)
+                          for d in r.devices),
+            limits=t.ServerLimits(lim.max_regions, lim.max_models, lim.max_request_bytes,
+                                  lim.max_response_bytes, lim.max_tokens, lim.max_window,
+                                  lim.max_pool_kernel, lim.max_tokens_per_head),
+            supported_policies=known(t.PolicyKind, r.supported_policies),
+            supported_dtypes=known(t.DType, r.supported_dtypes),
+            supported_region_kinds=known(t.RegionKind, r.supported_region_kinds))
+
+    def health(self, service: str = "") -> bool:
+        """grpc.health.v1 Check: True when `service` ("" = the server; "laprox.v1.Laprox" =
+        ready, i.e. a model is registered) is SERVING. NOT_FOUND for an unknown service."""
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        r = self._rpc(stub.Check, health_pb2.HealthCheckRequest(service=service))
+        return r.status == health_pb2.HealthCheckResponse.SERVING
+
+    # --- regions ----------------------------------------------------------------------------
+
+    def register_shm_region(self, name: str, byte_size: int, offset: int = 0,
+                            writable: bool = False) -> int:
+        """Registers an existing shared-memory object ("laprox-" prefix) that you manage;
+        returns its region id for RegionTensor references."""
+        request = pb.RegisterRegionRequest(
+            shm=pb.ShmRegion(name=name, offset=offset, byte_size=byte_size), writable=writable)
+        return self._rpc(self._stub.RegisterRegion, request).region_id
+
+    def unregister_region(self, region_id: int) -> None:
+        """Closes a region; returns when the requests using it have finished."""
+        self._rpc(self._stub.UnregisterRegion, pb.UnregisterRegionRequest(region_id=region_id))
+
+    def list_regions(self) -> List[t.RegionInfo]:
+        """Every region registered with the server (by any client), ascending by id."""
+        r = self._rpc(self._stub.ListRegions, pb.ListRegionsRequest())
+        return [t.RegionInfo(x.region_id, t.RegionKind(x.kind), x.name, x.device_uuid,
+                             x.offset, x.byte_size, x.writable, x.in_flight_requests,
+                             x.draining) for x in r.regions]
+
+    @property
+    def staging_region(self) -> Optional[t.SharedRegion]:
+        """The client's shared-memory staging region, None before the first staged call."""
+        return self._arena.info()
+
+    def release_cuda_regions(self) -> None:
+        """Unregisters the CUDA IPC regions of every torch storage shared so far."""
+        with self._lock:
+            self._cuda.release()
+
+    # --- models -----------------------------------------------------------------------------
+
+    def register_model(self, name: str, geometry: Union[t.ModelGeometry, Mapping[str, Any]],
+                       o_proj: Any, prepare_cross_grams: bool = False, *,
+                       dtype: Optional[str] = None, timeout: Optional[float] = None) -> int:
+        """Registers a model; returns its id.
+
+        Args:
+            name: for logs and metrics; [A-Za-z0-9._/:-], at most 128 bytes ("" = the id).
+            geometry: ModelGeometry or a mapping of its fields.
+            o_proj: each layer's output projection weight [D, H * d] (Hugging Face
+                o_proj.weight): a list of L tensors or one [L, D, H * d] tensor. Host arrays
+                go through a temporary shared-memory region freed when the call returns.
+            prepare_cross_grams: also prepare what GqaValue.EXACT_BLOCK needs.
+            dtype: "bf16" to send uint16/int16 arrays as bfloat16 bits.
+        """
+        g = t.ModelGeometry.of(geometry)
+        request = pb.RegisterModelRequest(
+            name=name, prepare_cross_grams=prepare_cross_grams,
+            geometry=pb.ModelGeometry(num_layers=g.num_layers, num_heads=g.num_heads,
+                                      num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
+                                      hidden_size=g.hidden_size,
+                                      softmax_scale=g.softmax_scale))
+        staging = _Staging(_bf16_flag(dtype))
+        for l, weight in enumerate(_per_layer("o_proj", o_proj, 2)):
+            staging.add(f"o_proj[{l}]", weight, request.o_proj.add())
+        with self._lock:
+            self._check_open()
+            self._share_cuda(staging)
+            if staging.arrays and staging.nbytes > self.inline_max_bytes:
+                with _shm.TemporaryRegion(staging.arrays, self._register_shm,
+                                          self._unregister) as (region_id, offsets):
+                    self._point_at(staging, region_id, offsets)
+                    return self._rpc(self._stub.RegisterModel, request, timeout).model_id
+            self._inline(staging)
+            return self._rpc(self._stub.RegisterModel, request, timeout).model_id
+
+    def unregister_model(self, model_id: int) -> None:
+        """Forgets a model (NOT_FOUND if unknown); running requests finish normally."""
+        self._rpc(self._stub.UnregisterModel, pb.UnregisterModelRequest(model_id=model_id))
+
+    # --- keep plans -------------------------------------------------------------------------
+
+    def compute_keep_plan(self, model_id: int, keys: Any, values: Any,
+                          window_queries: Any = None, window_attention: Any = None,
+                          window_lse: Any = None, *,
+                          policy: Union[t.Policy, str, Mapping[str, Any], None] = None,
+                          budget: Union[t.Budget, int, float, None] = None,
+                          outputs: Union[t.Outputs, Mapping[str, bool], Sequence[str],
+                                         None] = None,
+                          dtype: Optional[str] = None, timeout: Optional[float] = None,
+                          **policy_options: Any) -> t.KeepPlan:
+        """The keep-plan of one prefilled sequence of n tokens.
+
+        Args:
+            model_id: from register_model.
+            keys, values: per layer [Hkv, n, d] (list of L, or stacked [L, Hkv, n, d]).
+            window_queries: per layer [H, wq, d], post-RoPE queries of the last wq positions;
+                or window_attention: per layer [H, wq, n] softmax rows. Exactly one.
+            window_lse: optional per layer [H, wq] log-sum-exp of the window rows (queries
+                only).
+            policy: a Policy, a policy kind ("laprox", "snapkv", ...), a mapping of options,
+                or None (LAPROX with the server's defaults).
+            budget: Budget, an int (tokens per head) or a float (compression ratio).
+            outputs: Outputs or names ("positions", "bitmask", "scores"); default positions.
+            dtype: "bf16" to send uint16/int16 arrays as bfloat16 bits.
+            timeout: this call's deadline in seconds (default: the client's).
+            **policy_options: Policy fields applied on top of `policy`, e.g. window=32,
+                kind="snapkv", allocation="per_layer".
+
+        Returns: a KeepPlan. Raises LaproxError.
+        """
+        pol = t.Policy.of(policy, **policy_options)
+        bud = t.Budget.of(budget)
+        out = t.Outputs.of(outputs)
+        given = {"keys": keys, "values": values, "window_queries": window_queries,
+                 "window_attention": window_attention, "window_lse": window_lse}
+        per_layer = {name: _per_layer(name, given[name], rank)
+                     for name, rank in _LAYER_FIELDS if given[name] is not None}
+        if "keys" not in per_layer or "values" not in per_layer:
+            raise invalid_argument("keys and values are required")
+        num_layers = len(per_layer["keys"])
+        for name, tensors in per_layer.items():
+            if len(tensors) != num_layers:
+                raise invalid_argument(f"{name}: {len(tensors)} layers given, keys have "
+                                       f"{num_layers}")
+        if num_layers == 0:
+            raise invalid_argument("keys: no layers given")
+        first = per_layer["keys"][0]
+        key_shape = tuple(first.shape)
+        if len(key_shape) != 3:
+            raise invalid_argument(f"keys[0]: expected [Hkv, n, d], got shape {key_shape}")
+
+        request = pb.ComputeKeepMaskRequest(model_id=model_id, n=int(key_shape[1]))
+        policy_to_proto(pol, request.policy)
+        if bud is not None:
+            if bud.tokens_per_head is not None:
+                request.budget.tokens_per_head = bud.tokens_per_head
+            if bud.compression_ratio is not None:
+                request.budget.compression_ratio = bud.compression_ratio
+        request.outputs.positions = out.positions
+        request.outputs.bitmask = out.bitmask
+        request.outputs.scores = out.scores
+
+        staging = _Staging(_bf16_flag(dtype))
+        for l in range(num_layers):
+            layer = request.layers.add()
+            for name, tensors in per_layer.items():
+                staging.add(f"{name}[{l}]", tensors[l], getattr(layer, name))
+
+        with self._lock:
+            self._check_open()
+            self._share_cuda(staging)
+            if staging.arrays and staging.nbytes > self.inline_max_bytes:
+                offsets, need = _shm.layout(staging.arrays)
+                self._arena.ensure(need)
+                buffer = self._arena.buffer
+                try:
+                    for a, offset in zip(staging.arrays, offsets):
+                        _shm.copy_into(buffer, offset, a)
+                finally:
+                    del buffer
+                self._point_at(staging, self._arena.region_id, offsets)
+            else:
+                self._inline(staging)
+            raw = self._rpc(self._compute_raw, request, timeout)
+        return _decode_plan(raw, out)
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _share_cuda(self, staging: _Staging) -> None:
+        if not staging.cuda:
+            return
+        _cuda.synchronize({tensor.device.index for tensor, _ in staging.cuda})
+        for tensor, message in staging.cuda:
+            _fill_region_ref(message, self._cuda.reference(tensor))
+
+    @staticmethod
+    def _point_at(staging: _Staging, region_id: int, offsets: Sequence[int]) -> None:
+        for message, offset in zip(staging.targets, offsets):
+            message.region.region_id = region_id
+            message.region.byte_offset = offset
+
+    @staticmethod
+    def _inline(staging: _Staging) -> None:
+        for a, message in zip(staging.arrays, staging.targets):
+            message.inline_bytes = np.ascontiguousarray(a.array, dtype=a.staged).tobytes()
+
+
+def _decode_plan(raw: bytes, outputs: t.Outputs) -> t.KeepPlan:
+    """A KeepPlan from the serialized ComputeKeepMaskResponse (with the `outputs` requested).
+    Positions and scores are read straight from the packed bytes (sfixed32 / float), not
+    element by element."""
+    r = pb.ComputeKeepMaskResponse.FromString(raw)
+    L, Hkv, n = r.num_layers, r.num_kv_heads, r.n
+    chunks = _packed_chunks(raw, (6, 8))
+    positions = _repeated(chunks, 6, r.positions, "<i4") if outputs.positions else None
+    scores = _repeated(chunks, 8, r.scores, "<f4") if outputs.scores else None
+    bitmask = None
+    if outputs.bitmask:
+        bitmask = np.frombuffer(r.bitmask, dtype=np.uint8).reshape(L, Hkv, (n + 7) // 8)
+    timing = r.timing
+    return t.KeepPlan(
+        num_layers=L, num_kv_heads=Hkv, n=n,
+        counts=np.array(r.counts, dtype=np.int32).reshape(L, Hkv),
+        offsets=np.array(r.offsets, dtype=np.int64),
+        positions=positions,
+        bitmask=bitmask,
+        scores=None if scores is None else scores.reshape(L, Hkv, n),
+        layer_sums=np.array(r.layer_sums, dtype=np.float64),
+        window=r.window, sinks=r.sinks, quota=r.quota, selected_total=r.selected_total,
+        tokens_per_head=r.tokens_per_head,
+        effective_policy=policy_from_proto(r.effective_policy),
+        timing=t.Timing(timing.queue_seconds, timing.validate_seconds, timing.score_seconds,
+                        timing.select_seconds, timing.respond_seconds, timing.total_seconds))

@@ -1,0 +1,414 @@
+"""Hugging Face transformers integration: compress the KV cache after prefill with laproxd.
+
+    import laprox, laprox.hf
+
+    client = laprox.Client("unix:/tmp/laproxd.sock")
+    press = laprox.hf.Compressor(model, client, budget=128)  # registers o_proj once
+    with press:                                                # attention "laprox" inside
+        out = model.generate(input_ids, max_new_tokens=64)
+    press.plan                                                 # the last KeepPlan(s)
+
+Works with Llama-architecture models (Llama, Mistral, Qwen2/3, SmolLM: every decoder layer has a
+`self_attn` with `q_proj`/`o_proj` and a `layer_idx`) in transformers >= 4.48 (tested with 5.2).
+No model code is copied. The integration is one attention function registered as "laprox"
+through `transformers.AttentionInterface` (plus the sdpa mask builder under the same name in
+`AttentionMaskInterface`); the model's attention modules call it with post-RoPE queries and the
+keys/values returned by the cache, so:
+
+1. Prefill of a new sequence (query length = key length > 1): the last `window_rows` post-RoPE
+   queries of every layer are kept, then torch's SDPA runs as usual (the prefill itself is exact).
+2. A forward hook on the decoder (`model.model`) runs after the prefill: it sends each layer's
+   cache keys/values and the captured window queries to laproxd (numpy over shared memory, CUDA
+   tensors by IPC) and turns the plan into keep masks [B, Hkv, n].
+3. Every later attention call (decoding, or a teacher-forced continuation) adds -inf to the
+   logits of evicted (layer, KV head, position) — for each of the G query heads of the KV head —
+   before SDPA's softmax, so the softmax is renormalised over the kept keys exactly as if the
+   cache held only them. Tokens appended after the prefill are always visible.
+4. With `compact=True` and a plan that keeps the same number of tokens in every head of a layer
+   (policy option head_uniform_layers=True, or STREAMING_LLM/SNAPKV/PYRAMIDKV/CRITICALKV), the
+   cache is physically shrunk instead (per-layer lengths differ; positions and RoPE of new
+   tokens stay those of the uncompressed sequence because generate() counts them from
+   cache_position, which is not taken from the cache length).
+
+Batches are compressed sequence by sequence (one keep-plan each); left padding is not supported
+(every sequence of the batch must have n real tokens). Chunked prefill is not supported: the
+prefill must be one forward call.
+
+`masked(model, masks)` applies arbitrary keep masks (e.g. from another library) the same way;
+`capture_window_queries(model, rows)` only records the prefill's window queries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from . import types as t
+from .errors import invalid_argument
+
+ATTENTION_NAME = "laprox"
+DEFAULT_WINDOW_ROWS = 64  # query rows captured: the largest default window of any policy kind
+
+_installed = False
+
+
+def install() -> None:
+    """Registers the "laprox" attention function and mask builder with transformers
+    (idempotent). Called by Compressor and masked()."""
+    global _installed
+    if _installed:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(ATTENTION_NAME, _attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    _installed = True
+
+
+def attention_modules(model: Any) -> List[Any]:
+    """The self-attention modules of the decoder layers, in layer order."""
+    found = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if idx is not None and hasattr(module, "o_proj") and hasattr(module, "q_proj"):
+            found[int(idx)] = module
+    if not found:
+        raise invalid_argument(f"{type(model).__name__}: no attention modules with q_proj, "
+                               "o_proj and layer_idx (not a Llama-architecture model?)")
+    return [found[i] for i in sorted(found)]
+
+
+def geometry(model: Any) -> t.ModelGeometry:
+    """L, H, Hkv, d, D from the config; the softmax scale from the attention modules (0, the
+    default, when it is 1/sqrt(d))."""
+    config = getattr(model, "config", model)
+    config = getattr(config, "get_text_config", lambda: config)()
+    g = t.ModelGeometry.from_hf_config(config)
+    scale = 0.0
+    try:
+        module_scale = float(attention_modules(model)[0].scaling)
+        if not math.isclose(module_scale, g.head_dim ** -0.5, rel_tol=1e-6):
+            scale = module_scale
+    except (AttributeError, TypeError, ValueError):
+        pass
+    return t.ModelGeometry(g.num_layers, g.num_heads, g.num_kv_heads, g.head_dim,
+                           g.hidden_size, scale)
+
+
+def register_model(client: Any, model: Any, name: Optional[str] = None,
+                   prepare_cross_grams: bool = False) -> int:
+    """Registers the model's geometry and every layer's o_proj.weight with laproxd; returns the
+    model id. CPU weights go as fp32 numpy (bf16/fp16 as they are); CUDA weights by IPC."""
+    weights = []
+    for module in attention_modules(model):
+        w = module.o_proj.weight.detach()
+        weights.append(_host(w))
+    if name is None:
+        name = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
+        name = "".join(c if c.isalnum() or c in "._/:-" else "-" for c in name)[-128:]
+    return client.register_model(name, geometry(model), weights,
+                                 prepare_cross_grams=prepare_cross_grams)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------------
+
+class _State:
+    """What the attention function reads on each module (attribute `_laprox_state`)."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, num_heads: int):
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.capture_rows = 0                 # > 0: keep that many query rows of a prefill
+        self.captured: Dict[int, torch.Tensor] = {}
+        self.prefix_bias: Optional[List[Optional[torch.Tensor]]] = None  # [B, H, 1, n] per layer
+
+    def set_masks(self, masks: Optional[Sequence[Any]]) -> None:
+        """masks[l]: bool [B, Hkv, n] or [Hkv, n] (True = keep), or None to clear."""
+        if masks is None:
+            self.prefix_bias = None
+            return
+        if len(masks) != self.num_layers:
+            raise invalid_argument(f"masks: {len(masks)} layers, the model has "
+                                   f"{self.num_layers}")
+        biases = []
+        for l, m in enumerate(masks):
+            if m is None:
+                biases.append(None)
+                continue
+            m = torch.as_tensor(m, dtype=torch.bool)
+            if m.dim() == 2:
+                m = m.unsqueeze(0)
+            if m.dim() != 3 or m.shape[1] != self.num_kv_heads:
+                raise invalid_argument(f"masks[{l}]: expected [B, {self.num_kv_heads}, n], got "
+                                       f"{tuple(m.shape)}")
+            bias = torch.zeros(m.shape, dtype=torch.float32)
+            bias.masked_fill_(~m, float("-inf"))
+            biases.append(bias.repeat_interleave(self.group, dim=1).unsqueeze(2))
+        self.prefix_bias = biases
+
+
+def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
+               dropout: float = 0.0, **kwargs: Any):
+    """SDPA attention that captures prefill window queries and masks evicted keys."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    state: Optional[_State] = getattr(module, "_laprox_state", None)
+    if state is not None:
+        q_len, kv_len = query.shape[2], key.shape[2]
+        if q_len == kv_len and q_len > 1:
+            # A new sequence's prefill: it runs on the full cache; earlier masks are void.
+            if state.capture_rows > 0:
+                state.captured[module.layer_idx] = query[:, :, -state.capture_rows:].detach()
+        elif state.prefix_bias is not None and state.prefix_bias[module.layer_idx] is not None:
+            attention_mask = _masked(attention_mask, state.prefix_bias[module.layer_idx],
+                                     query, kv_len)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, **kwargs)
+
+
+def _masked(attention_mask: Optional[torch.Tensor], prefix_bias: torch.Tensor,
+            query: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """The float mask [B, H, q, kv] = the model's mask (causal) + -inf at evicted keys."""
+    b, _, q_len, _ = query.shape
+    n = prefix_bias.shape[-1]
+    if n > kv_len:
+        raise invalid_argument(f"keep masks cover {n} positions but the cache holds {kv_len}: "
+                               "was the cache cropped or compacted after the masks were set?")
+    bias = prefix_bias.to(device=query.device, dtype=query.dtype)
+    if bias.shape[0] != b:
+        if bias.shape[0] != 1:
+            raise invalid_argument(f"keep masks are for batch {bias.shape[0]}, the call has {b}")
+        bias = bias.expand(b, -1, -1, -1)
+    if kv_len > n:
+        bias = torch.cat([bias, bias.new_zeros(b, bias.shape[1], 1, kv_len - n)], dim=-1)
+    if attention_mask is None:
+        if q_len > 1:  # causal: query row t sees keys j <= kv_len - q_len + t
+            rows = torch.arange(q_len, device=query.device).unsqueeze(1)
+            cols = torch.arange(kv_len, device=query.device).unsqueeze(0)
+            causal = torch.zeros(q_len, kv_len, dtype=query.dtype, device=query.device)
+            causal.masked_fill_(cols > rows + (kv_len - q_len), float("-inf"))
+            return bias + causal
+        return bias
+    if attention_mask.dtype == torch.bool:
+        base = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
+        base.masked_fill_(~attention_mask, float("-inf"))
+    else:
+        base = attention_mask.to(query.dtype)
+    return base[..., -kv_len:] + bias
+
+
+def _attach_state(model: Any, state: _State) -> List[Any]:
+    modules = attention_modules(model)
+    for module in modules:
+        module._laprox_state = state
+    return modules
+
+
+@contextlib.contextmanager
+def _attention_implementation(model: Any) -> Iterator[None]:
+    install()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@contextlib.contextmanager
+def masked(model: Any, masks: Sequence[Any]) -> Iterator[None]:
+    """Within the block, attention ignores the evicted prefix positions of `masks` (per layer
+    bool [B, Hkv, n] or [Hkv, n], True = keep) for every call whose keys extend the prefix
+    (decoding steps, teacher-forced continuations over a cache holding the n prefix tokens)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+        else model.config
+    g = t.ModelGeometry.from_hf_config(config)
+    state = _State(g.num_layers, g.num_kv_heads, g.num_heads)
+    state.set_masks(masks)
+    modules = _attach_state(model, state)
+    try:
+        with _attention_implementation(model):
+            yield
+    finally:
+        for module in modules:
+            module.__dict__.pop("_laprox_state", None)
+
+
+@contextlib.contextmanager
+def capture_window_queries(model: Any, rows: int = DEFAULT_WINDOW_ROWS
+                           ) -> Iterator[Dict[int, torch.Tensor]]:
+    """Within the block, every prefill (a forward whose query length equals its key length)
+    stores each layer's last `rows` post-RoPE queries, [B, H, rows, d], in the yielded dict
+    under the layer index (a later prefill overwrites them)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+        else model.config
+    g = t.ModelGeometry.from_hf_config(config)
+    state = _State(g.num_layers, g.num_kv_heads, g.num_heads)
+    state.capture_rows = int(rows)
+    modules = _attach_state(model, state)
+    try:
+        with _attention_implementation(model):
+            yield state.captured
+    finally:
+        for module in modules:
+            module.__dict__.pop("_laprox_state", None)
+
+
+def cache_layer_kv(cache: Any, layer: int):
+    """(keys, values) [B, Hkv, n, d] of one layer of a transformers Cache (4.x and 5.x)."""
+    if hasattr(cache, "layers"):
+        return cache.layers[layer].keys, cache.layers[layer].values
+    return cache.key_cache[layer], cache.value_cache[layer]
+
+
+def _set_cache_layer_kv(cache: Any, layer: int, keys: torch.Tensor,
+                        values: torch.Tensor) -> None:
+    if hasattr(cache, "layers"):
+        cache.layers[layer].keys, cache.layers[layer].values = keys, values
+    else:
+        cache.key_cache[layer], cache.value_cache[layer] = keys, values
+
+
+def _host(x: torch.Tensor) -> Any:
+    """What the client sends: numpy for CPU tensors (fp32/fp16; bf16 widened), CUDA as is."""
+    if x.device.type != "cpu":
+        return x.contiguous()
+    if x.dtype == torch.bfloat16:
+        x = x.float()
+    return x.numpy()
+
+
+class Compressor:
+    """Compresses the KV cache of every prefill with a laproxd keep-plan while attached.
+
+    Args:
+        model: a transformers causal LM (Llama architecture).
+        client: a laprox.Client.
+        budget: tokens per KV head (int) or compression ratio (float); see laprox.Budget.
+        policy: a laprox.Policy, a kind name ("laprox", "snapkv", ...) or a mapping; policy
+            options may also be given as keywords (allocation="per_layer", window=32, ...).
+        model_id: an id from register_model(); None: registered here (o_proj sent once).
+        prepare_cross_grams: register with the cross-Grams (gqa_value="exact_block").
+        window_rows: post-RoPE query rows captured per layer (>= the policy's window).
+        compact: shrink the cache physically when every layer's heads keep equal counts.
+
+    Use as a context manager (or attach()/detach()); the model's attention implementation is
+    "laprox" while attached and restored afterwards. `plan` holds the last prefill's KeepPlan
+    (a list, one per batch sequence, when the batch has more than one), `masks` its keep masks.
+    """
+
+    def __init__(self, model: Any, client: Any, budget: Union[int, float, t.Budget] = 128,
+                 policy: Any = None, *, model_id: Optional[int] = None,
+                 prepare_cross_grams: bool = False, window_rows: int = DEFAULT_WINDOW_ROWS,
+                 compact: bool = False, **policy_options: Any):
+        self.model = model
+        self.client = client
+        self.budget = budget
+        self.policy = t.Policy.of(policy, **policy_options)
+        self.compact = compact
+        self.geometry = geometry(model)
+        self.window_rows = max(int(window_rows), int(self.policy.window or 0))
+        self.model_id = model_id if model_id is not None else register_model(
+            client, model, prepare_cross_grams=prepare_cross_grams)
+        self.plan: Any = None
+        self.masks: Optional[List[torch.Tensor]] = None
+        self.compacted = False
+        g = self.geometry
+        self._state = _State(g.num_layers, g.num_kv_heads, g.num_heads)
+        self._modules: List[Any] = []
+        self._hook = None
+        self._impl: Optional[contextlib.ExitStack] = None
+
+    # --- lifetime -----------------------------------------------------------------------------
+
+    def attach(self) -> "Compressor":
+        if self._impl is not None:
+            return self
+        self._state.capture_rows = self.window_rows
+        self._modules = _attach_state(self.model, self._state)
+        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model
+        self._hook = decoder.register_forward_hook(self._after_forward, with_kwargs=True)
+        self._impl = contextlib.ExitStack()
+        self._impl.enter_context(_attention_implementation(self.model))
+        return self
+
+    def detach(self) -> None:
+        if self._impl is None:
+            return
+        self._impl.close()
+        self._impl = None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        for module in self._modules:
+            module.__dict__.pop("_laprox_state", None)
+        self._modules = []
+        self._state.captured.clear()
+        self._state.set_masks(None)
+
+    def __enter__(self) -> "Compressor":
+        return self.attach()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+
+    # --- compression ----------------------------------------------------------------------------
+
+    def _after_forward(self, module: Any, args: Any, kwargs: Any, output: Any) -> Any:
+        captured = self._state.captured
+        if not captured:
+            return output
+        self._state.captured = {}
+        if len(captured) != self.geometry.num_layers:
+            return output  # not a prefill of every layer (e.g. a partial model call)
+        cache = getattr(output, "past_key_values", None) or kwargs.get("past_key_values")
+        if cache is None:
+            return output  # use_cache=False: nothing to compress
+        queries = [captured[l] for l in range(self.geometry.num_layers)]
+        self.compress(cache, queries)
+        return output
+
+    def compress(self, cache: Any, window_queries: Sequence[torch.Tensor]) -> Any:
+        """Asks laproxd for the keep-plan of the prefilled `cache` (every layer holding the n
+        prompt tokens) with per-layer post-RoPE `window_queries` [B, H, wq, d], installs the
+        masks (or compacts the cache) and returns the plan(s)."""
+        L = self.geometry.num_layers
+        kv = [cache_layer_kv(cache, l) for l in range(L)]
+        batch, _, n, _ = kv[0][0].shape
+        plans, masks = [], [torch.zeros(batch, self.geometry.num_kv_heads, n, dtype=torch.bool)
+                            for _ in range(L)]
+        for b in range(batch):
+            plan = self.client.compute_keep_plan(
+                self.model_id, [_host(k[b]) for k, _ in kv], [_host(v[b]) for _, v in kv],
+                window_queries=[_host(q[b]) for q in window_queries],
+                policy=self.policy, budget=self.budget)
+            plans.append(plan)
+            m = torch.from_numpy(plan.to_masks())
+            for l in range(L):
+                masks[l][b] = m[l]
+        self.plan = plans[0] if batch == 1 else plans
+        self.masks = masks
+        uniform = all(bool((p.counts == p.counts[:, :1]).all()) for p in plans) and \
+            len({tuple(p.counts[:, 0]) for p in plans}) == 1
+        if self.compact and uniform:
+            for l in range(L):
+                keys, values = kv[l]
+                idx = torch.stack([torch.stack([torch.as_tensor(
+                    np.asarray(p.kept(l, g)), dtype=torch.long)
+                    for g in range(self.geometry.num_kv_heads)]) for p in plans])
+                idx = idx.to(keys.device).unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+                _set_cache_layer_kv(cache, l, keys.gather(2, idx).contiguous(),
+                                    values.gather(2, idx).contiguous())
+            self.compacted = True
+            self._state.set_masks(None)
+        else:
+            self.compacted = False
+            self._state.set_masks(masks)
+        return self.plan

@@ -1,0 +1,425 @@
+"""Plain Python types of the laprox API: enums, policy, budget, geometry, results.
+
+The enums carry the wire numbers of proto/laprox/v1/laprox.proto (value 0, "not set", has no
+member: a field left as None is not set and takes the server's default). Every place that takes
+an enum also takes its name as a string, case-insensitive, with or without the proto prefix and
+with "-" for "_": PolicyKind.SNAPKV, "snapkv", "POLICY_KIND_SNAPKV" and 3 are the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+
+import numpy as np
+
+from .errors import invalid_argument
+
+
+class _WireEnum(enum.IntEnum):
+    """An enum whose values are the proto's numbers."""
+
+    @classmethod
+    def parse(cls, value: Union["_WireEnum", str, int]) -> "_WireEnum":
+        """The member for a member, a wire number or a (case-insensitive) name."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            key = value.strip().upper().replace("-", "_")
+            prefix = _PREFIXES[cls]
+            if key.startswith(prefix):
+                key = key[len(prefix):]
+            try:
+                return cls[key]
+            except KeyError:
+                pass
+        elif isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+            try:
+                return cls(int(value))
+            except ValueError:
+                pass
+        names = ", ".join(m.name.lower() for m in cls)
+        raise invalid_argument(f"{cls.__name__} {value!r} is not one of {names}")
+
+
+class DType(_WireEnum):
+    """Element type of a tensor on the wire."""
+    F32 = 1
+    F16 = 2
+    BF16 = 3
+
+
+class BackendKind(_WireEnum):
+    CPU = 1
+    CUDA = 2
+
+
+class RegionKind(_WireEnum):
+    SHM = 1
+    CUDA_IPC = 2
+
+
+class PolicyKind(_WireEnum):
+    """The eviction method: LaProx or a kvpress baseline (laprox.proto PolicyKind)."""
+    LAPROX = 1
+    STREAMING_LLM = 2
+    SNAPKV = 3
+    PYRAMIDKV = 4
+    ADAKV = 5
+    CRITICALKV = 6
+    CRITICAL_ADAKV = 7
+    CAKE = 8
+
+
+class NumericMode(_WireEnum):
+    EXACT = 1
+    KVPRESS_COMPAT = 2
+
+
+class Allocation(_WireEnum):
+    GLOBAL_NORMALIZED = 1
+    GLOBAL_RAW = 2
+    PER_LAYER = 3
+    UNIFORM = 4
+
+
+class Indicator(_WireEnum):
+    ATTENTION_X_PROJECTED_VALUE = 1
+    ATTENTION_X_VALUE = 2
+    ATTENTION = 3
+
+
+class GqaValue(_WireEnum):
+    MEAN_HEAD_NORM = 1
+    SUMMED_PROJECTION = 2
+    MEAN_HEAD_PRODUCT = 3
+    EXACT_BLOCK = 4
+
+
+class Pooling(_WireEnum):
+    AVG = 1
+    MAX = 2
+    NONE = 3
+
+
+# The proto name of each enum and the prefix of its values.
+_PREFIXES = {
+    DType: "DTYPE_",
+    BackendKind: "BACKEND_KIND_",
+    RegionKind: "REGION_KIND_",
+    PolicyKind: "POLICY_KIND_",
+    NumericMode: "NUMERIC_MODE_",
+    Allocation: "ALLOCATION_",
+    Indicator: "INDICATOR_",
+    GqaValue: "GQA_VALUE_",
+    Pooling: "POOLING_",
+}
+
+EnumLike = Union[_WireEnum, str, int]
+
+
+@dataclass
+class Policy:
+    """Every option of the eviction policy (laprox.proto message Policy).
+
+    None means "not set": the server applies the policy kind's default (the proto documents
+    each one; KeepPlan.effective_policy shows what was applied). Enum fields take a member, a
+    name ("snapkv", "per_layer", "avg") or a wire number.
+
+    `extra` maps proto field names to values for Policy fields newer than this client; they are
+    set on the message as given.
+    """
+    kind: Optional[EnumLike] = None            # PolicyKind; not set: LAPROX
+    allocation: Optional[EnumLike] = None      # Allocation (LAPROX)
+    indicator: Optional[EnumLike] = None       # Indicator (LAPROX)
+    gqa_value: Optional[EnumLike] = None       # GqaValue (LAPROX)
+    window: Optional[int] = None               # observation window w
+    pooling: Optional[EnumLike] = None         # Pooling
+    pool_kernel: Optional[int] = None          # odd
+    sinks: Optional[int] = None
+    min_per_head: Optional[int] = None
+    head_uniform_layers: Optional[bool] = None
+    numeric_mode: Optional[EnumLike] = None    # NumericMode (baselines)
+    pyramid_beta: Optional[float] = None       # PYRAMIDKV
+    alpha_safeguard: Optional[float] = None    # ADAKV, CRITICAL_ADAKV
+    epsilon: Optional[float] = None            # CRITICALKV, CRITICAL_ADAKV
+    first_stage_ratio: Optional[float] = None  # CRITICALKV, CRITICAL_ADAKV
+    cake_tau1: Optional[float] = None          # CAKE
+    cake_tau2: Optional[float] = None          # CAKE
+    cake_gamma: Optional[float] = None         # CAKE
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def replace(self, **changes: Any) -> "Policy":
+        """A copy with `changes` applied (unknown names: LaproxError INVALID_ARGUMENT)."""
+        unknown = set(changes) - set(POLICY_FIELDS)
+        if unknown:
+            raise invalid_argument(f"unknown policy option(s) {sorted(unknown)}; known: "
+                                   f"{', '.join(POLICY_FIELDS)}")
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def of(cls, policy: Union["Policy", str, EnumLike, Mapping[str, Any], None] = None,
+           **options: Any) -> "Policy":
+        """A Policy from a Policy, a kind ("snapkv"), a mapping of options or None, with
+        `options` applied on top."""
+        if policy is None:
+            base = cls()
+        elif isinstance(policy, Policy):
+            base = policy
+        elif isinstance(policy, Mapping):
+            base = cls().replace(**dict(policy))
+        else:
+            base = cls(kind=PolicyKind.parse(policy))
+        return base.replace(**options) if options else base
+
+
+# Policy options by name (everything but `extra`) and the enum type of the enum-valued ones.
+POLICY_FIELDS: Tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Policy)
+                                       if f.name != "extra")
+POLICY_ENUMS = {
+    "kind": PolicyKind,
+    "allocation": Allocation,
+    "indicator": Indicator,
+    "gqa_value": GqaValue,
+    "pooling": Pooling,
+    "numeric_mode": NumericMode,
+}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How many tokens to keep: exactly one of the two.
+
+    tokens_per_head: B, the average kept tokens per KV head (window and sinks included).
+    compression_ratio: the fraction to evict, in [0, 1); B = int((1 - cr) * n).
+
+    Wherever a budget is taken, an int means tokens_per_head and a float compression_ratio.
+    """
+    tokens_per_head: Optional[int] = None
+    compression_ratio: Optional[float] = None
+
+    @classmethod
+    def of(cls, budget: Union["Budget", int, float, None]) -> Optional["Budget"]:
+        if budget is None or isinstance(budget, Budget):
+            return budget
+        if isinstance(budget, bool):
+            raise invalid_argument(f"budget {budget!r}: give an int (tokens per head) or a "
+                                   "float (compression ratio)")
+        if isinstance(budget, (int, np.integer)):
+            return cls(tokens_per_head=int(budget))
+        if isinstance(budget, (float, np.floating)):
+            return cls(compression_ratio=float(budget))
+        raise invalid_argument(f"budget {budget!r}: expected Budget, int or float")
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """Which outputs ComputeKeepMask returns (counts, offsets, layer sums always)."""
+    positions: bool = True   # kept positions (KeepPlan.positions / kept())
+    bitmask: bool = False    # packed keep bitmask (KeepPlan.bitmask)
+    scores: bool = False     # per-token competing scores (KeepPlan.scores)
+
+    @classmethod
+    def of(cls, outputs: Union["Outputs", Mapping[str, bool], Iterable[str], None]) -> "Outputs":
+        """From an Outputs, a mapping {"bitmask": True}, or names ("positions", "bitmask",
+        "scores"); names select exactly those outputs."""
+        if outputs is None:
+            return cls()
+        if isinstance(outputs, Outputs):
+            return outputs
+        if isinstance(outputs, Mapping):
+            unknown = set(outputs) - {"positions", "bitmask", "scores"}
+            if unknown:
+                raise invalid_argument(f"unknown outputs {sorted(unknown)}")
+            return cls(**{k: bool(v) for k, v in outputs.items()})
+        names = set(outputs)
+        unknown = names - {"positions", "bitmask", "scores"}
+        if unknown:
+            raise invalid_argument(f"unknown outputs {sorted(unknown)}")
+        return cls(positions="positions" in names, bitmask="bitmask" in names,
+                   scores="scores" in names)
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """The shape of a decoder-only transformer (laprox.proto ModelGeometry).
+
+    softmax_scale 0 means the default 1 / sqrt(head_dim).
+    """
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    softmax_scale: float = 0.0
+
+    @classmethod
+    def of(cls, geometry: Union["ModelGeometry", Mapping[str, Any]]) -> "ModelGeometry":
+        if isinstance(geometry, ModelGeometry):
+            return geometry
+        if isinstance(geometry, Mapping):
+            try:
+                return cls(**dict(geometry))
+            except TypeError as e:
+                raise invalid_argument(f"geometry: {e}") from None
+        raise invalid_argument(f"geometry: expected ModelGeometry or a mapping, got "
+                               f"{type(geometry).__name__}")
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> "ModelGeometry":
+        """From a Hugging Face transformers config (Llama, Mistral, Qwen2, ... attributes
+        num_hidden_layers, num_attention_heads, num_key_value_heads, hidden_size, head_dim)."""
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(num_layers=int(config.num_hidden_layers), num_heads=heads,
+                   num_kv_heads=kv_heads, head_dim=int(head_dim),
+                   hidden_size=int(config.hidden_size))
+
+
+@dataclass(frozen=True)
+class RegionTensor:
+    """A tensor already in a region registered with Client.register_shm_region (or by other
+    means): sent as a reference, never copied. Strides are in elements; None: contiguous."""
+    region_id: int
+    byte_offset: int
+    dtype: EnumLike
+    shape: Tuple[int, ...]
+    strides: Optional[Tuple[int, ...]] = None
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    uuid: str
+    name: str
+    ordinal: int
+    total_memory_bytes: int
+    compute_capability: Tuple[int, int]
+    active: bool
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_regions: int
+    max_models: int
+    max_request_bytes: int
+    max_response_bytes: int
+    max_tokens: int
+    max_window: int
+    max_pool_kernel: int
+    max_tokens_per_head: int
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What GetServerInfo answers."""
+    version: str
+    backend: str                    # "cpu" or "cuda"
+    description: str                # one line, for logs only
+    devices: Tuple[DeviceInfo, ...]
+    limits: ServerLimits
+    supported_policies: Tuple[PolicyKind, ...]
+    supported_dtypes: Tuple[DType, ...]
+    supported_region_kinds: Tuple[RegionKind, ...]
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """One registered region as ListRegions reports it."""
+    region_id: int
+    kind: RegionKind
+    name: str
+    device_uuid: str
+    offset: int
+    byte_size: int
+    writable: bool
+    in_flight_requests: int
+    draining: bool
+
+
+@dataclass(frozen=True)
+class SharedRegion:
+    """The client's own shared-memory staging region (Client.staging_region)."""
+    name: str        # as /dev/shm lists it
+    region_id: int
+    byte_size: int
+    registrations: int  # how many times this client has registered a staging region
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Wall time of the server's stages of one ComputeKeepMask call, in seconds."""
+    queue_seconds: float
+    validate_seconds: float
+    score_seconds: float
+    select_seconds: float
+    respond_seconds: float
+    total_seconds: float
+
+
+@dataclass(frozen=True, eq=False)
+class KeepPlan:
+    """The keep-plan of one prefill: which positions each (layer, KV head) keeps.
+
+    Arrays:
+        counts     int32 [L, Hkv]: kept tokens per (layer, KV head), window and sinks included.
+        offsets    int64 [L * Hkv + 1]: positions[offsets[i]:offsets[i + 1]] belong to
+                   i = layer * Hkv + head.
+        positions  int32 [sum(counts)], ascending per (layer, head), or None when not requested.
+        bitmask    uint8 [L, Hkv, ceil(n / 8)], packed as the proto sends it (bit i % 8, LSB
+                   first, of byte i / 8 is position i), or None when not requested; to_masks()
+                   unpacks it.
+        scores     float32 [L, Hkv, n], or None when not requested (+inf for sinks/window).
+        layer_sums float64 [L].
+    The arrays are read-only views of the response bytes where possible.
+    """
+    num_layers: int
+    num_kv_heads: int
+    n: int
+    counts: np.ndarray
+    offsets: np.ndarray
+    positions: Optional[np.ndarray]
+    bitmask: Optional[np.ndarray]
+    scores: Optional[np.ndarray]
+    layer_sums: np.ndarray
+    window: int
+    sinks: int
+    quota: int
+    selected_total: int
+    tokens_per_head: int
+    effective_policy: Policy
+    timing: Timing
+
+    def kept(self, layer: int, head: int) -> np.ndarray:
+        """Kept positions of (layer, KV head), ascending, int32."""
+        if not (0 <= layer < self.num_layers and 0 <= head < self.num_kv_heads):
+            raise IndexError(f"(layer, head) = ({layer}, {head}) outside "
+                             f"[{self.num_layers}, {self.num_kv_heads}]")
+        i = layer * self.num_kv_heads + head
+        if self.positions is None:
+            return np.flatnonzero(self._unpacked()[layer, head]).astype(np.int32)
+        return self.positions[self.offsets[i]:self.offsets[i + 1]]
+
+    def kept_positions(self) -> List[List[np.ndarray]]:
+        """kept(l, g) for every layer l and head g, as [L][Hkv] arrays."""
+        return [[self.kept(l, g) for g in range(self.num_kv_heads)]
+                for l in range(self.num_layers)]
+
+    def to_masks(self) -> np.ndarray:
+        """The keep masks, bool [L, Hkv, n] (True: keep); masks[l] is layer l's [Hkv, n]."""
+        if self.positions is not None:
+            L, Hkv, n = self.num_layers, self.num_kv_heads, self.n
+            base = np.repeat(np.arange(L * Hkv, dtype=np.int64) * n,
+                             self.counts.reshape(-1).astype(np.int64))
+            mask = np.zeros(L * Hkv * n, dtype=bool)
+            mask[base + self.positions] = True
+            return mask.reshape(L, Hkv, n)
+        return self._unpacked()
+
+    def _unpacked(self) -> np.ndarray:
+        if self.bitmask is None:
+            raise ValueError("the plan has neither positions nor a bitmask: request one "
+                             "(outputs=Outputs(positions=True) or bitmask=True)")
+        return np.unpackbits(self.bitmask, axis=2, bitorder="little")[:, :, :self.n].astype(bool)

@@ -1,0 +1,52 @@
+"""Build hook of the laprox package: the gRPC/protobuf modules are generated, never committed.
+
+build_py runs generate_stubs.py into <build>/laprox/_gen (into the source tree for editable
+installs) from ../../proto (a checkout) or ./proto (an sdist, which sdist copies them into).
+"""
+
+import os
+import shutil
+import sys
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+from setuptools.command.sdist import sdist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import generate_stubs  # noqa: E402
+
+
+class BuildPyWithStubs(build_py):
+    """build_py that also writes laprox/_gen/*_pb2*.py."""
+
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False):
+            outdir = os.path.join(HERE, "laprox", "_gen")
+        else:
+            outdir = os.path.join(self.build_lib, "laprox", "_gen")
+        compiler = generate_stubs.generate(outdir)
+        print(f"laprox: generated gRPC stubs with {compiler} into {outdir}")
+
+    def get_outputs(self, include_bytecode=True):
+        outputs = super().get_outputs(include_bytecode)
+        gen = os.path.join(self.build_lib, "laprox", "_gen")
+        if os.path.isdir(gen):
+            outputs += [os.path.join(gen, f) for f in os.listdir(gen) if f.endswith(".py")]
+        return outputs
+
+
+class SdistWithProtos(sdist):
+    """sdist that carries the .proto files (they live outside this directory)."""
+
+    def make_release_tree(self, base_dir, files):
+        super().make_release_tree(base_dir, files)
+        root = generate_stubs.find_proto_root()
+        for proto, _ in generate_stubs.PROTOS:
+            target = os.path.join(base_dir, "proto", proto)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.copyfile(os.path.join(root, proto), target)
+
+
+setup(cmdclass={"build_py": BuildPyWithStubs, "sdist": SdistWithProtos})
