@@ -5,7 +5,6 @@
 
 #include <cblas.h>
 
-#include "common/half.h"
 #include "common/status_macros.h"
 #include "cpu/rows.h"
 #include "cpu/vector_ops.h"
@@ -18,16 +17,6 @@ constexpr int64_t kProjectionChunkBytes = 256 * 1024;
 
 // CAKE's entropy guard inside the logarithm.
 constexpr float kEntropyEpsilon = 1e-10f;
-
-// Rounds x[i], i < count, to the nearest `dtype` value (ties to even), as kvpress casts its
-// fp32 softmax to the model dtype; kF32 leaves x as it is.
-void RoundTo(DType dtype, float* x, int64_t count) {
-  if (dtype == DType::kBF16) {
-    for (int64_t i = 0; i < count; ++i) x[i] = Bf16ToFloat(FloatToBf16(x[i]));
-  } else if (dtype == DType::kF16) {
-    for (int64_t i = 0; i < count; ++i) x[i] = F16ToFloat(FloatToF16(x[i]));
-  }
-}
 
 // Mean and, unless `var` is null, unbiased variance (0 with one row) over `we` rows (row
 // stride n) of columns [0, prefix).
@@ -53,6 +42,8 @@ void RowMoments(const float* rows, int64_t we, int64_t n, int64_t prefix, float*
 
 // u_i = (1/G) sum_{h in g} ||v_i W_O^h||_1 for every token i < n. An L1 norm has no d x d
 // shortcut, so V W_O^h is formed, but a chunk of tokens at a time (never n x D at once).
+// KVPRESS_COMPAT rounds like kvpress's vwl1norm in the model dtype: each product element, each
+// head's norm and the group mean.
 absl::Status ProjectedValueL1(const PlanShape& shape, const HeadTask& task, ScoreWorkspace& ws,
                               float* u) {
   const int64_t n = shape.n, d = shape.head_dim, G = shape.group_size, D = task.hidden_size;
@@ -60,6 +51,8 @@ absl::Status ProjectedValueL1(const PlanShape& shape, const HeadTask& task, Scor
   const int64_t chunk = std::clamp<int64_t>(kProjectionChunkBytes / (4 * D), 8, 256);
   float* product = Sized(ws.projected, chunk * D);
   const float inv_group = 1.f / static_cast<float>(G);
+  const bool compat = task.kvpress_compat;
+  const DType T = task.compat_dtype;
   for (int64_t i0 = 0; i0 < n; i0 += chunk) {
     const int64_t count = std::min(chunk, n - i0);
     RowBlock v;
@@ -72,19 +65,47 @@ absl::Status ProjectedValueL1(const PlanShape& shape, const HeadTask& task, Scor
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(count),
                   static_cast<int>(D), static_cast<int>(d), 1.f, v.data, static_cast<int>(v.ld), w,
                   static_cast<int>(Hd), 0.f, product, static_cast<int>(D));
-      for (int64_t j = 0; j < count; ++j) u[i0 + j] += AbsSum(product + j * D, D);
+      if (compat) {
+        RoundTo(T, product, count * D);
+        for (int64_t j = 0; j < count; ++j) {
+          float norm = AbsSum(product + j * D, D);
+          RoundTo(T, &norm, 1);
+          u[i0 + j] += norm;
+        }
+      } else {
+        for (int64_t j = 0; j < count; ++j) u[i0 + j] += AbsSum(product + j * D, D);
+      }
     }
-    for (int64_t j = 0; j < count; ++j) u[i0 + j] *= inv_group;
+    if (compat) {
+      for (int64_t j = 0; j < count; ++j) u[i0 + j] /= static_cast<float>(G);
+      RoundTo(T, u + i0, count);
+    } else {
+      for (int64_t j = 0; j < count; ++j) u[i0 + j] *= inv_group;
+    }
   }
   return absl::OkStatus();
 }
 
+// The SnapKV kinds' mean over the `we` window rows (row stride n) of columns [0, prefix) in
+// KVPRESS_COMPAT: fp32 sums divided by we (not times 1/we), rounded to T.
+void CompatRowMean(DType T, const float* rows, int64_t we, int64_t n, int64_t prefix, float* mean) {
+  std::fill(mean, mean + prefix, 0.f);
+  for (int64_t t = 0; t < we; ++t) {
+    for (int64_t i = 0; i < prefix; ++i) mean[i] += rows[t * n + i];
+  }
+  for (int64_t i = 0; i < prefix; ++i) mean[i] /= static_cast<float>(we);
+  RoundTo(T, mean, prefix);
+}
+
 // The pooled group score over the prefix (and CAKE's sums) from the window attention in ws.
 // Each query head's score is pooled before the group mean (they commute only for AVG).
-void WindowStatistics(const PlanShape& shape, const PolicySpec& policy, DType attention_dtype,
-                      ScoreWorkspace& ws, const BaselineHeadOutput& out) {
+// KVPRESS_COMPAT (task.kvpress_compat) rounds the row mean, the pooled score and the group mean
+// to T as kvpress's bf16 tensor ops do (mean = fp32 sum / count, rounded once).
+void WindowStatistics(const PlanShape& shape, const PolicySpec& policy, const HeadTask& task,
+                      DType attention_dtype, ScoreWorkspace& ws, const BaselineHeadOutput& out) {
   const int64_t n = shape.n, we = shape.window, G = shape.group_size, prefix = n - we;
   const bool cake = policy.kind == PolicyKind::kCake;
+  const bool compat = task.kvpress_compat && !cake;
   const float gamma = static_cast<float>(policy.baseline.cake_gamma);
   float* mean = Sized(ws.value, 2 * prefix);
   float* var = mean + prefix;
@@ -118,14 +139,22 @@ void WindowStatistics(const PlanShape& shape, const PolicySpec& policy, DType at
     }
     if (cake) {
       for (int64_t i = 0; i < prefix; ++i) head_score[i] = mean[i] + gamma * var[i];
+    } else if (compat) {
+      CompatRowMean(task.compat_dtype, rows, we, n, prefix, head_score);
     } else {
       RowMoments(rows, we, n, prefix, head_score, nullptr);
     }
     Pool(policy.pooling, policy.pool_kernel, head_score, prefix, 0, pooled, ws.prefix_sum);
+    if (compat) RoundTo(task.compat_dtype, pooled, prefix);
     for (int64_t i = 0; i < prefix; ++i) out.scores[i] += pooled[i];
   }
-  const float inv_group = 1.f / static_cast<float>(G);
-  for (int64_t i = 0; i < prefix; ++i) out.scores[i] *= inv_group;
+  if (compat) {
+    for (int64_t i = 0; i < prefix; ++i) out.scores[i] /= static_cast<float>(G);
+    RoundTo(task.compat_dtype, out.scores, prefix);
+  } else {
+    const float inv_group = 1.f / static_cast<float>(G);
+    for (int64_t i = 0; i < prefix; ++i) out.scores[i] *= inv_group;
+  }
   if (cake) {
     *out.entropy = entropy;
     *out.variance = variance;
@@ -147,7 +176,7 @@ absl::Status BaselineHead(const PlanShape& shape, const PolicySpec& policy, cons
   if (policy.kind == PolicyKind::kStreamingLlm || shape.window == shape.n) {
     return absl::OkStatus();
   }
-  WindowStatistics(shape, policy, attention_dtype, ws, out);
+  WindowStatistics(shape, policy, task, attention_dtype, ws, out);
   return absl::OkStatus();
 }
 

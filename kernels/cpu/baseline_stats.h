@@ -29,6 +29,10 @@ struct BaselineHeadOutput {
 //   one row), and the entropy and variance sums from the unrounded a;
 // pooled with the policy's pooling and averaged over the group into out.scores. STREAMING_LLM
 // only checks. value_norms needs task.o_proj and task.hidden_size.
+// With task.kvpress_compat (KVPRESS_COMPAT, SnapKV kinds only; T = task.compat_dtype) the
+// window attention comes from rounded logits (window.h), and the row mean (fp32 sum / we), the
+// pooled score (AVG: sum / k), the group mean (sum / G), every element of v_i W_O^h, each head's
+// L1 norm and the norms' group mean are rounded to T, as kvpress computes them in the model dtype.
 absl::Status BaselineHead(const PlanShape& shape, const PolicySpec& policy, const HeadTask& task,
                           DType attention_dtype, ScoreWorkspace& ws, const BaselineHeadOutput& out);
 

@@ -174,12 +174,16 @@ absl::StatusOr<KeepPlan> CpuBackend::ComputeBaselinePlan(const CpuPreparedModel&
   std::vector<float> scores(L * Hkv * n, 0.f), norms(critical ? L * Hkv * n : 0);
   std::vector<double> entropy(L * Hkv, 0.0), variance(L * Hkv, 0.0);
   std::vector<float> safeguard(L, std::numeric_limits<float>::max());
+  std::vector<DType> compat_dtype(compat ? L : 0, DType::kF32);
   for (int64_t l = 0; l < L && compat; ++l) {
     // The model dtype is the keys' dtype: kvpress's scores have it, and so does their maximum.
     const DType dtype = request.layers[l].keys.dtype();
+    compat_dtype[l] = dtype;
     if (dtype == DType::kBF16) safeguard[l] = Bf16ToFloat(0x7f7f);
     if (dtype == DType::kF16) safeguard[l] = F16ToFloat(0x7bff);
   }
+  // CAKE has no kvpress press: KVPRESS_COMPAT only rounds its softmax output.
+  const bool compat_arithmetic = compat && policy.kind != PolicyKind::kCake;
   std::vector<ScoreWorkspace> workspaces(threads_);
   const float scale = model.geometry().EffectiveScale();
   LAPROX_RETURN_IF_ERROR(RunAll(L * Hkv, threads_, [&](int64_t item, int worker) {
@@ -190,6 +194,8 @@ absl::StatusOr<KeepPlan> CpuBackend::ComputeBaselinePlan(const CpuPreparedModel&
     task.o_proj = model.output_projection(task.layer);
     task.hidden_size = model.geometry().hidden_size;
     task.scale = scale;
+    task.kvpress_compat = compat_arithmetic;
+    task.compat_dtype = compat ? compat_dtype[task.layer] : DType::kF32;
     // Only attention computed here is rounded; the engine's attention rows are used as given.
     const DType rounding =
         compat && !shape.attention_given ? task.inputs->keys.dtype() : DType::kF32;
@@ -204,7 +210,8 @@ absl::StatusOr<KeepPlan> CpuBackend::ComputeBaselinePlan(const CpuPreparedModel&
                                                  .value_norms = norms,
                                                  .entropy = entropy,
                                                  .variance = variance,
-                                                 .safeguard = safeguard};
+                                                 .safeguard = safeguard,
+                                                 .compat_dtype = compat_dtype};
   KeepPlan plan = policy::SelectBaselinePlan(shape, policy, statistics, request.outputs);
   plan.timing.score_seconds = std::chrono::duration<double>(scored - started).count();
   plan.timing.select_seconds =

@@ -4,7 +4,10 @@
 #include <bit>
 #include <cstring>
 
+#include "common/half.h"
+
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define LAPROX_HAVE_X86 1
 #else
@@ -100,6 +103,14 @@ float AbsSumScalar(const float* x, int64_t begin, int64_t count) {
   float sum = 0.f;
   for (int64_t i = begin; i < count; ++i) sum += x[i] < 0.f ? -x[i] : x[i];
   return sum;
+}
+
+void RoundToBf16Scalar(float* x, int64_t begin, int64_t count) {
+  for (int64_t i = begin; i < count; ++i) x[i] = Bf16ToFloat(FloatToBf16(x[i]));
+}
+
+void RoundToF16Scalar(float* x, int64_t begin, int64_t count) {
+  for (int64_t i = begin; i < count; ++i) x[i] = F16ToFloat(FloatToF16(x[i]));
 }
 
 // ---- AVX2 + FMA versions ----------------------------------------------------------------------
@@ -227,6 +238,37 @@ LAPROX_AVX2 float AbsSumAvx2(const float* x, int64_t count) {
   return HorizontalSum(sum) + AbsSumScalar(x, i, count);
 }
 
+// FloatToBf16 eight lanes at a time: add 0x7fff plus the lowest kept bit, clear the low half
+// (a carry into the exponent rounds up to the next binade or to infinity); NaN is only quieted.
+LAPROX_AVX2 void RoundToBf16Avx2(float* x, int64_t count) {
+  const __m256i bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  const __m256i quiet = _mm256_set1_epi32(0x00400000);
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
+    const __m256i rounded =
+        _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(bias, odd)), high);
+    const __m256i nan = _mm256_and_si256(_mm256_or_si256(bits, quiet), high);
+    const __m256 is_nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    _mm256_storeu_ps(
+        x + i, _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(nan), is_nan));
+  }
+  RoundToBf16Scalar(x, i, count);
+}
+
+// F16C converts with the current rounding mode overridden to nearest even.
+__attribute__((target("avx2,fma,f16c"))) void RoundToF16F16c(float* x, int64_t count) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m128i half = _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm256_storeu_ps(x + i, _mm256_cvtph_ps(half));
+  }
+  RoundToF16Scalar(x, i, count);
+}
+
 #undef LAPROX_AVX2
 #endif  // LAPROX_HAVE_X86
 
@@ -240,6 +282,17 @@ bool UseAvx2() {
   return false;
 #endif
 }
+
+#if LAPROX_HAVE_X86
+bool UseF16c() {
+  // CPUID leaf 1, ECX bit 29 (not every compiler's __builtin_cpu_supports knows "f16c").
+  static const bool f16c = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+  }();
+  return f16c && UseAvx2();
+}
+#endif
 
 }  // namespace
 
@@ -285,6 +338,15 @@ float Dot(const float* a, const float* b, int64_t d) {
 
 float AbsSum(const float* x, int64_t count) {
   LAPROX_DISPATCH(AbsSumAvx2(x, count), AbsSumScalar(x, 0, count));
+}
+
+void RoundToBf16(float* x, int64_t count) {
+  LAPROX_DISPATCH(RoundToBf16Avx2(x, count), RoundToBf16Scalar(x, 0, count));
+}
+
+void RoundToF16(float* x, int64_t count) {
+  LAPROX_DISPATCH(UseF16c() ? RoundToF16F16c(x, count) : RoundToF16Scalar(x, 0, count),
+                  RoundToF16Scalar(x, 0, count));
 }
 
 }  // namespace laprox::kernels::cpu

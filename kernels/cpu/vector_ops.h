@@ -32,6 +32,13 @@ float Dot(const float* a, const float* b, int64_t d);
 // sum_i |x[i]| in fp32 (the L1 norm), i < count.
 float AbsSum(const float* x, int64_t count);
 
+// x[i] = x[i] rounded to the nearest bfloat16 / IEEE fp16 value (ties to even) and back to
+// fp32, i < count: the round trip through the 16-bit type, without storing it. Exact (the same
+// bits in both versions); subnormals are kept, values beyond the type's range become +-inf and
+// NaN stays NaN.
+void RoundToBf16(float* x, int64_t count);
+void RoundToF16(float* x, int64_t count);
+
 // Tests: true forces the portable versions on every thread (false restores the choice).
 void ForcePortableVectorOps(bool portable);
 

@@ -73,7 +73,11 @@ absl::Status ComputeAttention(const PlanShape& shape, const HeadTask& task, int6
     for (int64_t t = 0; t < we; ++t) {
       const float* src = block.data + (wq - we + t) * block.ld;
       float* dst = queries + (hi * we + t) * d;
-      for (int64_t k = 0; k < d; ++k) dst[k] = src[k] * task.scale;
+      if (task.kvpress_compat) {
+        std::copy(src, src + d, dst);  // scaled after the logits are rounded
+      } else {
+        for (int64_t k = 0; k < d; ++k) dst[k] = src[k] * task.scale;
+      }
     }
   }
 
@@ -98,7 +102,8 @@ absl::Status ComputeAttention(const PlanShape& shape, const HeadTask& task, int6
 
   // Logits of every key a window row may see; with the engine's LSE only the prefix is needed
   // (window keys are still checked for NaN/Inf).
-  const int64_t key_end = shape.lse_given ? prefix : n;
+  const bool use_lse = shape.lse_given && !task.kvpress_compat;
+  const int64_t key_end = use_lse ? prefix : n;
   float* probs = Sized(ws.probs, rows * n);
   for (int64_t j0 = 0; j0 < key_end; j0 += kKeyChunk) {
     const int64_t count = std::min(kKeyChunk, key_end - j0);
@@ -116,15 +121,23 @@ absl::Status ComputeAttention(const PlanShape& shape, const HeadTask& task, int6
   }
 
   float* row_scale = Sized(ws.row_scale, rows);
+  // kvpress: matmul(q, k^T) / math.sqrt(head_dim), each op's output in the model dtype.
+  const float sqrt_d = static_cast<float>(std::sqrt(static_cast<double>(d)));
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = r % we;
     float* row = probs + r * n;
-    if (shape.lse_given) {
+    if (use_lse) {
       ExpInPlace(row, prefix, lse[r]);
       row_scale[r] = 1.f;
     } else {
       // Causal: window row t sees keys j <= n - we + t.
-      const double sum = ExpShiftedInPlace(row, n - we + t + 1);
+      const int64_t visible = n - we + t + 1;
+      if (task.kvpress_compat) {
+        RoundTo(task.compat_dtype, row, visible);
+        for (int64_t j = 0; j < visible; ++j) row[j] /= sqrt_d;
+        RoundTo(task.compat_dtype, row, visible);
+      }
+      const double sum = ExpShiftedInPlace(row, visible);
       row_scale[r] = static_cast<float>(1.0 / sum);
     }
   }
@@ -137,6 +150,11 @@ absl::Status WindowAttention(const PlanShape& shape, const HeadTask& task, Score
   const int64_t prefix = shape.n - shape.window;
   return shape.attention_given ? LoadGivenAttention(shape, task, prefix, ws)
                                : ComputeAttention(shape, task, prefix, ws);
+}
+
+void RoundTo(DType dtype, float* x, int64_t count) {
+  if (dtype == DType::kBF16) RoundToBf16(x, count);
+  if (dtype == DType::kF16) RoundToF16(x, count);
 }
 
 // out[i] for i in [begin, len) = pool(x)_i over x[0, len) (SEMANTICS.md, "pool").

@@ -34,7 +34,17 @@ struct HeadTask {
   const float* o_proj = nullptr;   // CpuPreparedModel::output_projection(layer), [D, H*d] fp32
   int64_t hidden_size = 0;         // D
   float scale = 0.f;               // softmax scale
+  // KVPRESS_COMPAT arithmetic of the SnapKV kinds (kvpress's SnapKVPress in the model dtype T =
+  // compat_dtype, kF32: no rounding): WindowAttention rounds the logits q.k to T, divides them
+  // by sqrt(d) (not `scale`), rounds again and takes the softmax from them, ignoring a
+  // window_lse (kvpress recomputes the softmax; the LSE is still checked). False: as above.
+  bool kvpress_compat = false;
+  DType compat_dtype = DType::kF32;
 };
+
+// x[i] rounded to the nearest `dtype` value (ties to even) and back to fp32, i < count; kF32
+// leaves x as it is.
+void RoundTo(DType dtype, float* x, int64_t count);
 
 // Grows `v` to at least `size` elements and returns its data.
 template <typename T>
@@ -53,10 +63,10 @@ T* Zeroed(std::vector<T>& v, int64_t size) {
 
 // The window attention of the G query heads of `task` (SEMANTICS.md, "Scores"): from the
 // engine's window_attention rows, or from queries and keys (fp32 sgemm, causal softmax, or the
-// engine's window_lse). Afterwards row r = hi * we + t of ws.probs ([G * we, n]) times
-// ws.row_scale[r] is A^h[t, :] for query head h = kv_head * G + hi, valid in columns
-// [0, n - we). Checks every input element it reads (the group's keys, queries or attention
-// rows, LSE) and answers INVALID_ARGUMENT naming the tensor and element on bad data.
+// engine's window_lse; KVPRESS_COMPAT: see HeadTask::kvpress_compat). Afterwards row r = hi * we +
+// t of ws.probs ([G * we, n]) times ws.row_scale[r] is A^h[t, :] for query head h = kv_head * G +
+// hi, valid in columns [0, n - we). Checks every input element it reads (the group's keys, queries
+// or attention rows, LSE) and answers INVALID_ARGUMENT naming the tensor and element on bad data.
 absl::Status WindowAttention(const PlanShape& shape, const HeadTask& task, ScoreWorkspace& ws);
 
 // out[i] for i in [begin, len) = pool(x)_i over x[0, len) (SEMANTICS.md, "pool"); `prefix_sum`

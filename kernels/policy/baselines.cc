@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <limits>
 
+#include "common/half.h"
 #include "policy/budget.h"
 #include "policy/select.h"
 
@@ -68,6 +69,13 @@ int64_t RoundHalfEven(double x) { return static_cast<int64_t>(std::nearbyint(x))
 // int(x) for a non-negative double, as Python truncates it.
 int64_t Truncate(double x) { return static_cast<int64_t>(x); }
 
+// KVPRESS_COMPAT: x rounded to the layer's model dtype (ties to even) and back; kF32 keeps x.
+float RoundTo(DType dtype, float x) {
+  if (dtype == DType::kBF16) return Bf16ToFloat(FloatToBf16(x));
+  if (dtype == DType::kF16) return F16ToFloat(FloatToF16(x));
+  return x;
+}
+
 // SnapKV scores of every head of every layer: the prefix score, and the window positions at the
 // layer's maximum prefix score (over all its heads) + 1 so that they rank first.
 void SnapKvScores(const PlanShape& shape, const BaselineStatistics& st, Plan& plan) {
@@ -78,7 +86,9 @@ void SnapKvScores(const PlanShape& shape, const BaselineStatistics& st, Plan& pl
       const float* p = st.prefix_scores.data() + (l * Hkv + g) * n;
       for (int64_t i = 0; i < prefix; ++i) top = std::max(top, p[i]);
     }
-    const double sentinel = static_cast<double>(top) + 1.0;
+    // kvpress pads with scores.max().item() + 1 into a model-dtype tensor.
+    const double sentinel = st.compat_dtype.empty() ? static_cast<double>(top) + 1.0
+                                                    : RoundTo(st.compat_dtype[l], top + 1.f);
     for (int64_t g = 0; g < Hkv; ++g) {
       const float* p = st.prefix_scores.data() + (l * Hkv + g) * n;
       double* s = plan.scores(l, g);
@@ -116,8 +126,19 @@ void CriticalStages(const PlanShape& shape, const PolicySpec& policy, const Base
   double* s = plan.scores(layer, g);
   plan.MarkBest(s, 0, n, first, nullptr, stage1.data());
   const float* u = st.value_norms.data() + (layer * shape.num_kv_heads + g) * n;
-  for (int64_t i = 0; i < n; ++i) {
-    s[i] = stage1[i] != 0 ? st.safeguard[layer] : (s[i] + policy.baseline.epsilon) * u[i];
+  if (st.compat_dtype.empty()) {
+    for (int64_t i = 0; i < n; ++i) {
+      s[i] = stage1[i] != 0 ? st.safeguard[layer] : (s[i] + policy.baseline.epsilon) * u[i];
+    }
+  } else {
+    // kvpress: (scores + epsilon) * norm on model-dtype tensors, two roundings; a safeguarded
+    // score times a norm above ~1 overflows to +inf there.
+    const DType T = st.compat_dtype[layer];
+    const float epsilon = static_cast<float>(policy.baseline.epsilon);
+    for (int64_t i = 0; i < n; ++i) {
+      s[i] = stage1[i] != 0 ? st.safeguard[layer]
+                            : RoundTo(T, RoundTo(T, static_cast<float>(s[i]) + epsilon) * u[i]);
+    }
   }
   uint8_t* kept = plan.kept(layer, g);
   std::copy(stage1.begin(), stage1.end(), kept);
@@ -163,7 +184,7 @@ std::vector<double> Cake(const PlanShape& shape, const PolicySpec& policy,
 }  // namespace
 
 std::vector<int64_t> PyramidLayerCounts(int64_t n, int64_t window, double budget, double beta,
-                                        int64_t layers) {
+                                        int64_t layers, int64_t fallback_min) {
   // kvpress PyramidKVPress.get_layer_budget, term by term.
   const double w = static_cast<double>(window), len = static_cast<double>(n);
   const double capacity = w + budget;
@@ -177,10 +198,11 @@ std::vector<int64_t> PyramidLayerCounts(int64_t n, int64_t window, double budget
   const bool pyramid = len >= max_num && max_num >= min_num && min_num >= w && layers > 1;
   std::vector<int64_t> counts(layers);
   for (int64_t l = 0; l < layers; ++l) {
-    const double count = pyramid ? max_num - static_cast<double>(l) * (max_num - min_num) /
-                                                 static_cast<double>(layers - 1)
-                                 : budget;
-    counts[l] = std::clamp<int64_t>(RoundHalfEven(count), 0, n);
+    const int64_t count =
+        pyramid ? RoundHalfEven(max_num - static_cast<double>(l) * (max_num - min_num) /
+                                              static_cast<double>(layers - 1))
+                : std::max(fallback_min, RoundHalfEven(budget));
+    counts[l] = std::clamp<int64_t>(count, 0, n);
   }
   return counts;
 }
@@ -245,12 +267,15 @@ KeepPlan SelectBaselinePlan(const PlanShape& shape, const PolicySpec& policy,
   // kvpress's PyramidKV and CriticalKV budgets come from (1 - cr) * n before truncation.
   const double exact_budget = BudgetTokensExact(policy.budget, n);
   const double first_stage = policy.baseline.first_stage_ratio;
+  const bool floors = KvpressFloorsBudget(policy);
 
   switch (policy.kind) {
     case PolicyKind::kLaprox:  // not a baseline; callers never pass it
     case PolicyKind::kStreamingLlm: {
-      // kvpress: score 1 except at [sinks, sinks + n - n_kept), then the best n_kept per head.
-      const int64_t sinks = shape.sinks, pruned = n - kept;
+      // kvpress: score 1 except at [sinks, sinks + n - n_kept), then the best n_kept per head;
+      // the scores come from the unfloored int((1 - cr) * n) (StreamingLLMPress.score).
+      const int64_t sinks = shape.sinks;
+      const int64_t pruned = n - std::min(BudgetTokensPerHead(policy.budget, n), n);
       for (int64_t lg = 0; lg < L * Hkv; ++lg) {
         double* s = plan.scores(lg / Hkv, lg % Hkv);
         for (int64_t i = 0; i < n; ++i) s[i] = i < sinks || i >= sinks + pruned ? 1.0 : 0.0;
@@ -263,8 +288,8 @@ KeepPlan SelectBaselinePlan(const PlanShape& shape, const PolicySpec& policy,
       SnapKvScores(shape, st, plan);
       std::vector<int64_t> counts(L, kept);
       if (policy.kind == PolicyKind::kPyramidKv && kept < n) {
-        counts =
-            PyramidLayerCounts(n, policy.window, exact_budget, policy.baseline.pyramid_beta, L);
+        counts = PyramidLayerCounts(n, policy.window, exact_budget, policy.baseline.pyramid_beta, L,
+                                    floors ? 1 : 0);
       }
       for (int64_t lg = 0; lg < L * Hkv; ++lg) {
         const int64_t l = lg / Hkv, g = lg % Hkv;
@@ -282,7 +307,9 @@ KeepPlan SelectBaselinePlan(const PlanShape& shape, const PolicySpec& policy,
     case PolicyKind::kCriticalKv: {
       SnapKvScores(shape, st, plan);
       // kvpress: int((1 - cr) * n * first_stage_ratio), left to right, before truncating.
-      const int64_t first = std::min(Truncate(exact_budget * first_stage), kept);
+      int64_t first = Truncate(exact_budget * first_stage);
+      if (floors) first = std::max<int64_t>(first, 1);
+      first = std::min(first, kept);
       for (int64_t lg = 0; lg < L * Hkv; ++lg) {
         CriticalStages(shape, policy, st, lg / Hkv, lg % Hkv, kept, first, plan, head_mark);
       }

@@ -4,8 +4,9 @@
 // a backend computed. Backend-independent host code; the CPU backend calls it directly.
 //
 // Common rules (tests/reference/SEMANTICS.md, "Baseline policies"). n_kept = min(B, n) tokens
-// per KV head with B the budget in tokens per head (int((1 - cr) * n) for a compression ratio);
-// n <= B keeps everything. Inside a head ties go to the lower position; across the heads of a
+// per KV head with B the budget in tokens per head (int((1 - cr) * n) for a compression ratio,
+// at least 1 in KVPRESS_COMPAT but for CAKE, as kvpress's compute_n_kept); n <= B keeps
+// everything. Inside a head ties go to the lower position; across the heads of a
 // layer (ADAKV, CRITICAL_ADAKV) to the lower (head, position); forced tokens (Ada-KV's
 // safeguard, CriticalKV's first stage) come first. The plan's scores are the ranking scores the
 // policy used, sentinels included, in fp32 (beyond its range: +inf); CAKE's window is +inf.
@@ -37,6 +38,10 @@ struct BaselineStatistics {
   absl::Span<const double> variance;
   // [L]: the value safeguarded and stage-1 tokens are raised to (the score dtype's maximum).
   absl::Span<const float> safeguard;
+  // [L] in KVPRESS_COMPAT (empty in EXACT): the model dtype T of the layer (kF32: no rounding).
+  // The SnapKV kinds then round, like kvpress in T, the window sentinel r(M + 1) and
+  // CriticalKV's stage-2 score r(r(s + epsilon) * u), each computed in fp32.
+  absl::Span<const DType> compat_dtype;
 };
 
 // The plan of a baseline policy. Preconditions: shape from ValidateKeepPlanRequest for
@@ -49,9 +54,10 @@ KeepPlan SelectBaselinePlan(const PlanShape& shape, const PolicySpec& policy,
 // truncation and steepness `beta`, in kvpress arithmetic: cap = w + budget, min = (cap - w) /
 // beta, max = 2 (cap - w) - min; if max >= n - w then max = n - w, min = 2 (cap - w) - max.
 // Layer l keeps round(max - l (max - min) / (L - 1)) if n >= max >= min >= w and L > 1, else
-// round(budget); round half to even, clamped to [0, n].
+// max(fallback_min, round(budget)); round half to even, clamped to [0, n]. kvpress floors the
+// fallback at 1 (fallback_min 1 for a compression ratio in KVPRESS_COMPAT, else 0).
 std::vector<int64_t> PyramidLayerCounts(int64_t n, int64_t window, double budget, double beta,
-                                        int64_t layers);
+                                        int64_t layers, int64_t fallback_min);
 
 // CAKE's prefix budgets (window excluded) from the layer preferences P_l and the total T >= 0:
 // each layer int(P_l / sum P * T); a sum that is 0 or not finite counts as equal preferences.

@@ -17,6 +17,12 @@ double BudgetTokensExact(const Budget& budget, int64_t n) {
   return (1.0 - budget.compression_ratio) * static_cast<double>(n);
 }
 
+bool KvpressFloorsBudget(const PolicySpec& policy) {
+  return policy.numeric_mode == NumericMode::kKvpressCompat &&
+         policy.budget.kind == Budget::Kind::kCompressionRatio &&
+         policy.kind != PolicyKind::kLaprox && policy.kind != PolicyKind::kCake;
+}
+
 void DeriveBudget(const PolicySpec& policy, PlanShape& shape) {
   const bool streaming = policy.kind == PolicyKind::kStreamingLlm;
   const bool sinks = streaming || policy.kind == PolicyKind::kLaprox;
@@ -25,7 +31,8 @@ void DeriveBudget(const PolicySpec& policy, PlanShape& shape) {
   shape.sinks = sinks ? static_cast<int32_t>(std::min<int64_t>(policy.sinks, before_window)) : 0;
   shape.candidates = before_window - shape.sinks;
   const int64_t forced = int64_t{shape.window} + shape.sinks;
-  const int64_t budget = BudgetTokensPerHead(policy.budget, shape.n);
+  int64_t budget = BudgetTokensPerHead(policy.budget, shape.n);
+  if (KvpressFloorsBudget(policy)) budget = std::max<int64_t>(budget, 1);
   shape.quota = std::clamp<int64_t>(budget - forced, 0, shape.candidates);
   shape.kept_per_head = std::min(budget, shape.n);
 }

@@ -18,8 +18,15 @@ int64_t BudgetTokensPerHead(const Budget& budget, int64_t n);
 // (kvpress derives PyramidKV's and CriticalKV's budgets from this product).
 double BudgetTokensExact(const Budget& budget, int64_t n);
 
+// True when kvpress's "keep at least one" floors apply (KVPRESS_COMPAT, a compression-ratio
+// budget, a baseline other than CAKE): n_kept = max(1, int((1 - cr) * n)) (compute_n_kept),
+// CriticalKV's stage-1 count max(1, int((1 - cr) * n * first_stage_ratio)) and PyramidKV's
+// fallback max(1, round((1 - cr) * n)).
+bool KvpressFloorsBudget(const PolicySpec& policy);
+
 // Fills window, sinks, candidates, quota and kept_per_head of `shape` from n, window_rows and
-// the policy (STREAMING_LLM: no window; other baselines: no sinks).
+// the policy (STREAMING_LLM: no window; other baselines: no sinks; kept_per_head floored at 1
+// where KvpressFloorsBudget).
 // Preconditions: policy validated, shape.n >= 1, 1 <= policy.window <= shape.window_rows
 // unless the kind is STREAMING_LLM.
 void DeriveBudget(const PolicySpec& policy, PlanShape& shape);

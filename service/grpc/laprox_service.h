@@ -31,8 +31,7 @@ struct ServiceOptions {
 class LaproxService final : public v1::Laprox::CallbackService {
  public:
   // `core`, `work` and options.metrics must outlive the service.
-  LaproxService(Core& core, WorkQueue& work, std::string version,
-                ServiceOptions options = {})
+  LaproxService(Core& core, WorkQueue& work, std::string version, ServiceOptions options = {})
       : core_(core), work_(work), version_(std::move(version)), options_(std::move(options)) {}
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,

@@ -5,8 +5,10 @@
 //
 // Most cases use d = 1, query 1, softmax scale 1 and keys log(a_j): the window row then gives
 // key j the attention a_j / sum(a) over the keys it sees.
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -175,15 +177,16 @@ TEST_F(BaselinesTest, SnapKvWithTheWholeSequenceInTheWindow) {
 // kvpress PyramidKV arithmetic (budget 1350 tokens: exact halves, so round half to even shows).
 TEST(PyramidLayerCountsTest, FollowsKvpressBranches) {
   // n 3000, w 64, q 1350: min 67.5, max 2632.5 < n - w; steps 855 -> 2632.5 1777.5 922.5 67.5.
-  EXPECT_THAT(policy::PyramidLayerCounts(3000, 64, 1350, 20, 4), ElementsAre(2632, 1778, 922, 68));
+  EXPECT_THAT(policy::PyramidLayerCounts(3000, 64, 1350, 20, 4, 0),
+              ElementsAre(2632, 1778, 922, 68));
   // n 1000, q 500: max 975 >= 936 -> max 936, min 64; steps 436.
-  EXPECT_THAT(policy::PyramidLayerCounts(1000, 64, 500, 20, 3), ElementsAre(936, 500, 64));
+  EXPECT_THAT(policy::PyramidLayerCounts(1000, 64, 500, 20, 3, 0), ElementsAre(936, 500, 64));
   // q 100: min 5 < w -> every layer keeps round(q).
-  EXPECT_THAT(policy::PyramidLayerCounts(1000, 64, 100, 20, 3), ElementsAre(100, 100, 100));
+  EXPECT_THAT(policy::PyramidLayerCounts(1000, 64, 100, 20, 3, 0), ElementsAre(100, 100, 100));
   // One layer has no slope.
-  EXPECT_THAT(policy::PyramidLayerCounts(3000, 64, 1350, 20, 1), ElementsAre(1350));
+  EXPECT_THAT(policy::PyramidLayerCounts(3000, 64, 1350, 20, 1, 0), ElementsAre(1350));
   // beta 2, n 600, q 420: min 210, max 630 >= 536 -> max 536, min 304; steps 116.
-  EXPECT_THAT(policy::PyramidLayerCounts(600, 64, 420, 2, 3), ElementsAre(536, 420, 304));
+  EXPECT_THAT(policy::PyramidLayerCounts(600, 64, 420, 2, 3, 0), ElementsAre(536, 420, 304));
 }
 
 TEST_F(BaselinesTest, PyramidKvLayersKeepTheirPyramidCounts) {
@@ -349,6 +352,303 @@ TEST_F(BaselinesTest, KvpressCompatRoundsAttentionToTheKeysDtype) {
   plan = *backend_->ComputeKeepPlan(*model, request);
   EXPECT_THAT(plan.scores, ElementsAre(0.333984375f, 0.333984375f, Bf16ToFloat(0x7f7f)));
   EXPECT_THAT(Kept(plan, 0, 0), ElementsAre(0, 2));
+}
+
+// ---- KVPRESS_COMPAT: kvpress's SnapKV and CriticalKV arithmetic in the model dtype ------------
+//
+// CompatModel is this test's literal version of the rounding points (bf16 keys, so T = bf16):
+// logits r(q.k), r(logit / sqrt(d)), r(softmax), row mean r(sum / w), AVG pool r(sum / k), group
+// mean r(sum / G), sentinel r(M + 1); CriticalKV: r(v W_O^h) elementwise, r(L1 norm), r(norm
+// sum / G) and r(r(s + epsilon) * u). Each parameterised test below drops one point from the
+// model and checks that the dropped model differs from the plan while the full one equals it
+// bit for bit, so the test fails when the backend misses that point. Keys and values have one
+// non-zero component (d = 2), so every dot product is one fp32 product (no FMA order effects).
+
+enum class Skip {
+  kNone,
+  kLogits,
+  kScaledLogits,
+  kHeadDimScale,
+  kSoftmax,
+  kRowMean,
+  kPool,
+  kGroupMean,
+  kSentinel,
+  kProduct,
+  kHeadNorm,
+  kNormMean,
+  kEpsilonSum,
+  kStage2Product,
+};
+
+std::string SkipName(const ::testing::TestParamInfo<Skip>& info) {
+  static constexpr const char* kNames[] = {
+      "None",     "Logits",   "ScaledLogits", "HeadDimScale", "Softmax",
+      "RowMean",  "Pool",     "GroupMean",    "Sentinel",     "Product",
+      "HeadNorm", "NormMean", "EpsilonSum",   "Stage2Product"};
+  return kNames[static_cast<int>(info.param)];
+}
+
+float R(float x) { return Bf16ToFloat(FloatToBf16(x)); }
+
+class CompatModel {
+ public:
+  static constexpr int kG = 3, kD = 2, kHidden = 4, kWindow = 3, kKernel = 3;
+  static constexpr int64_t kN = 24, kPrefix = kN - kWindow;
+
+  CompatModel() : c_(1, kG, 1, kD, kHidden, kN, kWindow) {
+    c_.Randomize(12);
+    for (int64_t j = 0; j < kN; ++j) {
+      // Logits of magnitude ~4-8, where one bf16 ulp of a logit is ~2% of its probability.
+      key_bits_.push_back(FloatToBf16(3.f * c_.keys[0][j * kD]));
+      c_.keys[0][j * kD] = Bf16ToFloat(key_bits_.back());
+      key_bits_.push_back(0);
+      c_.keys[0][j * kD + 1] = 0.f;
+      c_.values[0][j * kD] = R(c_.values[0][j * kD]);
+      c_.values[0][j * kD + 1] = 0.f;
+    }
+    for (float& q : c_.queries[0]) q *= 2.f;
+    c_.geometry.softmax_scale = 0.3f;  // not 1/sqrt(d): KVPRESS_COMPAT must not use it
+    c_.policy = PolicySpec::ForKind(PolicyKind::kSnapKv);
+    c_.policy.window = kWindow;
+    c_.policy.pool_kernel = kKernel;
+    c_.policy.numeric_mode = NumericMode::kKvpressCompat;
+  }
+
+  TinyCase& tiny() { return c_; }
+  const TinyCase& tiny() const { return c_; }
+
+  KeepPlanRequest Request() const {
+    KeepPlanRequest request = c_.Request();
+    request.layers[0].keys = TensorView(key_bits_.data(), DType::kBF16, {1, kN, kD});
+    return request;
+  }
+
+  // Window attention [G, w, n] (0 on masked keys), as the backend computes it from queries.
+  std::vector<float> Attention(Skip skip) const {
+    std::vector<float> a(kG * kWindow * kN, 0.f);
+    const float sqrt_d = std::sqrt(static_cast<float>(kD));
+    for (int h = 0; h < kG; ++h) {
+      for (int t = 0; t < kWindow; ++t) {
+        const float q = c_.queries[0][(h * kWindow + t) * kD];
+        const int64_t visible = kPrefix + t + 1;
+        std::vector<float> x(visible);
+        for (int64_t j = 0; j < visible; ++j) {
+          float logit = q * c_.keys[0][j * kD];
+          if (skip == Skip::kHeadDimScale) {
+            x[j] = logit * c_.geometry.softmax_scale;
+            continue;
+          }
+          if (skip != Skip::kLogits) logit = R(logit);
+          logit /= sqrt_d;
+          x[j] = skip == Skip::kScaledLogits ? logit : R(logit);
+        }
+        const float max = *std::max_element(x.begin(), x.end());
+        double sum = 0.0;
+        for (float& v : x) sum += v = std::exp(v - max);
+        const float inv = static_cast<float>(1.0 / sum);
+        for (int64_t j = 0; j < visible; ++j) {
+          const float p = x[j] * inv;
+          a[(h * kWindow + t) * kN + j] = skip == Skip::kSoftmax ? p : R(p);
+        }
+      }
+    }
+    return a;
+  }
+
+  // SnapKV scores [n] from attention `a`, window sentinel included.
+  std::vector<float> SnapScores(const std::vector<float>& a, Skip skip) const {
+    std::vector<float> group(kN, 0.f);
+    for (int h = 0; h < kG; ++h) {
+      std::vector<float> mean(kPrefix, 0.f);
+      for (int t = 0; t < kWindow; ++t) {
+        for (int64_t i = 0; i < kPrefix; ++i) mean[i] += a[(h * kWindow + t) * kN + i];
+      }
+      for (float& m : mean) m = skip == Skip::kRowMean ? m / kWindow : R(m / kWindow);
+      for (int64_t i = 0; i < kPrefix; ++i) {
+        double sum = 0.0;
+        for (int64_t j = std::max<int64_t>(0, i - 1); j <= std::min(kPrefix - 1, i + 1); ++j) {
+          sum += mean[j];
+        }
+        const float pooled = static_cast<float>(sum / kKernel);
+        group[i] += skip == Skip::kPool ? pooled : R(pooled);
+      }
+    }
+    float top = 0.f;
+    for (int64_t i = 0; i < kPrefix; ++i) {
+      group[i] = skip == Skip::kGroupMean ? group[i] / kG : R(group[i] / kG);
+      top = std::max(top, group[i]);
+    }
+    std::fill(group.begin() + kPrefix, group.end(), skip == Skip::kSentinel ? top + 1 : R(top + 1));
+    return group;
+  }
+
+  // CriticalKV's value factor u [n].
+  std::vector<float> ValueNorms(Skip skip) const {
+    std::vector<float> u(kN, 0.f);
+    for (int64_t i = 0; i < kN; ++i) {
+      for (int h = 0; h < kG; ++h) {
+        float norm = 0.f;
+        for (int e = 0; e < kHidden; ++e) {
+          const float p = c_.values[0][i * kD] * c_.o_proj[0][e * kG * kD + h * kD];
+          norm += std::abs(skip == Skip::kProduct ? p : R(p));
+        }
+        u[i] += skip == Skip::kHeadNorm ? norm : R(norm);
+      }
+      u[i] = skip == Skip::kNormMean ? u[i] / kG : R(u[i] / kG);
+    }
+    return u;
+  }
+
+  // CriticalKV's stage-2 score of SnapKV score s and value factor u.
+  float Stage2(float s, float u, Skip skip) const {
+    const float shifted = s + static_cast<float>(c_.policy.baseline.epsilon);
+    const float product = (skip == Skip::kEpsilonSum ? shifted : R(shifted)) * u;
+    return skip == Skip::kStage2Product ? product : R(product);
+  }
+
+ private:
+  TinyCase c_;
+  std::vector<uint16_t> key_bits_;
+};
+
+class KvpressCompatTest : public BaselinesTest, public ::testing::WithParamInterface<Skip> {
+ protected:
+  KeepPlan PlanOf(const CompatModel& m) {
+    auto model = backend_->PrepareModel(m.tiny().geometry, m.tiny().OProjViews());
+    EXPECT_TRUE(model.ok()) << model.status();
+    if (!model.ok()) return {};
+    auto plan = backend_->ComputeKeepPlan(**model, m.Request());
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    return plan.ok() ? *std::move(plan) : KeepPlan{};
+  }
+};
+
+// The SnapKV score points: the plan's scores are the full model's, not the model without `skip`.
+class KvpressCompatSnapKvTest : public KvpressCompatTest {};
+
+TEST_P(KvpressCompatSnapKvTest, RoundsAtEachKvpressStep) {
+  CompatModel m;
+  const Skip skip = GetParam();
+  const std::vector<float> want = m.SnapScores(m.Attention(Skip::kNone), Skip::kNone);
+  const std::vector<float> dropped = m.SnapScores(m.Attention(skip), skip);
+  ASSERT_NE(want, dropped) << "the case does not depend on this rounding point";
+  EXPECT_EQ(PlanOf(m).scores, want);
+}
+
+INSTANTIATE_TEST_SUITE_P(Points, KvpressCompatSnapKvTest,
+                         ::testing::Values(Skip::kLogits, Skip::kScaledLogits, Skip::kHeadDimScale,
+                                           Skip::kSoftmax, Skip::kRowMean, Skip::kPool,
+                                           Skip::kGroupMean, Skip::kSentinel),
+                         SkipName);
+
+// The CriticalKV points: stage-2 scores (all but the one stage-1 pick, at bf16's maximum).
+class KvpressCompatCriticalKvTest : public KvpressCompatTest {};
+
+TEST_P(KvpressCompatCriticalKvTest, RoundsTheValueFactorAndTheStageTwoScore) {
+  CompatModel m;
+  m.tiny().policy.kind = PolicyKind::kCriticalKv;
+  m.tiny().policy.budget = Budget::TokensPerHead(2);  // stage 1: int(2 * 0.5) = 1
+  const Skip skip = GetParam();
+  const std::vector<float> snap = m.SnapScores(m.Attention(Skip::kNone), Skip::kNone);
+  const std::vector<float> u = m.ValueNorms(Skip::kNone), u_dropped = m.ValueNorms(skip);
+  const KeepPlan plan = PlanOf(m);
+  ASSERT_EQ(plan.scores.size(), static_cast<size_t>(CompatModel::kN));
+  int stage1 = 0, differs = 0;
+  for (int64_t i = 0; i < CompatModel::kN; ++i) {
+    if (plan.scores[i] == Bf16ToFloat(0x7f7f)) {
+      ++stage1;
+      continue;
+    }
+    EXPECT_EQ(plan.scores[i], m.Stage2(snap[i], u[i], Skip::kNone)) << i;
+    differs += m.Stage2(snap[i], u_dropped[i], skip) != m.Stage2(snap[i], u[i], Skip::kNone);
+  }
+  EXPECT_EQ(stage1, 1);
+  EXPECT_GT(differs, 0) << "the case does not depend on this rounding point";
+}
+
+INSTANTIATE_TEST_SUITE_P(Points, KvpressCompatCriticalKvTest,
+                         ::testing::Values(Skip::kProduct, Skip::kHeadNorm, Skip::kNormMean,
+                                           Skip::kEpsilonSum, Skip::kStage2Product),
+                         SkipName);
+
+// Given window attention is used unrounded, but the row mean, pool, group mean and sentinel
+// are still rounded.
+TEST_F(KvpressCompatTest, GivenAttentionIsRoundedFromTheRowMeanOn) {
+  CompatModel m;
+  // Probabilities that are not bf16 values: the unrounded softmax of the model.
+  const std::vector<float> given = m.Attention(Skip::kSoftmax);
+  KeepPlanRequest request = m.Request();
+  request.layers[0].window_queries = TensorView();
+  request.layers[0].window_attention = TensorView(
+      given.data(), DType::kF32, {CompatModel::kG, CompatModel::kWindow, CompatModel::kN});
+  auto model = *backend_->PrepareModel(m.tiny().geometry, m.tiny().OProjViews());
+  const KeepPlan plan = *backend_->ComputeKeepPlan(*model, request);
+  const std::vector<float> want = m.SnapScores(given, Skip::kNone);
+  ASSERT_NE(want, m.SnapScores(given, Skip::kRowMean));
+  EXPECT_EQ(plan.scores, want);
+}
+
+// kvpress recomputes the softmax: KVPRESS_COMPAT ignores a given window_lse (EXACT uses it).
+TEST_F(KvpressCompatTest, IgnoresTheWindowLse) {
+  CompatModel m;
+  const std::vector<float> lse(CompatModel::kG * CompatModel::kWindow, 5.f);
+  KeepPlanRequest request = m.Request();
+  request.layers[0].window_lse =
+      TensorView(lse.data(), DType::kF32, {CompatModel::kG, CompatModel::kWindow});
+  auto model = *backend_->PrepareModel(m.tiny().geometry, m.tiny().OProjViews());
+  EXPECT_EQ(backend_->ComputeKeepPlan(*model, request)->scores,
+            m.SnapScores(m.Attention(Skip::kNone), Skip::kNone));
+  request.policy.numeric_mode = NumericMode::kExact;
+  EXPECT_NE(backend_->ComputeKeepPlan(*model, request)->scores,
+            backend_->ComputeKeepPlan(*model, m.Request())->scores);
+}
+
+// kvpress keeps at least one token for a compression ratio (compute_n_kept), floors
+// CriticalKV's stage 1 and PyramidKV's fallback at 1; EXACT keeps int((1 - cr) * n).
+TEST_F(BaselinesTest, KvpressCompatKeepsAtLeastOneToken) {
+  for (PolicyKind kind :
+       {PolicyKind::kStreamingLlm, PolicyKind::kSnapKv, PolicyKind::kPyramidKv, PolicyKind::kAdaKv,
+        PolicyKind::kCriticalKv, PolicyKind::kCriticalAdaKv}) {
+    TinyCase c = OneHead(kind, {1, 2, 3, 4, 5});  // n 5, cr 0.9: int(0.5) = 0
+    c.values[0] = {1, 1, 1, 1, 1};                // u = 1: CriticalKV ranks by s + eps
+    c.policy.budget = Budget::CompressionRatio(0.9);
+    EXPECT_THAT(Plan(c).counts, ElementsAre(0)) << PolicyKindName(kind);
+    c.policy.numeric_mode = NumericMode::kKvpressCompat;
+    const KeepPlan plan = Plan(c);
+    EXPECT_THAT(plan.counts, ElementsAre(1)) << PolicyKindName(kind);
+    // StreamingLLM's scores still zero [4, 4 + 5 - int(0.5)): the kept token is sink 0.
+    EXPECT_THAT(Kept(plan, 0, 0), ElementsAre(kind == PolicyKind::kStreamingLlm ? 0 : 4))
+        << PolicyKindName(kind);
+  }
+  // CAKE (no kvpress press) is not floored: n 2, int(0.2) = 0, so n > n_kept + w and only the
+  // window is kept (n_kept 1 would keep both).
+  TinyCase c = OneHead(PolicyKind::kCake, {1, 2});
+  c.policy.budget = Budget::CompressionRatio(0.9);
+  c.policy.numeric_mode = NumericMode::kKvpressCompat;
+  EXPECT_THAT(Kept(Plan(c), 0, 0), ElementsAre(1));
+}
+
+// n 3, cr 0.5: n_kept int(1.5) = 1, stage 1 int(0.75) = 0 -> 1 in KVPRESS_COMPAT: the window
+// is forced (bf16 max) instead of competing by (s + eps) * u, where position 0 wins.
+TEST_F(BaselinesTest, KvpressCompatFloorsCriticalKvStageOne) {
+  TinyCase c = OneHead(PolicyKind::kCriticalKv, {1, 1, 1});
+  c.values[0] = {100, 1, 1};
+  c.policy.budget = Budget::CompressionRatio(0.5);
+  EXPECT_THAT(Kept(Plan(c), 0, 0), ElementsAre(0));
+  c.policy.numeric_mode = NumericMode::kKvpressCompat;
+  const KeepPlan plan = Plan(c);
+  EXPECT_THAT(Kept(plan, 0, 0), ElementsAre(2));
+  EXPECT_EQ(plan.scores[2], std::numeric_limits<float>::max());  // f32 keys: f32 max
+}
+
+TEST(PyramidLayerCountsTest, KvpressFloorsTheFallbackAtOne) {
+  // q 0.4: min 0.02 < w -> fallback round(0.4) = 0, floored to 1.
+  EXPECT_THAT(policy::PyramidLayerCounts(4, 1, 0.4, 20, 2, 0), ElementsAre(0, 0));
+  EXPECT_THAT(policy::PyramidLayerCounts(4, 1, 0.4, 20, 2, 1), ElementsAre(1, 1));
+  // The pyramid itself is not floored: n 3000, q 1350 as above.
+  EXPECT_THAT(policy::PyramidLayerCounts(3000, 64, 1350, 20, 4, 1),
+              ElementsAre(2632, 1778, 922, 68));
 }
 
 TEST_F(BaselinesTest, BadBaselineOptionsAreInvalidArgument) {

@@ -192,5 +192,51 @@ TEST_P(VectorOpsTest, AllFiniteFindsNaNAndInfAnywhere) {
   }
 }
 
+// The 16-bit round trips agree bit for bit with the scalar conversions (tested above) on every
+// kind of fp32 pattern, ties, overflow and NaN included, at every offset of a vector loop.
+TEST_P(VectorOpsTest, RoundTripsMatchTheScalarConversions) {
+  std::mt19937 rng(17);
+  std::vector<float> x = {1.f + 0x1p-8f,
+                          1.f + 3 * 0x1p-8f,
+                          1.f + 0x1p-11f,
+                          1.f + 3 * 0x1p-11f,
+                          65519.f,
+                          65520.f,
+                          -65536.f,
+                          0x1p-25f,
+                          0x1.8p-24f,
+                          0x1p-130f,
+                          3.4e38f,
+                          -0.f,
+                          std::numeric_limits<float>::infinity(),
+                          std::nanf("")};
+  while (x.size() < 4099) x.push_back(std::bit_cast<float>(static_cast<uint32_t>(rng())));
+  for (int64_t offset : {0, 1, 5}) {
+    std::vector<float> bf16(x.begin() + offset, x.end()), f16 = bf16;
+    cpu::RoundToBf16(bf16.data(), static_cast<int64_t>(bf16.size()));
+    cpu::RoundToF16(f16.data(), static_cast<int64_t>(f16.size()));
+    for (size_t i = 0; i < bf16.size(); ++i) {
+      const float v = x[offset + i];
+      const float want_bf16 = Bf16ToFloat(FloatToBf16(v)), want_f16 = F16ToFloat(FloatToF16(v));
+      if (std::isnan(v)) {
+        EXPECT_TRUE(std::isnan(bf16[i]) && std::isnan(f16[i])) << i;
+        continue;
+      }
+      EXPECT_EQ(std::bit_cast<uint32_t>(bf16[i]), std::bit_cast<uint32_t>(want_bf16)) << v;
+      EXPECT_EQ(std::bit_cast<uint32_t>(f16[i]), std::bit_cast<uint32_t>(want_f16)) << v;
+    }
+  }
+  // Ties to even, overflow.
+  float t[6] = {1.f + 0x1p-8f, 1.f + 3 * 0x1p-8f, 3.4e38f, 1.f + 0x1p-11f, 65519.f, 65520.f};
+  cpu::RoundToBf16(t, 3);
+  cpu::RoundToF16(t + 3, 3);
+  EXPECT_EQ(t[0], 1.f);
+  EXPECT_EQ(t[1], 1.f + 0x1p-6f);
+  EXPECT_EQ(t[2], std::numeric_limits<float>::infinity());
+  EXPECT_EQ(t[3], 1.f);
+  EXPECT_EQ(t[4], 65504.f);
+  EXPECT_EQ(t[5], std::numeric_limits<float>::infinity());
+}
+
 }  // namespace
 }  // namespace laprox::kernels

@@ -49,17 +49,27 @@ Baselines (policy["kind"] != "LAPROX")
     CRITICALKV and CRITICAL_ADAKV also need values and o_proj.  Baselines check policy.window
     <= wq like LAPROX (not STREAMING_LLM).
 
-    Numerics.  EXACT: float64 throughout, no rounding anywhere.  KVPRESS_COMPAT: exactly one
-    cast is reproduced -- the window attention probabilities, computed from queries+keys by
-    window_attention() (float64, standing in for kvpress's fp32 softmax; also with an lse), are
-    rounded (round_to_dtype: nearest, ties to even, directly from float64) to the layer's
-    keys_dtype right after the softmax; f32 means no rounding.  Everything after it (means,
-    pooling, group mean, sentinels, value factors) stays float64.  Attention given as
-    "attention" is used as given (never rounded).  CAKE's layer entropy H_l and variance V_l use
-    the unrounded probabilities ("fp32 values"); its eviction score uses the rounded ones.  The
+    Numerics.  EXACT: float64 throughout, no rounding anywhere.  KVPRESS_COMPAT reproduces
+    kvpress 0.5.5's casts to the model dtype T = the layer's keys_dtype (bf16 or f16; f32 or
+    absent: no rounding at all) with r(x) = round_to_dtype(x, T) (nearest, ties to even,
+    directly from float64 values; overflow -> +-inf); every operation between two roundings is
+    float64 (standing in for kvpress's fp32).  The list, binding and numbered as in SEMANTICS.md
+    ("KVPRESS_COMPAT arithmetic"), for SNAPKV, PYRAMIDKV, ADAKV, CRITICALKV, CRITICAL_ADAKV:
+      from queries (compat_window_attention; an lse is checked but not used):
+        (1) r(q . k)  (2) r(logit / sqrt(d)) -- scale 1/sqrt(d), not geometry.scale --
+        (3) causal mask, softmax over all n keys, r(p);
+      given "attention" is used as given (1-3 skipped), then (snapkv_scores)
+        (4) r(row sum / we)  (5) r(AVG sum / k)  (6) r(group sum / G)  (7) r(M + 1);
+      CriticalKV value factor (compat_value_l1_factor): r(v_i W_O^h) elementwise,
+        u_h = r(sum_D |.|), u = r(sum_h u_h / G); stage 2 r(r(s + epsilon) * u).
+    Budgets with a compression ratio (not CAKE): n_kept = max(1, int(n * (1 - cr))), the
+    CRITICALKV stage 1 max(1, int((1 - cr) * n * first_stage_ratio)), the PYRAMIDKV fallback
+    max(1, round(n * (1 - cr))).  CAKE is unaffected by all of this: KVPRESS_COMPAT rounds only
+    its softmax output (window_attention with the geometry scale, then r), used by its eviction
+    score; its H_l and V_l use the unrounded probabilities; its n_kept is int(...).  The
     "dtype max" that AdaKV's safeguard and CriticalKV's stage 1 write is float32 max in EXACT
-    and max(keys_dtype) in KVPRESS_COMPAT (f32 max when keys_dtype is f32/absent); in both modes
-    those tokens are also forced by an explicit mask, so they win whatever that value is.
+    and max(T) in KVPRESS_COMPAT (f32 max when T is f32); in both modes those tokens are also
+    forced by an explicit mask, so they win whatever that value is.
 
     Output fields of baselines (same keys as LAPROX):
         kept [L,Hkv,n] bool, counts [L,Hkv] int64   as for LAPROX.
@@ -67,18 +77,20 @@ Baselines (policy["kind"] != "LAPROX")
             STREAMING_LLM  kvpress's 1.0 (kept region) / 0.0 (evicted region).
             SNAPKV, PYRAMIDKV  SnapKV score, window = layer max of prefix scores + 1.
             ADAKV          SnapKV score with each head's top n_safe set to dtype max.
-            CRITICALKV     (snap + epsilon) * u, stage-1 picks = dtype max.
+            CRITICALKV     (snap + epsilon) * u (KVPRESS_COMPAT: r(r(snap + eps) * u)),
+                           stage-1 picks = dtype max.
             CRITICAL_ADAKV (snap' + epsilon) * u with snap' = SnapKV after the safeguard
                            (safeguarded tokens = dtype max, so their value may exceed float32
-                           range), each head's stage-1 picks = dtype max.
+                           range; KVPRESS_COMPAT: r(r(snap' + eps) * u), +inf once above
+                           max(T)), each head's stage-1 picks = dtype max.
             CAKE           pooled group eviction score on the prefix, +inf on the window.
         raw [L,Hkv,n] float64   prefix score before sentinels/safeguard/stages (SnapKV score for
             the five SnapKV-based kinds, the CAKE eviction score for CAKE) on [0, n - we), NaN on
             the window; all NaN for STREAMING_LLM.
         layer_sums [L] float64   CAKE: the layer preference P_l; other baselines: 0.0.
         selected [L,Hkv,n] bool   CAKE: kept prefix tokens (kept minus window); others: = kept.
-        quota int   n_kept, the per-head budget (int((1.0 - cr) * n) or tokens_per_head,
-            clamped to n).
+        quota int   n_kept, the per-head budget (int((1.0 - cr) * n), at least 1 in
+            KVPRESS_COMPAT except for CAKE, or tokens_per_head; clamped to n).
         total_selected int   selected.sum().
 
 How to run
@@ -621,22 +633,47 @@ def _top_mask(score, k, forced=None):
     return out.reshape(np.shape(score))
 
 
-def snapkv_scores(A, Hkv, G, nx, pooling, k):
+def compat_window_attention(queries, keys, n, we, G, dtype):
+    """KVPRESS_COMPAT window attention of the SnapKV kinds: [H, we, n], float64 holding values
+    of `dtype` (kvpress 0.5.5 snapkv_press.py:62-66, see SEMANTICS.md).
+
+    queries [H, wq, d] (the last we rows are used), keys [Hkv, n, d].  With r = round_to_dtype
+    (identity for "f32"):  z = r(r(q_t . k_j) / sqrt(d))  -- the dot product in float64, the
+    scale 1/sqrt(d) (not the geometry's scale) --, causal mask, softmax in float64 over all n
+    keys, then r again.  No lse: the softmax is always computed.
+    """
+    H, wq, d = queries.shape
+    q = queries[:, wq - we:, :]                                  # [H, we, d]
+    k = np.repeat(keys, G, axis=0)                               # [H, n, d]; head h -> h // G
+    logits = round_to_dtype(q @ k.transpose(0, 2, 1), dtype)     # (1) r(q . k)
+    logits = round_to_dtype(logits / math.sqrt(d), dtype)        # (2) r(logit / sqrt(d))
+    pos = n - we + np.arange(we)
+    allowed = np.arange(n)[None, :] <= pos[:, None]
+    logits = np.where(allowed[None], logits, -np.inf)
+    m = logits.max(axis=-1, keepdims=True)
+    e = np.exp(logits - m)
+    return round_to_dtype(e / e.sum(axis=-1, keepdims=True), dtype)   # (3) r(softmax)
+
+
+def snapkv_scores(A, Hkv, G, nx, pooling, k, dtype=None):
     """SnapKV score of one layer: [Hkv, n] with the window sentinel, and the prefix part
     [Hkv, nx] before the sentinel.
 
     A [H, we, n] window attention (rows as used).  Per query head: mean over the we rows of
     A[:, :, :nx], pool1d along [0, nx) (zero padding, AVG always / k), then mean over the G
     heads of the group.  Window positions [nx, n) get max(prefix scores of the layer) + 1
-    (1.0 when nx == 0).
+    (1.0 when nx == 0).  dtype (KVPRESS_COMPAT): each of the row mean, the pool, the group mean
+    and the sentinel is rounded to it (kvpress 0.5.5 snapkv_press.py:95-103); None (EXACT): no
+    rounding.
     """
+    r = (lambda x: x) if dtype is None else (lambda x: round_to_dtype(x, dtype))  # noqa: E731
     H, we, n = A.shape
-    x = A[:, :, :nx].mean(axis=1)                                   # [H, nx]
-    x = pool1d(x, pooling, k)
-    pre = x.reshape(Hkv, G, nx).mean(axis=1)                        # [Hkv, nx]
+    x = r(A[:, :, :nx].mean(axis=1))                                # (4) sum / we
+    x = r(pool1d(x, pooling, k))                                    # (5)
+    pre = r(x.reshape(Hkv, G, nx).mean(axis=1))                     # (6) [Hkv, nx]
     full = np.empty((Hkv, n))
     full[:, :nx] = pre
-    full[:, nx:] = (pre.max() if nx > 0 else 0.0) + 1.0
+    full[:, nx:] = r((pre.max() if nx > 0 else 0.0) + 1.0)         # (7)
     return full, pre
 
 
@@ -652,14 +689,30 @@ def value_l1_factor(values, o_proj, Hkv, G, d):
     return u / G
 
 
-def pyramid_layer_counts(n, q, w, beta, L):
+def compat_value_l1_factor(values, o_proj, Hkv, G, d, dtype):
+    """KVPRESS_COMPAT CriticalKV value factor (kvpress 0.5.5 criticalkv_press.py:69-76):
+    per query head h, P = r(v_i W_O^h) elementwise (the product in float64, then rounded),
+    u_h = r(sum_D |P|); u = r(sum_h u_h / G).  r = round_to_dtype(., dtype)."""
+    n = values.shape[1]
+    u = np.zeros((Hkv, n))
+    for g in range(Hkv):
+        for j in range(G):
+            h = g * G + j
+            P = round_to_dtype(values[g] @ o_proj[:, h * d:(h + 1) * d].T, dtype)
+            u[g] += round_to_dtype(np.abs(P).sum(axis=1), dtype)
+    return round_to_dtype(u / G, dtype)
+
+
+def pyramid_layer_counts(n, q, w, beta, L, fallback_min=0):
     """PyramidKV kept tokens per layer (window included), kvpress arithmetic in double.
 
     q = n * (1 - cr) as a float (with a tokens-per-head budget: q = n_kept).  w is the policy
     window (not clamped to n).  cap = w + q; mn = (cap - w) / beta; mx = (cap - w) * 2 - mn;
     if mx >= n - w: mx = n - w, mn = (cap - w) * 2 - mx.  If not n >= mx >= mn >= w, or L == 1,
-    every layer keeps round(q); else layer l keeps round(mx - l * (mx - mn) / (L - 1)),
-    evaluated left to right.  round() is half to even; results are clamped to [0, n].
+    every layer keeps max(fallback_min, round(q)) (fallback_min 1 in KVPRESS_COMPAT with a
+    compression ratio, kvpress pyramidkv_press.py:79-81; else 0); else layer l keeps
+    round(mx - l * (mx - mn) / (L - 1)), evaluated left to right.  round() is half to even;
+    results are clamped to [0, n].
     """
     cap = w + q
     mn = (cap - w) / beta
@@ -668,7 +721,7 @@ def pyramid_layer_counts(n, q, w, beta, L):
         mx = n - w
         mn = (cap - w) * 2 - mx
     if not (n >= mx >= mn >= w) or L == 1:
-        counts = [round(q)] * L
+        counts = [max(fallback_min, round(q))] * L
     else:
         counts = [round(mx - l * (mx - mn) / (L - 1)) for l in range(L)]
     return [max(0, min(int(c), n)) for c in counts]
@@ -719,6 +772,13 @@ def cake_layer_budgets(P, T, cap):
     return B
 
 
+def _value_factor(values, o_proj, Hkv, G, d, dtype):
+    """value_l1_factor (dtype None: EXACT) or compat_value_l1_factor (KVPRESS_COMPAT)."""
+    if dtype is None:
+        return value_l1_factor(values, o_proj, Hkv, G, d)
+    return compat_value_l1_factor(values, o_proj, Hkv, G, d, dtype)
+
+
 def baseline_plan(gt, pol, layers, n):
     """Keep plan of a baseline policy (pol["kind"] in BASELINE_KINDS); see SEMANTICS.md,
     "Baseline policies", and the module docstring for the output fields."""
@@ -727,9 +787,13 @@ def baseline_plan(gt, pol, layers, n):
     w = pol["window"]
     we = min(w, n)
     nx = n - we                                   # prefix [0, nx), window [nx, n)
-    n_kept = min(budget_tokens(pol, n), n)
-    evict = n_kept < n
     compat = pol["numeric_mode"] == "KVPRESS_COMPAT"
+    # kvpress compute_n_kept: max(1, int(n * (1 - cr))) (KVPRESS_COMPAT with a ratio; not CAKE)
+    compat_cr = compat and kind != "CAKE" and pol["compression_ratio"] is not None
+    n_kept = min(budget_tokens(pol, n), n)
+    if compat_cr:
+        n_kept = max(1, n_kept)
+    evict = n_kept < n
     uses_window = kind != "STREAMING_LLM"
     need_vo = kind in ("CRITICALKV", "CRITICAL_ADAKV")
 
@@ -756,20 +820,31 @@ def baseline_plan(gt, pol, layers, n):
         else:
             cr = float(pol["compression_ratio"])
             q_float = n * (1.0 - cr)
-            stage1 = min(int((1.0 - cr) * n * r_ratio), n_kept)
+            stage1 = int((1.0 - cr) * n * r_ratio)
+            if compat_cr:
+                stage1 = max(1, stage1)                     # criticalkv_press.py:83
+            stage1 = min(stage1, n_kept)
         n_safe = int(n_kept * pol["alpha_safeguard"])
         if kind == "PYRAMIDKV":
-            counts_l = pyramid_layer_counts(n, q_float, w, pol["pyramid_beta"], L)
+            counts_l = pyramid_layer_counts(n, q_float, w, pol["pyramid_beta"], L,
+                                            1 if compat_cr else 0)
         cake_scores = []
         for l, layer in enumerate(layers):
             q, att, lse, keys, values, o_proj, kdt = _layer_inputs(l, layer, gt, n, w, need_vo,
                                                                    need_vo)
-            if q is not None:
-                A_exact = window_attention(q, keys, scale, n, we, G, lse)
-                A = round_to_dtype(A_exact, kdt or "f32") if compat else A_exact
-            else:
+            dt = (kdt or "f32") if compat else None      # KVPRESS_COMPAT rounding dtype
+            if att is not None:
                 A_exact = A = att[:, att.shape[1] - we:, :]             # used as given
-            vmax = DTYPE_MAX[kdt or "f32"] if compat else F32_MAX
+            elif kind == "CAKE":                           # softmax output rounded only
+                A_exact = window_attention(q, keys, scale, n, we, G, lse)
+                A = round_to_dtype(A_exact, dt) if compat else A_exact
+            elif compat:                                   # kvpress's SnapKV steps 1-3
+                A = compat_window_attention(q, keys, n, we, G, dt)
+            else:
+                A = window_attention(q, keys, scale, n, we, G, lse)
+            vmax = DTYPE_MAX[dt] if compat else F32_MAX
+            rd = (lambda x: round_to_dtype(x, dt)) if compat else (lambda x: x)  # noqa: E731
+            eps = pol["epsilon"]
             pooling, k = pol["pooling"], pol["pool_kernel"]
 
             if kind == "CAKE":
@@ -787,7 +862,7 @@ def baseline_plan(gt, pol, layers, n):
                 scores[l, :, nx:] = np.inf
                 continue
 
-            s, pre = snapkv_scores(A, Hkv, G, nx, pooling, k)
+            s, pre = snapkv_scores(A, Hkv, G, nx, pooling, k, dt)
             raw[l, :, :nx] = pre
             if kind in ("SNAPKV", "PYRAMIDKV"):
                 cnt = n_kept if kind == "SNAPKV" else counts_l[l]
@@ -800,18 +875,18 @@ def baseline_plan(gt, pol, layers, n):
                 scores[l] = s2
                 kept[l] = _top_mask(s2, Hkv * n_kept, forced=safe)
             elif kind == "CRITICALKV":
-                u = value_l1_factor(values, o_proj, Hkv, G, d)
+                u = _value_factor(values, o_proj, Hkv, G, d, dt)
                 first = np.stack([_top_mask(s[g], stage1) for g in range(Hkv)])
-                s2 = np.where(first, vmax, (s + pol["epsilon"]) * u)
+                s2 = np.where(first, vmax, rd(rd(s + eps) * u))
                 scores[l] = s2
                 for g in range(Hkv):
                     kept[l, g] = _top_mask(s2[g], n_kept, forced=first[g])
             else:  # CRITICAL_ADAKV
-                u = value_l1_factor(values, o_proj, Hkv, G, d)
+                u = _value_factor(values, o_proj, Hkv, G, d, dt)
                 safe = np.stack([_top_mask(s[g], n_safe) for g in range(Hkv)])
                 s1 = np.where(safe, vmax, s)
                 budget = _top_mask(s1, Hkv * n_kept, forced=safe).sum(axis=1)
-                s2 = (s1 + pol["epsilon"]) * u
+                s2 = rd(rd(s1 + eps) * u)             # COMPAT: vmax * u may round to +inf
                 for g in range(Hkv):
                     first = _top_mask(s1[g], int(int(budget[g]) * r_ratio))
                     s2[g] = np.where(first, vmax, s2[g])

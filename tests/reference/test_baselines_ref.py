@@ -72,6 +72,28 @@ def loop_attention(q, k, scale, n, we):
     return A
 
 
+def R(x, dtype):
+    """One value rounded to dtype (KVPRESS_COMPAT's r); dtype None: unchanged."""
+    return x if dtype is None else float(ref.round_to_dtype(np.array(float(x)), dtype))
+
+
+def loop_attention_compat(q, k, n, we, dtype):
+    """kvpress's SnapKV window attention with Python floats: z = r(r(q . k) / sqrt(d)),
+    causal softmax, r(p).  q [wq, d] (last we rows), k [n, d]."""
+    wq, d = q.shape
+    A = [[0.0] * n for _ in range(we)]
+    for t in range(we):
+        pos = n - we + t
+        z = [R(R(sum(float(a) * float(b) for a, b in zip(q[wq - we + t], k[j])), dtype) /
+               math.sqrt(d), dtype) for j in range(pos + 1)]
+        mx = max(z)
+        e = [math.exp(x - mx) for x in z]
+        tot = sum(e)
+        for j in range(pos + 1):
+            A[t][j] = R(e[j] / tot, dtype)
+    return A
+
+
 def bf_pool(x, k):
     half = k // 2
     return [sum(x[j] for j in range(i - half, i + half + 1) if 0 <= j < len(x)) / k
@@ -93,7 +115,8 @@ def bf_top_layer(score, k, forced=()):
 
 def bf_plan(geometry, policy, layers, n):
     """By loops: kept sets [L][Hkv] (sorted lists), CAKE's P_l, and the prefix scores
-    [L][Hkv][n - we] (SnapKV or CAKE eviction score).  AVG pooling only."""
+    [L][Hkv][n - we] (SnapKV or CAKE eviction score).  AVG pooling only.  KVPRESS_COMPAT
+    (from the spec in SEMANTICS.md): every rounding point by R, max(1, ...) budgets."""
     L, H, Hkv, d = geometry["L"], geometry["H"], geometry["Hkv"], geometry["d"]
     G = H // Hkv
     kind = policy["kind"]
@@ -101,6 +124,8 @@ def bf_plan(geometry, policy, layers, n):
     k = policy["pool_kernel"]
     we = min(w, n)
     nx = n - we
+    compat = policy.get("numeric_mode") == "KVPRESS_COMPAT"
+    compat_cr = compat and kind != "CAKE" and policy.get("tokens_per_head") is None
     if policy.get("tokens_per_head") is not None:
         n_kept = min(policy["tokens_per_head"], n)
         c1 = int(n_kept * policy.get("first_stage_ratio", 0.5))
@@ -110,19 +135,26 @@ def bf_plan(geometry, policy, layers, n):
         n_kept = int((1.0 - cr) * n)
         c1 = int((1.0 - cr) * n * policy.get("first_stage_ratio", 0.5))
         q_float = n * (1.0 - cr)
+        if compat_cr:
+            n_kept = max(1, n_kept)
+            c1 = max(1, c1) if kind == "CRITICALKV" else c1
     alpha = policy.get("alpha_safeguard", 0.2)
     eps = policy.get("epsilon", 1e-4)
-    BIG = ref.F32_MAX
     n_safe = int(n_kept * alpha)
-    compat = policy.get("numeric_mode") == "KVPRESS_COMPAT"
     out, P = [], []
     cake_pre, snap_pre = [], []
     for l, layer in enumerate(layers):
-        A = [loop_attention(layer["queries"][h], layer["keys"][h // G], geometry["scale"], n, we)
-             for h in range(H)]
+        dt = (layer.get("keys_dtype") or "f32") if compat else None
+        BIG = ref.DTYPE_MAX[dt] if compat else ref.F32_MAX
+        if compat and kind != "CAKE":
+            A = [loop_attention_compat(layer["queries"][h], layer["keys"][h // G], n, we, dt)
+                 for h in range(H)]
+        else:
+            A = [loop_attention(layer["queries"][h], layer["keys"][h // G], geometry["scale"],
+                                n, we) for h in range(H)]
         A_exact = A
-        if compat:
-            A = [ref.round_to_dtype(np.array(a), layer["keys_dtype"]).tolist() for a in A]
+        if compat and kind == "CAKE":                       # CAKE: the softmax output only
+            A = [ref.round_to_dtype(np.array(a), dt).tolist() for a in A]
         if kind == "CAKE":
             ent, var = 0.0, 0.0
             pre_h = []
@@ -141,13 +173,13 @@ def bf_plan(geometry, policy, layers, n):
             cake_pre.append([[sum(pre_h[g * G + j][i] for j in range(G)) / G for i in range(nx)]
                              for g in range(Hkv)])
             continue
-        pooled = [bf_pool([sum(A[h][t][i] for t in range(we)) / we for i in range(nx)], k)
-                  for h in range(H)]
-        s = [[sum(pooled[g * G + j][i] for j in range(G)) / G for i in range(nx)]
+        pooled = [[R(x, dt) for x in bf_pool([R(sum(A[h][t][i] for t in range(we)) / we, dt)
+                                               for i in range(nx)], k)] for h in range(H)]
+        s = [[R(sum(pooled[g * G + j][i] for j in range(G)) / G, dt) for i in range(nx)]
              for g in range(Hkv)]
         snap_pre.append(s)
         M = max((x for row in s for x in row), default=0.0)
-        s = [row + [M + 1.0] * we for row in s]
+        s = [row + [R(M + 1.0, dt)] * we for row in s]
         u = None
         if kind in ("CRITICALKV", "CRITICAL_ADAKV"):
             u = [[0.0] * n for _ in range(Hkv)]
@@ -156,14 +188,17 @@ def bf_plan(geometry, policy, layers, n):
                     tot = 0.0
                     for j in range(G):
                         h = g * G + j
-                        vo = layer["o_proj"][:, h * d:(h + 1) * d] @ layer["values"][g, i]
-                        tot += sum(abs(float(x)) for x in vo)
-                    u[g][i] = tot / G
+                        vo = [sum(float(layer["o_proj"][D_, h * d + c]) *
+                                  float(layer["values"][g, i, c]) for c in range(d))
+                              for D_ in range(layer["o_proj"].shape[0])]
+                        tot += R(sum(abs(R(x, dt)) for x in vo), dt)
+                    u[g][i] = R(tot / G, dt)
         heads = []
         if kind == "SNAPKV":
             heads = [bf_top(s[g], n_kept) for g in range(Hkv)]
         elif kind == "PYRAMIDKV":
-            cnt = ref.pyramid_layer_counts(n, q_float, w, policy.get("pyramid_beta", 20.0), L)[l]
+            cnt = ref.pyramid_layer_counts(n, q_float, w, policy.get("pyramid_beta", 20.0), L,
+                                           1 if compat_cr else 0)[l]
             heads = [bf_top(s[g], cnt) for g in range(Hkv)]
         elif kind == "ADAKV":
             safe = {(g, i) for g in range(Hkv) for i in bf_top(s[g], n_safe)}
@@ -172,7 +207,7 @@ def bf_plan(geometry, policy, layers, n):
         elif kind == "CRITICALKV":
             for g in range(Hkv):
                 first = bf_top(s[g], c1)
-                s2 = [(s[g][i] + eps) * u[g][i] for i in range(n)]
+                s2 = [R(R(s[g][i] + eps, dt) * u[g][i], dt) for i in range(n)]
                 heads.append(bf_top(s2, n_kept, forced=first))
         else:  # CRITICAL_ADAKV
             safe = {(g, i) for g in range(Hkv) for i in bf_top(s[g], n_safe)}
@@ -181,7 +216,7 @@ def bf_plan(geometry, policy, layers, n):
             for g in range(Hkv):
                 budget = sum(1 for (gg, _) in chosen if gg == g)
                 first = bf_top(s1[g], int(budget * policy.get("first_stage_ratio", 0.5)))
-                s2 = [(s1[g][i] + eps) * u[g][i] for i in range(n)]
+                s2 = [R(R(s1[g][i] + eps, dt) * u[g][i], dt) for i in range(n)]
                 heads.append(bf_top(s2, budget, forced=first))
         if n_kept >= n:
             heads = [set(range(n))] * Hkv
@@ -582,8 +617,8 @@ class NumericMode(unittest.TestCase):
         np.testing.assert_array_equal(ref.round_to_dtype(x, "f32"), x)
 
     def compat_layer(self, dtype):
-        # logits (scale 1, d=1, q=1) k = [0, 1e-4, -5, 0]: p0 < p1 by 1e-4 relative, both
-        # round to the same bf16 / f16 value; the window is position 3.
+        # logits (d=1, q=1) k = [0, 1e-4, -5, 0]: p0 < p1 by 1e-4 relative, both round to the
+        # same bf16 / f16 value; the window is position 3.
         return {"keys": np.array([0.0, 1e-4, -5.0, 0.0]).reshape(1, 4, 1),
                 "queries": np.ones((1, 1, 1)), "keys_dtype": dtype}
 
@@ -592,7 +627,7 @@ class NumericMode(unittest.TestCase):
         for dtype in ("bf16", "f16"):
             layer = self.compat_layer(dtype)
             A = ref.window_attention(layer["queries"], layer["keys"], 1.0, 4, 1, 1)
-            r = ref.round_to_dtype(A, dtype)
+            r = ref.compat_window_attention(layer["queries"], layer["keys"], 4, 1, 1, dtype)
             self.assertLess(A[0, 0, 0], A[0, 0, 1])
             self.assertEqual(r[0, 0, 0], r[0, 0, 1])          # precondition of the test
             exact = ref.keep_plan(geo(), P, [layer], 4)
@@ -608,11 +643,16 @@ class NumericMode(unittest.TestCase):
         self.assertEqual(kept_sets(compat), [[[1, 3]]])
 
     def test_given_attention_not_rounded(self):
-        att = [[[0.5, 0.5 + 1e-6, 0.0, 0.1]]]
-        P = {"kind": "SNAPKV", "window": 1, "pooling": "NONE", "tokens_per_head": 2,
+        # Window 2 (positions 2, 3), no pooling.  Column 0 = [1/8, 1/8] -> mean 1/8; column 1 =
+        # [1/4 + 2^-10, 2^-10] -> mean 1/8 + 2^-10 (a bf16 value): position 1 wins.  Were the
+        # given entries rounded first, 1/4 + 2^-10 (a bf16 midpoint) would become 1/4, the mean
+        # 1/8 + 2^-11 (a midpoint) would round to 1/8: a tie, won by position 0.
+        att = [[[1 / 8, 1 / 4 + 2.0**-10, 0, 0], [1 / 8, 2.0**-10, 0, 0]]]
+        P = {"kind": "SNAPKV", "window": 2, "pooling": "NONE", "tokens_per_head": 3,
              "numeric_mode": "KVPRESS_COMPAT"}
         p = ref.keep_plan(geo(), P, [att_layer(att, keys_dtype="bf16")], 4)
-        self.assertEqual(kept_sets(p), [[[1, 3]]])
+        self.assertEqual(kept_sets(p), [[[1, 2, 3]]])
+        np.testing.assert_array_equal(p["raw"][0, 0, :2], [1 / 8, 1 / 8 + 2.0**-10])
 
     def test_laprox_ignores_numeric_mode(self):
         rng = np.random.default_rng(15)
@@ -623,6 +663,241 @@ class NumericMode(unittest.TestCase):
                               "numeric_mode": "KVPRESS_COMPAT"}, [layer], 12)
         for key in a:
             np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]))
+
+
+class KvpressCompat(unittest.TestCase):
+    """KVPRESS_COMPAT's rounding points (SEMANTICS.md, "KVPRESS_COMPAT arithmetic"), one test
+    each: every case is built so that dropping that one rounding changes the result.  bf16
+    has 8 significant bits: the grid is 2^-7 on [1, 2), 2^-8 on [1/2, 1), 2^-9 on [1/4, 1/2)."""
+
+    C = {"numeric_mode": "KVPRESS_COMPAT"}
+
+    def snap(self, g, layer, n, B, w=1, pooling="NONE", kind="SNAPKV", mode="KVPRESS_COMPAT",
+             **kw):
+        P = dict({"kind": kind, "window": w, "pooling": pooling, "pool_kernel": 3,
+                  "tokens_per_head": B, "numeric_mode": mode}, **kw)
+        return ref.keep_plan(g, P, [layer], n)
+
+    # SnapKV steps 1-3 (from queries)
+
+    def q_layer(self, keys, queries=((1.0, 1.0),), dtype="bf16"):
+        return {"queries": np.array(queries, dtype=np.float64)[None],
+                "keys": np.array(keys, dtype=np.float64)[None], "keys_dtype": dtype}
+
+    def test_logits_rounded(self):
+        # (1) d = 2, q = [1, 1]: q.k = 4.0546875 (key 0) and 4.0625 (key 1); r(4.0546875) =
+        # 4.0625 (grid 2^-5 on [4, 8)), so both scaled logits are r(4.0625 / sqrt 2) = 2.875:
+        # a tie, position 0 wins.  Unrounded, 4.0546875 / sqrt 2 = 2.8671 -> 2.859375 < 2.875.
+        g = geo(d=2, scale=1 / math.sqrt(2))
+        layer = self.q_layer([[4.0625, -2.0**-7], [4.0625, 0.0], [0.0, 0.0]])
+        p = self.snap(g, layer, 3, 2)
+        self.assertEqual(kept_sets(p), [[[0, 2]]])
+        self.assertEqual(p["raw"][0, 0, 0], p["raw"][0, 0, 1])
+        self.assertEqual(kept_sets(self.snap(g, layer, 3, 2, mode="EXACT")), [[[1, 2]]])
+
+    def test_scaled_logits_rounded(self):
+        # (2) logits 6 and 6.03125 (adjacent bf16 values) / sqrt 2 = 4.2426 and 4.2647 both
+        # round to 4.25: a tie, position 0 wins.  Unrounded they differ by 0.022, so p1 > p0
+        # by 2 % (several bf16 steps).
+        g = geo(d=2, scale=1 / math.sqrt(2))
+        layer = self.q_layer([[6.0, 0.0], [6.03125, 0.0], [0.0, 0.0]])
+        p = self.snap(g, layer, 3, 2)
+        self.assertEqual(kept_sets(p), [[[0, 2]]])
+        self.assertEqual(kept_sets(self.snap(g, layer, 3, 2, mode="EXACT")), [[[1, 2]]])
+
+    def test_scale_is_inv_sqrt_head_dim_and_lse_unused(self):
+        # f32: nothing is rounded, but the scale is 1/sqrt(d) = 1/2 whatever the geometry says
+        # (here 1), and a given lse is checked but not used (the softmax is computed).
+        rng = np.random.default_rng(50)
+        layer = {"queries": rng.standard_normal((2, 3, 4)), "keys": rng.standard_normal((1, 9, 4)),
+                 "lse": rng.standard_normal((2, 3)), "keys_dtype": "f32"}
+        no_lse = dict(layer, lse=None)
+        want = self.snap(geo(H=2, d=4, scale=0.5), no_lse, 9, 4, w=3, mode="EXACT")
+        other = self.snap(geo(H=2, d=4, scale=1.0), no_lse, 9, 4, w=3, mode="EXACT")
+        for lay in (layer, no_lse):
+            got = self.snap(geo(H=2, d=4, scale=1.0), lay, 9, 4, w=3)
+            np.testing.assert_array_equal(got["scores"], want["scores"])
+            self.assertFalse(np.array_equal(got["raw"][0, 0, :6], other["raw"][0, 0, :6]))
+
+    def test_softmax_rounded(self):
+        # (3) d = 1, keys [1, .75, .5, .5], window 2 with q = -.75 (row 0, keys 0..2) and .75
+        # (row 1).  Rounded probabilities in units of 2^-9: row 0 [140, 169], row 1 [160, 132];
+        # column sums 300 and 301, means 150 and 150.5 (a midpoint -> 150) * 2^-9: a tie,
+        # position 0 wins.  Unrounded the means are 149.83 -> 150 and 150.59 -> 151.
+        layer = self.q_layer([[1.0], [0.75], [0.5], [0.5]], queries=((-0.75,), (0.75,)))
+        p = self.snap(geo(), layer, 4, 3, w=2)
+        self.assertEqual(kept_sets(p), [[[0, 2, 3]]])
+        np.testing.assert_array_equal(p["raw"][0, 0, :2], [150 * 2.0**-9] * 2)
+        self.assertEqual(kept_sets(self.snap(geo(), layer, 4, 3, w=2, mode="EXACT")),
+                         [[[1, 2, 3]]])
+
+    # SnapKV steps 4-7 (given attention: steps 1-3 skipped)
+
+    def test_row_mean_rounded(self):
+        # (4) window 2, AVG 3.  Column means m = [(1 + 7 * 2^-8) / 2, 2^-6, 2^-9]; m0 =
+        # 131.5 * 2^-8 ties to 132 * 2^-8.  Pool / 3 in units of 2^-10: position 0
+        # (m0 + m1) -> 181.33 -> 181, position 1 (m0 + m1 + m2) = 182: position 1 wins.  With
+        # m0 unrounded: 180.67 -> 181 and 181.33 -> 181, a tie won by position 0.
+        att = [[[1.0, 2.0**-5, 0, 0, 0], [7 * 2.0**-8, 0, 2.0**-8, 0, 0]]]
+        p = self.snap(geo(), att_layer(att, keys_dtype="bf16"), 5, 3, w=2, pooling="AVG")
+        self.assertEqual(kept_sets(p), [[[1, 3, 4]]])
+        np.testing.assert_array_equal(p["raw"][0, 0, :2], [181 * 2.0**-10, 182 * 2.0**-10])
+
+    def test_pool_rounded(self):
+        # (5) H = 2 (one group), window 1, AVG 3.  Head 0 [0, .0390625, 0]: every pool is
+        # .0390625 / 3 -> 213 * 2^-14.  Head 1 [.5, .125, 2^-10]: pools .625 / 3 = 213.33 ->
+        # 213 and .6259765625 / 3 = 213.67 -> 214 (* 2^-10).  Group means (* 2^-11): 226.31 ->
+        # 226 and 227.31 -> 227: position 1 wins.  Unrounded pools: 226.67 -> 227 and 227.0:
+        # a tie won by position 0.
+        att = [[[0, .0390625, 0, .15625]], [[.5, .125, 2.0**-10, .875]]]
+        p = self.snap(geo(H=2), att_layer(att, keys_dtype="bf16"), 4, 2, pooling="AVG")
+        self.assertEqual(kept_sets(p), [[[1, 3]]])
+        np.testing.assert_array_equal(p["raw"][0, 0, :2], [226 * 2.0**-11, 227 * 2.0**-11])
+
+    def test_group_mean_rounded(self):
+        # (6) H = 2 (one group), window 1, no pooling: position 0 heads [1/2, 1/2] -> 1/2;
+        # position 1 heads [1, e] with e = 2^-8 (bf16) or 2^-11 (f16) -> 1/2 + e/2, a midpoint
+        # that ties to 1/2: a tie, position 0 wins.  f32 (no rounding): position 1 wins.
+        for dtype, e, want in (("bf16", 2.0**-8, [0, 2]), ("f16", 2.0**-11, [0, 2]),
+                               ("f32", 2.0**-8, [1, 2])):
+            att = [[[.5, 1.0, 0]], [[.5, e, 0]]]
+            p = self.snap(geo(H=2), att_layer(att, keys_dtype=dtype), 3, 2)
+            self.assertEqual(kept_sets(p), [[want]], dtype)
+            self.assertEqual(p["raw"][0, 0, 1], .5 if dtype != "f32" else .5 + e / 2, dtype)
+
+    def test_sentinel_rounded(self):
+        # (7) prefix max M = 77 * 2^-8 = .30078125; M + 1 = 166.5 * 2^-7 ties to 166 * 2^-7.
+        att = [[[77 * 2.0**-8, .1, 0, 0]] * 2]
+        for kind in ("SNAPKV", "PYRAMIDKV"):
+            p = self.snap(geo(), att_layer(att, keys_dtype="bf16"), 4, 3, w=2, kind=kind)
+            np.testing.assert_array_equal(p["scores"][0, 0, 2:], [166 * 2.0**-7] * 2)
+        p = self.snap(geo(), att_layer(att, keys_dtype="bf16"), 4, 3, w=2, mode="EXACT")
+        np.testing.assert_array_equal(p["scores"][0, 0, 2:], [1 + 77 * 2.0**-8] * 2)
+
+    # CriticalKV value factor and stage-2 score (given attention, window 1, no pooling, n = 3,
+    # one token kept, stage 1 empty, so position 0's score is (s + eps) * u).
+
+    def critical(self, att, values, o_proj, kind="CRITICALKV", H=1, d=1, D=1, **kw):
+        P = dict({"kind": kind, "window": 1, "pooling": "NONE", "tokens_per_head": 1,
+                  "alpha_safeguard": 0.0, "numeric_mode": "KVPRESS_COMPAT"}, **kw)
+        layer = {"attention": np.array(att, dtype=np.float64),
+                 "values": np.array(values, dtype=np.float64),
+                 "o_proj": np.array(o_proj, dtype=np.float64), "keys_dtype": "bf16"}
+        return ref.keep_plan(geo(H=H, d=d, D=D), P, [layer], 3)
+
+    def test_value_products_rounded(self):
+        # P = v W_O: d = D = 2, v0 = [1, 1], W_O rows [1, 2^-8], [2^-8, 0] -> P = [1 + 2^-8,
+        # 2^-8] -> r(P) = [1, 2^-8] (1 + 2^-8 ties to 1); u = r(1 + 2^-8) = 1; s = 1 (eps is
+        # lost in r(1 + eps)): score 1.  Unrounded P: u = r(1 + 2^-7) = 1 + 2^-7.
+        for kind in ("CRITICALKV", "CRITICAL_ADAKV"):
+            p = self.critical([[[1.0, 0, 0]]], [[[1, 1], [0, 0], [0, 0]]],
+                              [[1, 2.0**-8], [2.0**-8, 0]], kind=kind, d=2, D=2)
+            self.assertEqual(p["scores"][0, 0, 0], 1.0, kind)
+            self.assertEqual(kept_sets(p), [[[0]]])
+
+    def test_head_norms_rounded(self):
+        # u_h = r(sum |P|): H = 2 (one group), d = 1, D = 2, v0 = 1.  Head 0 P = [1, 2^-8] ->
+        # u_0 = r(1 + 2^-8) = 1; head 1 P = [2^-8, 0] -> 2^-8; u = r((1 + 2^-8) / 2) = 1/2
+        # (a midpoint); s = 1: score 1/2.  Unrounded u_0: u = r(1/2 + 2^-8) = 1/2 + 2^-8.
+        for kind in ("CRITICALKV", "CRITICAL_ADAKV"):
+            p = self.critical([[[1.0, 0, 0]]] * 2, [[[1], [0], [0]]],
+                              [[1, 2.0**-8], [2.0**-8, 0]], kind=kind, H=2, D=2)
+            self.assertEqual(p["scores"][0, 0, 0], .5, kind)
+
+    def test_group_value_mean_rounded(self):
+        # u = r(sum_h u_h / G): heads' u_h = 1 and 2^-8 -> u = r(1/2 + 2^-9) = 1/2;
+        # s = 1 + 2^-7: score r((1 + 2^-7) / 2) = 1/2 + 2^-8.  Unrounded u: (1 + 2^-7)(1/2 +
+        # 2^-9) = 1/2 + 2^-8 + 2^-9 + 2^-16, just above a midpoint -> 1/2 + 2^-7.
+        for kind in ("CRITICALKV", "CRITICAL_ADAKV"):
+            p = self.critical([[[1 + 2.0**-7, 0, 0]]] * 2, [[[1], [0], [0]]], [[1, 2.0**-8]],
+                              kind=kind, H=2)
+            self.assertEqual(p["scores"][0, 0, 0], .5 + 2.0**-8, kind)
+
+    def test_stage2_sum_rounded(self):
+        # r(s + eps): s = 3/4 (grid 2^-8), so r(3/4 + 1e-4) = 3/4; u = 1 + 3 * 2^-7;
+        # s * u = 196.5 * 2^-8 ties to 196 * 2^-8.  Unrounded s + eps: 196.53 -> 197.
+        for kind in ("CRITICALKV", "CRITICAL_ADAKV"):
+            p = self.critical([[[.75, 0, 0]]], [[[1 + 3 * 2.0**-7], [0], [0]]], [[1.0]],
+                              kind=kind)
+            self.assertEqual(p["scores"][0, 0, 0], 196 * 2.0**-8, kind)
+            p = self.critical([[[.75, 0, 0]]], [[[1 + 3 * 2.0**-7], [0], [0]]], [[1.0]],
+                              kind=kind, numeric_mode="EXACT")
+            self.assertAlmostEqual(p["scores"][0, 0, 0], (.75 + 1e-4) * (1 + 3 * 2.0**-7),
+                                   places=15)
+
+    def test_stage2_product_rounded(self):
+        # r(r(s + eps) * u): the case above; unrounded the score would be 196.5 * 2^-8.  A
+        # window token with u = 0 scores 0.
+        for kind in ("CRITICALKV", "CRITICAL_ADAKV"):
+            p = self.critical([[[.75, 0, 0]]], [[[1 + 3 * 2.0**-7], [0], [0]]], [[1.0]],
+                              kind=kind)
+            self.assertNotEqual(p["scores"][0, 0, 0], 196.5 * 2.0**-8)
+            self.assertEqual(p["scores"][0, 0, 2], 0.0)
+            self.assertEqual(kept_sets(p), [[[0]]])
+
+    def test_safeguard_overflows_to_inf(self):
+        # CRITICAL_ADAKV: safeguarded tokens (alpha 1, so every kept one) score bf16 max;
+        # with stage 1 empty, r(r(max + eps) * u) = +inf for u = 2 (window, position 2) and
+        # u = 1.5 (position 0); position 1 (u = 1) stays at max.
+        p = self.critical([[[.5, .25, 0]]], [[[1.5], [1], [2]]], [[1.0]], kind="CRITICAL_ADAKV",
+                          alpha_safeguard=1.0, first_stage_ratio=0.0, tokens_per_head=2)
+        self.assertEqual(kept_sets(p), [[[0, 2]]])
+        self.assertEqual(p["scores"][0, 0].tolist(), [np.inf, .25, np.inf])
+
+    # max(1, ...) budgets
+
+    def test_n_kept_at_least_one(self):
+        # n = 5, cr = .9: int(.5) = 0.  KVPRESS_COMPAT keeps max(1, 0) = 1 (quota 1) for every
+        # kind but CAKE; EXACT keeps nothing.  A token budget of 0 stays 0.
+        rng = np.random.default_rng(51)
+        g = geo(L=1, H=2, Hkv=1, d=2, D=3, scale=0.7)
+        layers = random_layers(rng, 1, 2, 1, 2, 3, 5, 2)
+        layers[0]["keys_dtype"] = "bf16"
+        for kind in ref.BASELINE_KINDS:
+            P = {"kind": kind, "window": 2, "pool_kernel": 3, "compression_ratio": 0.9}
+            exact = ref.keep_plan(g, P, layers, 5)
+            compat = ref.keep_plan(g, dict(P, **self.C), layers, 5)
+            if kind == "CAKE":                         # unchanged: window only, quota 0
+                self.assertEqual(compat["quota"], 0)
+                self.assertEqual(kept_sets(compat), [[[3, 4]]])
+                continue
+            self.assertEqual((exact["quota"], int(exact["counts"].sum())), (0, 0), kind)
+            self.assertEqual((compat["quota"], int(compat["counts"].sum())), (1, 1), kind)
+            if kind != "STREAMING_LLM":
+                self.assertEqual(kept_sets(compat), [[[3]]], kind)   # earliest sentinel
+            P = {"kind": kind, "window": 2, "pool_kernel": 3, "tokens_per_head": 0}
+            self.assertEqual(int(ref.keep_plan(g, dict(P, **self.C), layers, 5)["counts"].sum()),
+                             0, kind)
+        self.assertEqual(ref.keep_plan(g, {"kind": "STREAMING_LLM", "compression_ratio": 0.9,
+                                           **self.C}, [{}], 5)["kept"][0, 0].tolist(),
+                         [True, False, False, False, False])          # sink 0
+
+    def test_stage1_at_least_one(self):
+        # CRITICALKV, n = 10, cr = .85: n_kept = int(1.5) = 1, stage 1 = int(.75) = 0 ->
+        # max(1, 0) = 1 in KVPRESS_COMPAT: the earliest window token (8) is forced.  The window
+        # values are 0 (u = 0), so with no stage 1 (EXACT) the prefix token 0 wins stage 2.
+        att = np.tile(np.array([.3, .1, .1, .1, .1, .1, .1, .1, 0, 0]), (1, 2, 1))
+        values = [[1] * 8 + [0, 0]]
+        P = {"kind": "CRITICALKV", "window": 2, "pooling": "NONE", "compression_ratio": 0.85}
+        layer = att_layer(att, values, [[1.0]], keys_dtype="bf16")
+        self.assertEqual(kept_sets(ref.keep_plan(geo(), dict(P, **self.C), [layer], 10)),
+                         [[[8]]])
+        self.assertEqual(kept_sets(ref.keep_plan(geo(), P, [layer], 10)), [[[0]]])
+        # a token budget is not raised: tokens_per_head 1 -> stage 1 int(.5) = 0
+        P = {"kind": "CRITICALKV", "window": 2, "pooling": "NONE", "tokens_per_head": 1}
+        self.assertEqual(kept_sets(ref.keep_plan(geo(), dict(P, **self.C), [layer], 10)),
+                         [[[0]]])
+
+    def test_pyramid_fallback_at_least_one(self):
+        # n = 5, cr = .9: q = .5, round(q) = 0 -> max(1, 0) = 1 in KVPRESS_COMPAT.
+        self.assertEqual(ref.pyramid_layer_counts(5, 5 * (1 - 0.9), 2, 20.0, 2), [0, 0])
+        self.assertEqual(ref.pyramid_layer_counts(5, 5 * (1 - 0.9), 2, 20.0, 2, 1), [1, 1])
+        att = np.random.default_rng(52).random((1, 2, 5))
+        P = {"kind": "PYRAMIDKV", "window": 2, "pooling": "NONE", "compression_ratio": 0.9}
+        layers = [att_layer(att, keys_dtype="bf16")] * 2
+        self.assertEqual(ref.keep_plan(geo(L=2), dict(P, **self.C), layers, 5)["counts"].tolist(),
+                         [[1], [1]])
+        self.assertEqual(ref.keep_plan(geo(L=2), P, layers, 5)["counts"].tolist(), [[0], [0]])
 
 
 class EdgeCases(unittest.TestCase):
@@ -689,13 +964,14 @@ class EdgeCases(unittest.TestCase):
 class AgainstLoops(unittest.TestCase):
     """Random cases: the oracle's kept sets equal the loop formulation's."""
 
-    def check(self, kind, G, Hkv, budgets, seed, n=30, L=2, w=5, k=3, extra=None):
+    def check(self, kind, G, Hkv, budgets, seed, n=30, L=2, w=5, k=3, extra=None,
+              dtype="bf16"):
         rng = np.random.default_rng(seed)
         H, d, D = G * Hkv, 3, 5
-        g = geo(L=L, H=H, Hkv=Hkv, d=d, D=D, scale=0.6)
+        g = geo(L=L, H=H, Hkv=Hkv, d=d, D=D, scale=0.6)      # not 1/sqrt(d)
         layers = random_layers(rng, L, H, Hkv, d, D, n, w + 2)
         for layer in layers:
-            layer["keys_dtype"] = "bf16"
+            layer["keys_dtype"] = dtype
         for B in budgets:
             P = {"kind": kind, "window": w, "pool_kernel": k}
             P.update(extra or {})
@@ -726,8 +1002,21 @@ class AgainstLoops(unittest.TestCase):
         for seed, (G, Hkv) in enumerate(((1, 2), (2, 2), (3, 1))):
             self.check("CAKE", G, Hkv, (0, 6, 9, 13, 20, 24, 0.5), 30 + seed, L=3)
         self.check("CAKE", 2, 2, (9, 13), 40, L=3, extra={"cake_gamma": 0.0, "cake_tau1": 1.0})
-        self.check("SNAPKV", 2, 2, (7, 12), 41, extra={"numeric_mode": "KVPRESS_COMPAT"})
         self.check("CAKE", 2, 2, (9, 13), 42, L=3, extra={"numeric_mode": "KVPRESS_COMPAT"})
+
+    def test_kvpress_compat(self):
+        C = {"numeric_mode": "KVPRESS_COMPAT"}
+        budgets = (0, 1, 3, 7, 12, 29, 0.5, 0.77, 0.98)          # cr .98: int(.6) = 0 -> 1
+        for seed, kind in enumerate(("SNAPKV", "ADAKV", "CRITICALKV", "CRITICAL_ADAKV")):
+            for dtype, (G, Hkv) in (("bf16", (2, 2)), ("f16", (4, 1)), ("f32", (1, 3))):
+                self.check(kind, G, Hkv, budgets, 60 + seed, extra=C, dtype=dtype)
+        self.check("PYRAMIDKV", 2, 2, (8, 12, 14, 20, 0.6, 0.98), 64, L=3, w=2,
+                   extra=dict(C, pyramid_beta=2.0))
+        self.check("CRITICALKV", 2, 2, (6, 0.6, 0.9, 0.95), 65,
+                   extra=dict(C, first_stage_ratio=0.9))
+        self.check("CRITICAL_ADAKV", 2, 3, (4, 10, 20), 66,
+                   extra=dict(C, alpha_safeguard=0.9, first_stage_ratio=0.1))
+        self.check("CAKE", 2, 2, (9, 13, 0.98), 67, L=3, extra=C, dtype="f16")
 
 
 class Validation(unittest.TestCase):

@@ -71,8 +71,9 @@ class MetricsTest : public ::testing::Test {
                        }});
     service_ = std::make_unique<LaproxService>(
         *core_, *work_, "test",
-        ServiceOptions{.metrics = metrics_.get(),
-                     .models_changed = [this](int64_t models) { metrics_->SetReady(models > 0); }});
+        ServiceOptions{.metrics = metrics_.get(), .models_changed = [this](int64_t models) {
+                         metrics_->SetReady(models > 0);
+                       }});
     static std::atomic<int> counter{0};
     socket_ =
         absl::StrCat(::testing::TempDir(), "laprox-metrics-", getpid(), "-", counter++, ".sock");

@@ -30,10 +30,13 @@ enum class PolicyKind {
 // How the baselines round intermediate values. LAPROX ignores it (always fp32 / fp64 sums).
 enum class NumericMode {
   kExact,          // window attention kept in fp32
-  kKvpressCompat,  // window attention computed from queries is rounded to the model dtype
-                   // (the keys' dtype) as kvpress does after its fp32 softmax (given attention
-                   // rows are used as given; CAKE's layer preference stays unrounded), and
-                   // safeguard values are that dtype's maximum
+  kKvpressCompat,  // kvpress 0.5.5's arithmetic in the model dtype T (the keys' dtype): the
+                   // SnapKV kinds round logits, scaled logits (1/sqrt(head_dim)), softmax, row
+                   // mean, pool, group mean and sentinel to T and ignore a window_lse;
+                   // CriticalKV rounds v W_O^h, its L1 norms, their group mean and the stage-2
+                   // score; safeguard values are T's maximum; a compression ratio keeps at
+                   // least 1 token (laprox.proto NUMERIC_MODE_KVPRESS_COMPAT has the list).
+                   // CAKE only rounds its computed window attention after the softmax.
 };
 
 // How the model-wide budget is spread over layers and heads.
