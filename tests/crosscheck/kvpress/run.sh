@@ -34,29 +34,10 @@ for arg in "$@"; do
   esac
 done
 
-# torch from PyPI: the Linux x86_64 wheel is a CUDA build whose libtorch_cpu.so/libtorch_cuda.so
-# have DT_NEEDED entries on the CUDA libraries below, so `import torch` fails without them even on a
-# CPU-only machine (and system CUDA libraries are not ABI-matched: e.g. a system NCCL lacks
-# ncclCommResume). We install torch --no-deps plus exactly the wheels that provide those sonames
-# (~2.46 GB download) and skip the rest of torch's default set (triton, cusolver, cuda-bindings,
-# cuda-toolkit, cccl, nvtx: ~0.53 GB more, ~3.0 GB in all), which a CPU run never loads.
-TORCH_WHEELS=(
-  torch==2.15.0
-  nvidia-cuda-runtime==13.2.86    # libcudart.so.13
-  nvidia-cuda-cupti==13.2.86      # libcupti.so.13
-  nvidia-cuda-nvrtc==13.2.86      # libnvrtc.so.13
-  nvidia-cublas==13.4.1.3         # libcublas.so.13, libcublasLt.so.13
-  nvidia-cufft==12.2.0.57         # libcufft.so.12
-  nvidia-cusparse==12.7.10.12     # libcusparse.so.12
-  nvidia-nvjitlink==13.5.37       # libnvJitLink.so.13 (needed by cusparse)
-  nvidia-cufile==1.17.1.22        # libcufile.so.0
-  nvidia-cusparselt-cu13==0.8.1   # libcusparseLt.so.0
-  nvidia-nccl-cu13==2.30.7        # libnccl.so.2
-  nvidia-cudnn-cu13==9.26.0.51    # libcudnn.so.9
-  nvidia-nvshmem-cu13==3.7.2      # libnvshmem_host.so.3
-)
+# torch: the pinned wheels a CPU-only `import torch` needs (the file says why).
+torch_wheels="$root/scripts/torch-cpu-wheels.txt"
 
-stamp_text="$(printf '%s\n' "${TORCH_WHEELS[@]}"; cat "$here/requirements.txt")"
+stamp_text="$(cat "$torch_wheels" "$here/requirements.txt")"
 stamp="$venv/.laprox-crosscheck-stamp"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$stamp_text" ]] &&
    "$venv/bin/python" -c "import torch, kvpress" 2>/dev/null; then
@@ -66,7 +47,7 @@ else
   rm -rf "$venv"
   "$python" -m venv "$venv"
   start=$(date +%s)
-  "$venv/bin/pip" install --no-deps --progress-bar off "${TORCH_WHEELS[@]}"
+  "$venv/bin/pip" install --no-deps --progress-bar off -r "$torch_wheels"
   "$venv/bin/pip" install --no-deps --progress-bar off -r "$here/requirements.txt"
   "$venv/bin/python" -c "import torch, kvpress; print('torch', torch.__version__, 'ok')"
   echo "== venv ready in $(( $(date +%s) - start )) s, $(du -sh "$venv" | cut -f1)"
