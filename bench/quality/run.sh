@@ -87,26 +87,9 @@ if [[ -z "$laproxd" ]]; then
   laproxd="$build/service/laproxd"
 fi
 
-tmp="$(mktemp -d "${TMPDIR:-/tmp}/laprox-quality.XXXXXX")"
-socket="$tmp/laproxd.sock"
-"$laproxd" --socket="$socket" --metrics_listen= --backend=cpu --threads=2 \
-  >"$tmp/laproxd.log" 2>&1 &
-laproxd_pid=$!
-cleanup() {
-  kill "$laproxd_pid" 2>/dev/null || true
-  wait "$laproxd_pid" 2>/dev/null || true
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
-for _ in $(seq 100); do
-  [[ -S "$socket" ]] && break
-  if ! kill -0 "$laproxd_pid" 2>/dev/null; then
-    echo "laproxd exited:"; cat "$tmp/laproxd.log"; exit 1
-  fi
-  sleep 0.1
-done
-[[ -S "$socket" ]] || { echo "laproxd did not create $socket"; cat "$tmp/laproxd.log"; exit 1; }
-echo "== laproxd pid $laproxd_pid on unix:$socket"
+source "$root/scripts/lib/laproxd.sh"
+start_laproxd "$laproxd" "$(mktemp -d "${TMPDIR:-/tmp}/laprox-quality.XXXXXX")" --threads=2
+trap stop_laproxd EXIT
 
 start=$(date +%s)
 OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}" "$venv/bin/python" "$here/evaluate.py" \

@@ -68,25 +68,9 @@ if [[ -z "$cli" || -z "$laproxd" ]]; then
   laproxd="${laproxd:-$build/service/laproxd}"
 fi
 
-tmp="$(mktemp -d "${TMPDIR:-/tmp}/laprox-kvpress.XXXXXX")"
-socket="$tmp/laproxd.sock"
-"$laproxd" --socket="$socket" --metrics_listen= --backend=cpu >"$tmp/laproxd.log" 2>&1 &
-laproxd_pid=$!
-cleanup() {
-  kill "$laproxd_pid" 2>/dev/null || true
-  wait "$laproxd_pid" 2>/dev/null || true
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
-for _ in $(seq 100); do
-  [[ -S "$socket" ]] && break
-  if ! kill -0 "$laproxd_pid" 2>/dev/null; then
-    echo "laproxd exited:"; cat "$tmp/laproxd.log"; exit 1
-  fi
-  sleep 0.1
-done
-[[ -S "$socket" ]] || { echo "laproxd did not create $socket"; cat "$tmp/laproxd.log"; exit 1; }
-echo "== laproxd pid $laproxd_pid on unix:$socket"
+source "$root/scripts/lib/laproxd.sh"
+start_laproxd "$laproxd" "$(mktemp -d "${TMPDIR:-/tmp}/laprox-kvpress.XXXXXX")"
+trap stop_laproxd EXIT
 
 set +e
 "$venv/bin/python" "$here/crosscheck.py" --cli="$cli" --target="unix:$socket" --out="$out" \
