@@ -1,8 +1,13 @@
 #include "laprox/kernels/backend.h"
 
 #include <chrono>
+#include <cstring>
+#include <limits>
 #include <utility>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
@@ -195,6 +200,66 @@ absl::StatusOr<KeepPlan> Backend::ComputeKeepPlan(const PreparedModel& model,
     }
   }
   return plan;
+}
+
+absl::StatusOr<std::unique_ptr<ImportedRegion>> Backend::ImportCudaIpc(
+    const CudaIpcRegionSpec& spec) {
+  if (spec.handle.size() != CudaIpcRegionSpec::kHandleBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda_ipc.handle has ", spec.handle.size(),
+                                                   " bytes, expected exactly ",
+                                                   CudaIpcRegionSpec::kHandleBytes));
+  }
+  LAPROX_RETURN_IF_ERROR(CanonicalDeviceUuid(spec.device_uuid).status());
+  if (spec.offset < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda_ipc.offset = ", spec.offset, " is negative"));
+  }
+  if (spec.byte_size <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda_ipc.byte_size = ", spec.byte_size, " must be positive"));
+  }
+  if (spec.offset > std::numeric_limits<int64_t>::max() - spec.byte_size) {
+    return absl::OutOfRangeError(absl::StrCat("cuda_ipc.offset + byte_size = ", spec.offset,
+                                              " + ", spec.byte_size, " overflows int64"));
+  }
+  return ImportCudaIpcImpl(spec);
+}
+
+absl::StatusOr<std::unique_ptr<ImportedRegion>> Backend::ImportCudaIpcImpl(
+    const CudaIpcRegionSpec&) {
+  return absl::UnimplementedError(absl::StrCat("cuda_ipc regions need the CUDA backend; this is the ",
+                                               BackendKindName(kind()), " backend"));
+}
+
+absl::Status Backend::CopyToRegion(void* dst, MemorySpace space, const void* src, int64_t bytes) {
+  if (space != MemorySpace::kHost) {
+    return absl::UnimplementedError(absl::StrCat("the ", BackendKindName(kind()),
+                                                 " backend cannot write device memory"));
+  }
+  if (bytes > 0) std::memcpy(dst, src, static_cast<size_t>(bytes));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> CanonicalDeviceUuid(absl::string_view uuid) {
+  absl::string_view bare = uuid;
+  if (absl::StartsWithIgnoreCase(bare, "GPU-")) bare.remove_prefix(4);
+  bool ok = bare.size() == 36;
+  std::string out = "GPU-";
+  for (size_t i = 0; ok && i < bare.size(); ++i) {
+    const char c = bare[i];
+    if (i == 8 || i == 13 || i == 18 || i == 23) {
+      ok = c == '-';
+    } else {
+      ok = absl::ascii_isxdigit(static_cast<unsigned char>(c));
+    }
+    out.push_back(absl::ascii_tolower(static_cast<unsigned char>(c)));
+  }
+  if (!ok) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "device_uuid \"", absl::CEscape(uuid.substr(0, 64)),
+        "\" is not a GPU UUID (expected GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, hex digits)"));
+  }
+  return out;
 }
 
 }  // namespace laprox::kernels

@@ -1,13 +1,44 @@
 #include "cuda/cuda_backend.h"
 
+#include <chrono>
+#include <cstdio>
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "cuda/cuda_status.h"
 #include "cuda/device_query.h"
+#include "cuda/ipc.h"
+#include "cuda/prepare.h"
 
 namespace laprox::kernels::cuda {
+namespace {
 
-absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
+// Errors after which the CUDA context cannot be used again (the CUDA runtime documents these
+// as leaving the process in an inconsistent state until it exits).
+bool IsSticky(cudaError_t error) {
+  switch (error) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorHardwareStackError:
+    case cudaErrorAssert:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorECCUncorrectable:
+    case cudaErrorContextIsDestroyed:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device,
+                                                                 KernelVersion kernels) {
   int count = 0;
   LAPROX_RETURN_IF_ERROR(CudaStatus(CountDevices(&count), "cudaGetDeviceCount"));
   if (device < 0 || device >= count) {
@@ -15,27 +46,173 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device) {
         absl::StrCat("CUDA device ", device, " does not exist (", count, " devices)"));
   }
   LAPROX_RETURN_IF_ERROR(CudaStatus(ProbeDevice(device), "probing the CUDA device"));
-  return std::unique_ptr<CudaBackend>(new CudaBackend(device));
+  DeviceContext context;
+  context.device = device;
+  LAPROX_RETURN_IF_ERROR(CudaStatus(
+      cudaDeviceGetAttribute(&context.multiprocessors, cudaDevAttrMultiProcessorCount, device),
+      "cudaDeviceGetAttribute"));
+  LAPROX_RETURN_IF_ERROR(CudaStatus(
+      cudaStreamCreateWithFlags(&context.stream, cudaStreamNonBlocking), "cudaStreamCreate"));
+  if (cublasCreate(&context.cublas) != CUBLAS_STATUS_SUCCESS) {
+    cudaStreamDestroy(context.stream);
+    return absl::InternalError("cublasCreate failed");
+  }
+  // Plans must match the CPU backend's fp32 arithmetic: no TF32 or reduced-precision shortcuts.
+  if (cublasSetStream(context.cublas, context.stream) != CUBLAS_STATUS_SUCCESS ||
+      cublasSetMathMode(context.cublas, CUBLAS_PEDANTIC_MATH) != CUBLAS_STATUS_SUCCESS) {
+    cublasDestroy(context.cublas);
+    cudaStreamDestroy(context.stream);
+    return absl::InternalError("configuring the cuBLAS handle failed");
+  }
+  return std::unique_ptr<CudaBackend>(new CudaBackend(context, kernels));
+}
+
+CudaBackend::CudaBackend(DeviceContext context, KernelVersion kernels)
+    : context_(context), kernels_(kernels), v0_(NewScorerV0()), v1_(NewScorerV1()) {}
+
+CudaBackend::~CudaBackend() {
+  cudaSetDevice(context_.device);
+  cublasDestroy(context_.cublas);
+  cudaStreamDestroy(context_.stream);
 }
 
 std::string CudaBackend::Describe() const {
   cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, device_) != cudaSuccess) {
-    return absl::StrCat("cuda: device ", device_);
+  const std::string kernels = kernels_ == KernelVersion::kV1 ? "v1" : "v0";
+  if (cudaGetDeviceProperties(&prop, context_.device) != cudaSuccess) {
+    return absl::StrCat("cuda: device ", context_.device, ", kernels ", kernels);
   }
-  return absl::StrCat("cuda: device ", device_, " ", prop.name, " (sm_", prop.major, prop.minor,
-                      ")");
+  return absl::StrCat("cuda: device ", context_.device, " ", prop.name, " (sm_", prop.major,
+                      prop.minor, "), kernels ", kernels);
+}
+
+std::vector<DeviceDescription> CudaBackend::Devices() const { return ListDevices(context_.device); }
+
+absl::Status CudaBackend::Health() const {
+  absl::MutexLock lock(&mu_);
+  return sticky_;
+}
+
+absl::Status CudaBackend::Track(absl::Status status) {
+  if (!sticky_.ok()) return sticky_;
+  if (status.ok()) return status;
+  // A failed stage may have left a sticky error behind; the next synchronisation reports it.
+  const cudaError_t error = cudaStreamSynchronize(context_.stream);
+  if (IsSticky(error)) {
+    sticky_ = absl::UnavailableError(absl::StrCat(
+        "the CUDA context of device ", context_.device, " is unusable after ",
+        cudaGetErrorName(error), " (", status.message(), "); restart laproxd"));
+    std::fprintf(stderr, "laproxd: %s\n", sticky_.ToString().c_str());
+    return sticky_;
+  }
+  return status;
+}
+
+absl::Status CudaBackend::StageToDevice(std::vector<TensorView*> views) {
+  WorkspaceLayout layout;
+  std::vector<size_t> offsets(views.size(), 0);
+  std::vector<size_t> bytes(views.size(), 0);
+  for (size_t i = 0; i < views.size(); ++i) {
+    const TensorView& v = *views[i];
+    if (v.empty() || v.space() == MemorySpace::kDevice) continue;
+    int64_t extent = 0;
+    LAPROX_RETURN_IF_ERROR(v.ElementExtent(&extent));
+    bytes[i] = static_cast<size_t>(extent) * DTypeSize(v.dtype());
+    offsets[i] = layout.Add<std::byte>(bytes[i]);
+  }
+  if (layout.total() == 0) return absl::OkStatus();
+  LAPROX_RETURN_IF_ERROR(
+      CudaStatus(staging_.Reserve(layout.total()), "allocating the input staging buffer"));
+  for (size_t i = 0; i < views.size(); ++i) {
+    TensorView& v = *views[i];
+    if (v.empty() || v.space() == MemorySpace::kDevice) continue;
+    std::byte* dst = staging_.as<std::byte>() + offsets[i];
+    LAPROX_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(dst, v.data(), bytes[i], cudaMemcpyHostToDevice, context_.stream),
+        "copying an input to the device"));
+    v = TensorView(dst, v.dtype(), v.shape(), v.strides(), MemorySpace::kDevice);
+  }
+  return CudaStatus(cudaStreamSynchronize(context_.stream), "copying inputs to the device");
 }
 
 absl::StatusOr<std::shared_ptr<const PreparedModel>> CudaBackend::PrepareModelImpl(
-    const ModelGeometry&, absl::Span<const TensorView>, const PrepareOptions&) {
-  return absl::UnimplementedError("the CUDA backend cannot prepare models yet; use --backend=cpu");
+    const ModelGeometry& geometry, absl::Span<const TensorView> o_proj,
+    const PrepareOptions& options) {
+  absl::MutexLock lock(&mu_);
+  LAPROX_RETURN_IF_ERROR(sticky_);
+  LAPROX_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(context_.device), "cudaSetDevice"));
+  std::vector<TensorView> views(o_proj.begin(), o_proj.end());
+  std::vector<TensorView*> pointers;
+  for (TensorView& v : views) pointers.push_back(&v);
+  LAPROX_RETURN_IF_ERROR(Track(StageToDevice(pointers)));
+  absl::StatusOr<std::shared_ptr<CudaPreparedModel>> model =
+      PrepareFactors(context_, geometry, views, options);
+  LAPROX_RETURN_IF_ERROR(Track(model.status()));
+  return std::shared_ptr<const PreparedModel>(*std::move(model));
 }
 
-absl::StatusOr<KeepPlan> CudaBackend::ComputeKeepPlanImpl(const PreparedModel&,
-                                                          const KeepPlanRequest&,
-                                                          const PlanShape&) {
-  return absl::UnimplementedError("the CUDA backend cannot compute keep-plans yet");
+absl::StatusOr<KeepPlan> CudaBackend::ComputeKeepPlanImpl(const PreparedModel& model,
+                                                          const KeepPlanRequest& request,
+                                                          const PlanShape& shape) {
+  using Clock = std::chrono::steady_clock;
+  const auto& prepared = static_cast<const CudaPreparedModel&>(model);
+  absl::MutexLock lock(&mu_);
+  LAPROX_RETURN_IF_ERROR(sticky_);
+  const Clock::time_point started = Clock::now();
+  LAPROX_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(context_.device), "cudaSetDevice"));
+
+  std::vector<LayerInputs> layers = request.layers;
+  std::vector<TensorView*> views;
+  for (LayerInputs& layer : layers) {
+    for (TensorView* v : {&layer.keys, &layer.values, &layer.window_queries,
+                          &layer.window_attention, &layer.window_lse}) {
+      views.push_back(v);
+    }
+  }
+  LAPROX_RETURN_IF_ERROR(Track(StageToDevice(views)));
+  LAPROX_RETURN_IF_ERROR(Track(checker_.Check(context_, layers, shape)));
+
+  const size_t raw_bytes =
+      static_cast<size_t>(shape.num_layers) * shape.num_kv_heads * shape.n * sizeof(float);
+  LAPROX_RETURN_IF_ERROR(
+      Track(CudaStatus(raw_.Reserve(raw_bytes), "allocating the raw score buffer")));
+  const bool use_v1 =
+      kernels_ == KernelVersion::kV1 && v1_->Supports(shape, request.policy, layers);
+  Scorer& scorer = use_v1 ? *v1_ : *v0_;
+  LAPROX_RETURN_IF_ERROR(
+      Track(scorer.Score(context_, prepared, layers, shape, request.policy, raw_.as<float>())));
+  const Clock::time_point scored = Clock::now();
+
+  absl::StatusOr<KeepPlan> plan =
+      selector_.Select(context_, shape, request.policy, raw_.as<float>(), request.outputs,
+                       use_v1 ? SelectAlgorithm::kHistogram : SelectAlgorithm::kRadixSort);
+  LAPROX_RETURN_IF_ERROR(Track(plan.status()));
+  plan->timing.score_seconds = std::chrono::duration<double>(scored - started).count();
+  plan->timing.select_seconds =
+      std::chrono::duration<double>(Clock::now() - scored).count();
+  return plan;
+}
+
+absl::StatusOr<std::unique_ptr<ImportedRegion>> CudaBackend::ImportCudaIpcImpl(
+    const CudaIpcRegionSpec& spec) {
+  absl::MutexLock lock(&mu_);
+  LAPROX_RETURN_IF_ERROR(sticky_);
+  return ImportIpcRegion(context_.device, spec);
+}
+
+absl::Status CudaBackend::CopyToRegion(void* dst, MemorySpace space, const void* src,
+                                       int64_t bytes) {
+  if (space == MemorySpace::kHost) return Backend::CopyToRegion(dst, space, src, bytes);
+  absl::MutexLock lock(&mu_);
+  LAPROX_RETURN_IF_ERROR(sticky_);
+  if (bytes <= 0) return absl::OkStatus();
+  LAPROX_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(context_.device), "cudaSetDevice"));
+  LAPROX_RETURN_IF_ERROR(Track(CudaStatus(
+      cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice,
+                      context_.stream),
+      "writing an output to a device region")));
+  return Track(CudaStatus(cudaStreamSynchronize(context_.stream),
+                          "writing an output to a device region"));
 }
 
 }  // namespace laprox::kernels::cuda

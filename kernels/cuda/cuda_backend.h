@@ -1,28 +1,54 @@
-// CudaBackend: keep-plans on the GPU that holds the engine's KV cache.
+// CudaBackend: keep-plans on the GPU that holds the engine's KV cache (DESIGN.md section 5).
 //
-// Status: skeleton. It discovers the device and reports itself, and answers UNIMPLEMENTED for
-// PrepareModel and ComputeKeepPlan until the kernels land (issue "CUDA backend and CUDA IPC
-// regions"). The CPU backend is the reference it will be tested against.
+// Reads keys, values and window queries straight from device memory (cuda_ipc regions the
+// service imported through ImportCudaIpc), or stages host views (shm regions, inline bytes) to
+// the device first. Every stage runs on one stream of the chosen device:
+//   InputChecker (check.h)   NaN/Inf and probability-row checks, the CPU backend's messages
+//   Scorer (scorer.h)        raw scores p: v0 (cuBLAS + simple kernels) or v1 (fused kernel)
+//   DeviceSelector (select.h) normalisation, allocation, selection, compaction
+// Implements LAPROX only; the baseline policies are UNIMPLEMENTED here (the CPU backend has
+// them). Requests are serialised by a mutex: one request uses the whole GPU.
+//
+// A device error never aborts the process: it becomes INTERNAL (or RESOURCE_EXHAUSTED when the
+// device is full). An error that leaves the CUDA context unusable (illegal address, launch
+// failure, ...) is sticky: Health() then reports UNAVAILABLE and every later request fails.
 #ifndef LAPROX_KERNELS_CUDA_CUDA_BACKEND_H_
 #define LAPROX_KERNELS_CUDA_CUDA_BACKEND_H_
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "cuda/check.h"
+#include "cuda/context.h"
+#include "cuda/device_buffer.h"
+#include "cuda/scorer.h"
+#include "cuda/select.h"
 #include "laprox/kernels/backend.h"
 
 namespace laprox::kernels::cuda {
 
+// Which kernels compute plans: v0 (cuBLAS, radix sort) or v1 (fused kernel, histogram select;
+// requests v1 cannot take — fp32 inputs, given window attention — run on v0).
+enum class KernelVersion { kV0, kV1 };
+
 class CudaBackend final : public Backend {
  public:
-  // UNAVAILABLE when `device` does not exist or cannot run a kernel.
-  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(int device);
+  // UNAVAILABLE when `device` does not exist or cannot run a kernel; INTERNAL when the stream
+  // or the cuBLAS handle cannot be created.
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(int device, KernelVersion kernels);
+  ~CudaBackend() override;
 
   BackendKind kind() const override { return BackendKind::kCuda; }
   std::string Describe() const override;
   // LAPROX only; the baselines are UNIMPLEMENTED here (use the CPU backend).
   bool Supports(PolicyKind kind) const override { return kind == PolicyKind::kLaprox; }
+  std::vector<DeviceDescription> Devices() const override;
+  absl::Status CopyToRegion(void* dst, MemorySpace space, const void* src,
+                            int64_t bytes) override;
+  absl::Status Health() const override;
 
  protected:
   bool CanRead(MemorySpace) const override { return true; }
@@ -32,10 +58,29 @@ class CudaBackend final : public Backend {
   absl::StatusOr<KeepPlan> ComputeKeepPlanImpl(const PreparedModel& model,
                                                const KeepPlanRequest& request,
                                                const PlanShape& shape) override;
+  absl::StatusOr<std::unique_ptr<ImportedRegion>> ImportCudaIpcImpl(
+      const CudaIpcRegionSpec& spec) override;
 
  private:
-  explicit CudaBackend(int device) : device_(device) {}
-  int device_;
+  CudaBackend(DeviceContext context, KernelVersion kernels);
+
+  // Copies every host view of `views` to staging_ and rewrites it as a device view (device
+  // views are left as they are). Synchronous.
+  absl::Status StageToDevice(std::vector<TensorView*> views) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Remembers `status` as the sticky failure when the CUDA context no longer works, and returns
+  // it (with the sticky cause added) either way.
+  absl::Status Track(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const DeviceContext context_;
+  const KernelVersion kernels_;
+  mutable absl::Mutex mu_;
+  absl::Status sticky_ ABSL_GUARDED_BY(mu_);
+  DeviceBuffer staging_ ABSL_GUARDED_BY(mu_);
+  DeviceBuffer raw_ ABSL_GUARDED_BY(mu_);
+  InputChecker checker_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<Scorer> v0_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<Scorer> v1_ ABSL_GUARDED_BY(mu_);
+  DeviceSelector selector_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace laprox::kernels::cuda

@@ -15,6 +15,7 @@
 #ifndef LAPROX_KERNELS_BACKEND_H_
 #define LAPROX_KERNELS_BACKEND_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -22,6 +23,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "laprox/kernels/geometry.h"
 #include "laprox/kernels/keep_plan.h"
@@ -75,6 +77,49 @@ struct LayerInputs {
   TensorView window_queries;    // [H, wq, d], post-RoPE queries of the last wq positions, or
   TensorView window_attention;  // [H, wq, n], softmax rows of those queries (give one of the two)
   TensorView window_lse;        // optional [H, wq], natural-log normaliser of each query row
+};
+
+// A CUDA allocation another process exported with cudaIpcGetMemHandle, to be opened by a
+// backend that reads device memory (DESIGN.md section 4, laprox.v1 CudaIpcRegion).
+struct CudaIpcRegionSpec {
+  std::string handle;       // the cudaIpcMemHandle_t bytes, exactly kHandleBytes
+  std::string device_uuid;  // "GPU-" + 36-character UUID (lower or upper case), or the bare UUID
+  int64_t offset = 0;       // bytes from the allocation's base to the region's first byte, >= 0
+  int64_t byte_size = 0;    // > 0; offset + byte_size <= the allocation's size
+
+  static constexpr size_t kHandleBytes = 64;
+};
+
+// Device memory a backend opened for the service (a cuda_ipc region). Closed when destroyed;
+// the owner destroys it only after every request that reads it has finished.
+class ImportedRegion {
+ public:
+  virtual ~ImportedRegion() = default;
+  ImportedRegion(const ImportedRegion&) = delete;
+  ImportedRegion& operator=(const ImportedRegion&) = delete;
+
+  // First byte of the region (spec.offset into the allocation) in `space()`.
+  std::byte* data() const { return data_; }
+  int64_t byte_size() const { return byte_size_; }
+  MemorySpace space() const { return MemorySpace::kDevice; }
+
+ protected:
+  ImportedRegion(std::byte* data, int64_t byte_size) : data_(data), byte_size_(byte_size) {}
+
+ private:
+  std::byte* data_;
+  int64_t byte_size_;
+};
+
+// One GPU as GetServerInfo reports it.
+struct DeviceDescription {
+  std::string uuid;  // "GPU-" + 36 lower-case characters, as nvidia-smi -L prints it
+  std::string name;  // "NVIDIA H200"
+  int32_t ordinal = 0;
+  int64_t total_memory_bytes = 0;
+  int32_t compute_capability_major = 0;
+  int32_t compute_capability_minor = 0;
+  bool active = false;  // the device this backend computes on
 };
 
 struct KeepPlanRequest {
@@ -135,6 +180,27 @@ class Backend {
   absl::StatusOr<KeepPlan> ComputeKeepPlan(const PreparedModel& model,
                                            const KeepPlanRequest& request);
 
+  // Opens a CUDA IPC allocation of another process on this backend's device, once; the region
+  // stays open until the returned object is destroyed. INVALID_ARGUMENT: handle not exactly
+  // 64 bytes, malformed UUID, negative offset or byte_size <= 0 (checked here, before the
+  // backend is asked); UNIMPLEMENTED: a backend without device memory (the CPU backend);
+  // NOT_FOUND: no visible device has that UUID; INVALID_ARGUMENT: the UUID names another
+  // device than the one this backend computes on, or the driver refuses the handle;
+  // OUT_OF_RANGE: offset + byte_size past the end of the allocation.
+  absl::StatusOr<std::unique_ptr<ImportedRegion>> ImportCudaIpc(const CudaIpcRegionSpec& spec);
+
+  // The GPUs this backend sees (empty for the CPU backend).
+  virtual std::vector<DeviceDescription> Devices() const { return {}; }
+
+  // Copies `bytes` host bytes to `dst` in `space` (a registered output region) and waits for
+  // the copy. UNIMPLEMENTED for a space the backend cannot write; INTERNAL on a device error.
+  virtual absl::Status CopyToRegion(void* dst, MemorySpace space, const void* src, int64_t bytes);
+
+  // OK while the backend can compute; UNAVAILABLE with the cause after a sticky device error
+  // (the CUDA context is unusable until the process restarts). The health service reports
+  // NOT_SERVING while it is not OK.
+  virtual absl::Status Health() const { return absl::OkStatus(); }
+
  protected:
   Backend() = default;
 
@@ -147,6 +213,10 @@ class Backend {
   virtual absl::StatusOr<KeepPlan> ComputeKeepPlanImpl(const PreparedModel& model,
                                                        const KeepPlanRequest& request,
                                                        const PlanShape& shape) = 0;
+  // Preconditions: handle size, UUID syntax, offset and byte_size checked. The default is
+  // UNIMPLEMENTED (no device memory).
+  virtual absl::StatusOr<std::unique_ptr<ImportedRegion>> ImportCudaIpcImpl(
+      const CudaIpcRegionSpec& spec);
 };
 
 // The checks ComputeKeepPlan runs before any data is read, exposed for callers (the service)
@@ -154,6 +224,10 @@ class Backend {
 absl::StatusOr<PlanShape> ValidateKeepPlanRequest(const ModelGeometry& geometry,
                                                   const PrepareOptions& prepared,
                                                   const KeepPlanRequest& request);
+
+// The UUID in the form DeviceDescription::uuid uses ("GPU-" + 36 lower-case characters) from
+// either accepted spelling, or INVALID_ARGUMENT naming the value.
+absl::StatusOr<std::string> CanonicalDeviceUuid(absl::string_view uuid);
 
 }  // namespace laprox::kernels
 

@@ -4,6 +4,7 @@
 #define LAPROX_KERNELS_REGISTRY_H_
 
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -14,6 +15,9 @@ namespace laprox::kernels {
 struct BackendOptions {
   int threads = 2;  // CPU worker threads over (layer, KV head) pairs; BLAS runs single-threaded
   int device = 0;   // CUDA device ordinal
+  // CUDA kernels: "v0" (cuBLAS GEMMs + simple kernels, radix-sort select) or "v1" (fused
+  // kernel, histogram select; requests it cannot take run on v0).
+  std::string cuda_kernels = "v0";
 };
 
 // Whether this build contains the CUDA backend.

@@ -1,0 +1,22 @@
+// DeviceContext: the device resources one CUDA request runs on, owned by CudaBackend and passed
+// to every stage explicitly (STYLE.md principle 4).
+#ifndef LAPROX_KERNELS_CUDA_CONTEXT_H_
+#define LAPROX_KERNELS_CUDA_CONTEXT_H_
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+namespace laprox::kernels::cuda {
+
+// Every stage enqueues its work on `stream` (cuBLAS is bound to it) and does not synchronise
+// unless its contract says so. The current device of the calling thread is `device`.
+struct DeviceContext {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  cublasHandle_t cublas = nullptr;
+  int multiprocessors = 0;  // SM count, for grid sizing
+};
+
+}  // namespace laprox::kernels::cuda
+
+#endif  // LAPROX_KERNELS_CUDA_CONTEXT_H_

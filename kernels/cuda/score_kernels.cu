@@ -1,0 +1,2 @@
+// Placeholder until the kernels land.
+namespace laprox::kernels::cuda {}
