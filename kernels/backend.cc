@@ -219,22 +219,22 @@ absl::StatusOr<std::unique_ptr<ImportedRegion>> Backend::ImportCudaIpc(
         absl::StrCat("cuda_ipc.byte_size = ", spec.byte_size, " must be positive"));
   }
   if (spec.offset > std::numeric_limits<int64_t>::max() - spec.byte_size) {
-    return absl::OutOfRangeError(absl::StrCat("cuda_ipc.offset + byte_size = ", spec.offset,
-                                              " + ", spec.byte_size, " overflows int64"));
+    return absl::OutOfRangeError(absl::StrCat("cuda_ipc.offset + byte_size = ", spec.offset, " + ",
+                                              spec.byte_size, " overflows int64"));
   }
   return ImportCudaIpcImpl(spec);
 }
 
 absl::StatusOr<std::unique_ptr<ImportedRegion>> Backend::ImportCudaIpcImpl(
     const CudaIpcRegionSpec&) {
-  return absl::UnimplementedError(absl::StrCat("cuda_ipc regions need the CUDA backend; this is the ",
-                                               BackendKindName(kind()), " backend"));
+  return absl::UnimplementedError(absl::StrCat(
+      "cuda_ipc regions need the CUDA backend; this is the ", BackendKindName(kind()), " backend"));
 }
 
 absl::Status Backend::CopyToRegion(void* dst, MemorySpace space, const void* src, int64_t bytes) {
   if (space != MemorySpace::kHost) {
-    return absl::UnimplementedError(absl::StrCat("the ", BackendKindName(kind()),
-                                                 " backend cannot write device memory"));
+    return absl::UnimplementedError(
+        absl::StrCat("the ", BackendKindName(kind()), " backend cannot write device memory"));
   }
   if (bytes > 0) std::memcpy(dst, src, static_cast<size_t>(bytes));
   return absl::OkStatus();

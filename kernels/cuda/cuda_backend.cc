@@ -99,9 +99,9 @@ absl::Status CudaBackend::Track(absl::Status status) {
   // A failed stage may have left a sticky error behind; the next synchronisation reports it.
   const cudaError_t error = cudaStreamSynchronize(context_.stream);
   if (IsSticky(error)) {
-    sticky_ = absl::UnavailableError(absl::StrCat(
-        "the CUDA context of device ", context_.device, " is unusable after ",
-        cudaGetErrorName(error), " (", status.message(), "); restart laproxd"));
+    sticky_ = absl::UnavailableError(absl::StrCat("the CUDA context of device ", context_.device,
+                                                  " is unusable after ", cudaGetErrorName(error),
+                                                  " (", status.message(), "); restart laproxd"));
     std::fprintf(stderr, "laproxd: %s\n", sticky_.ToString().c_str());
     return sticky_;
   }
@@ -188,8 +188,7 @@ absl::StatusOr<KeepPlan> CudaBackend::ComputeKeepPlanImpl(const PreparedModel& m
                        use_v1 ? SelectAlgorithm::kHistogram : SelectAlgorithm::kRadixSort);
   LAPROX_RETURN_IF_ERROR(Track(plan.status()));
   plan->timing.score_seconds = std::chrono::duration<double>(scored - started).count();
-  plan->timing.select_seconds =
-      std::chrono::duration<double>(Clock::now() - scored).count();
+  plan->timing.select_seconds = std::chrono::duration<double>(Clock::now() - scored).count();
   return plan;
 }
 
@@ -207,12 +206,11 @@ absl::Status CudaBackend::CopyToRegion(void* dst, MemorySpace space, const void*
   LAPROX_RETURN_IF_ERROR(sticky_);
   if (bytes <= 0) return absl::OkStatus();
   LAPROX_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(context_.device), "cudaSetDevice"));
-  LAPROX_RETURN_IF_ERROR(Track(CudaStatus(
-      cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice,
-                      context_.stream),
-      "writing an output to a device region")));
-  return Track(CudaStatus(cudaStreamSynchronize(context_.stream),
-                          "writing an output to a device region"));
+  LAPROX_RETURN_IF_ERROR(Track(CudaStatus(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes),
+                                                          cudaMemcpyHostToDevice, context_.stream),
+                                          "writing an output to a device region")));
+  return Track(
+      CudaStatus(cudaStreamSynchronize(context_.stream), "writing an output to a device region"));
 }
 
 }  // namespace laprox::kernels::cuda

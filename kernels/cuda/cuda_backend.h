@@ -46,8 +46,7 @@ class CudaBackend final : public Backend {
   // LAPROX only; the baselines are UNIMPLEMENTED here (use the CPU backend).
   bool Supports(PolicyKind kind) const override { return kind == PolicyKind::kLaprox; }
   std::vector<DeviceDescription> Devices() const override;
-  absl::Status CopyToRegion(void* dst, MemorySpace space, const void* src,
-                            int64_t bytes) override;
+  absl::Status CopyToRegion(void* dst, MemorySpace space, const void* src, int64_t bytes) override;
   absl::Status Health() const override;
 
  protected:

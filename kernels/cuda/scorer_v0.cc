@@ -6,11 +6,13 @@ namespace {
 class ScorerV0 final : public Scorer {
  public:
   absl::string_view name() const override { return "v0"; }
-  bool Supports(const PlanShape&, const PolicySpec&, const std::vector<LayerInputs>&) const override {
+  bool Supports(const PlanShape&, const PolicySpec&,
+                const std::vector<LayerInputs>&) const override {
     return true;
   }
-  absl::Status Score(const DeviceContext&, const CudaPreparedModel&, const std::vector<LayerInputs>&,
-                     const PlanShape&, const PolicySpec&, float*) override {
+  absl::Status Score(const DeviceContext&, const CudaPreparedModel&,
+                     const std::vector<LayerInputs>&, const PlanShape&, const PolicySpec&,
+                     float*) override {
     return absl::UnimplementedError("ScorerV0: not written yet");
   }
 };
