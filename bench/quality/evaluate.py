@@ -71,6 +71,17 @@ LAPROX_METHODS = [
     ("CriticalAdaKV", {"kind": "critical_adakv"}),
     ("CAKE", {"kind": "cake"}),
 ]
+# Variants of LaProx that change what it shares with the SnapKV family, to find out why SnapKV
+# and AdaKV beat it on KL from B = 128 (--investigate adds them; see RESULTS.md "Investigation").
+INVESTIGATE_METHODS = [
+    ("LaProx w=64", {"window": 64}),
+    ("LaProx sinks=4", {"sinks": 4}),
+    ("LaProx pool=5", {"pool_kernel": 5}),
+    ("LaProx w=64 pool=5", {"window": 64, "pool_kernel": 5}),
+    ("LaProx gqa=product w=64", {"gqa_value": "mean_head_product", "window": 64}),
+    ("LaProx A w=64", {"indicator": "attention", "window": 64}),
+    ("LaProx per-layer w=64", {"allocation": "per_layer", "window": 64}),
+]
 KVPRESS_METHODS = ["kvpress SnapKV", "kvpress AdaKV", "kvpress CriticalKV",
                    "kvpress StreamingLLM", "kvpress PyramidKV"]
 
@@ -389,6 +400,8 @@ def main() -> int:
     ap.add_argument("--cont", type=int, help="override the continuation tokens")
     ap.add_argument("--methods", help="comma-separated substrings selecting methods (debug)")
     ap.add_argument("--budgets", help="comma-separated budgets (debug)")
+    ap.add_argument("--investigate", action="store_true",
+                    help="add the LaProx variants of INVESTIGATE_METHODS (window, sinks, pool)")
     args = ap.parse_args()
     mode_name = "quick" if args.quick else "full"
     mode = dict(MODES[mode_name])
@@ -406,7 +419,7 @@ def main() -> int:
     custom = any(v is not None for v in (args.docs, args.lengths, args.needle_docs,
                                          args.needle_sources,
                                          args.needle_len, args.methods, args.budgets,
-                                         args.cont))
+                                         args.cont, args.investigate or None))
     if custom:
         mode_name += "-custom"
     torch.set_num_threads(args.threads)
@@ -427,6 +440,8 @@ def main() -> int:
     model_id = lhf.register_model(client, model, name="SmolLM2-135M-Instruct",
                                   prepare_cross_grams=True)
     geometry = lhf.geometry(model)
+    if args.investigate:
+        LAPROX_METHODS.extend(INVESTIGATE_METHODS)
     methods = [m for m, _ in LAPROX_METHODS] + KVPRESS_METHODS
     if args.methods:
         wanted = [w.strip().lower() for w in args.methods.split(",")]
