@@ -22,7 +22,8 @@ constexpr uint64_t kMaxBlocks = 1u << 16;  // grid-stride loops cover the rest
 constexpr uint64_t kSentinel = ~uint64_t{0};
 constexpr uint32_t kHistogramTile = 4096;  // candidates per block and histogram pass
 
-enum SelectMode : int32_t { kSearching = 0, kNone = 1, kAll = 2, kThreshold = 3 };
+// kThreshold: select the eligible keys whose bits at and above `shift` are <= the prefix's.
+enum SelectMode : int32_t { kSearching = 0, kNone = 1, kThreshold = 2 };
 
 unsigned BlocksFor(uint64_t items) {
   const uint64_t blocks = (items + kThreads - 1) / kThreads;
@@ -332,7 +333,8 @@ __global__ void SelectFindBinKernel(uint64_t segments, int shift,
     uint64_t total = 0;
     for (int d = 0; d < 256; ++d) total += bins[d];
     if (state.remaining >= total) {
-      // Every key matching the prefix is wanted (k >= eligible on the first pass).
+      // Every key matching the prefix is wanted (k >= eligible on the first pass, where the
+      // threshold shift is the key width: everything eligible).
       state.mode = kThreshold;
       state.shift = shift + 8;
     } else {
@@ -364,12 +366,11 @@ __global__ void SelectMarkKernel(SelectGeometry g, const float* __restrict__ sco
        j64 += uint64_t{gridDim.x} * blockDim.x) {
     const RadixSelectState state = states[j64 / segment_size];
     // kSearching cannot remain after the last pass (keys are unique); it selects nothing.
-    if (state.mode != kAll && state.mode != kThreshold) continue;
+    if (state.mode != kThreshold) continue;
     const uint32_t j = static_cast<uint32_t>(j64);
     const uint32_t f = CandidateFlat(g, j);
     if (kept[f] != 0) continue;  // not eligible; only this thread touches kept[f]
-    if (state.mode == kAll ||
-        HighBitsAtMost(SelectionKey(scores[f], j, index_bits), state.prefix, state.shift)) {
+    if (HighBitsAtMost(SelectionKey(scores[f], j, index_bits), state.prefix, state.shift)) {
       kept[f] = 1;
     }
   }

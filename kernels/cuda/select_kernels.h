@@ -105,7 +105,7 @@ struct RadixSelectState {
   uint64_t prefix = 0;     // key bits resolved so far (bits >= shift)
   uint32_t remaining = 0;  // rank (1-based) of the wanted key among keys matching prefix
   int32_t shift = 0;       // lowest resolved bit
-  int32_t mode = 0;        // searching / none / all / threshold (select_kernels.cu)
+  int32_t mode = 0;        // searching / none / threshold (select_kernels.cu)
   int32_t unused = 0;
 };
 
