@@ -143,6 +143,18 @@ __device__ __forceinline__ void IssueTile(T* smem, const T* base, int64_t head_o
   }
 }
 
+// One factor term [kD][kD] (global, contiguous) into smem [kD][kD+8]; the 16x16 blocks below the
+// diagonal are zero and never read by the MMA loop, so they are not copied.
+template <typename T, int kD>
+__device__ __forceinline__ void IssueFactorTerm(T* smem, const T* term) {
+  constexpr int kChunks = kD / 8;
+  for (int idx = threadIdx.x; idx < kD * kChunks; idx += kThreads) {
+    const int row = idx / kChunks, chunk = idx % kChunks;
+    if (row / 16 > chunk / 2) continue;  // block (row / 16, column block chunk / 2) below diagonal
+    CpAsync16(smem + row * (kD + 8) + chunk * 8, term + row * kD + chunk * 8, 16);
+  }
+}
+
 // Queries of KV group g into smem [Rp][kD+8] in the padded t-major row layout (zeros on padding).
 template <typename T, int kD>
 __device__ void LoadQueries(T* qs, const FusedLayerArgs& a, int g, int gp, int rp) {
@@ -233,10 +245,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       IssueTile<T, kD>(vts, values, g * a.value_head_stride, a.value_token_stride, tok0, prefix);
     }
     if (projected) {
-      for (int idx = threadIdx.x; idx < kD * kD / 8; idx += kThreads) {
-        const int row = idx / (kD / 8), chunk = idx % (kD / 8);
-        CpAsync16(ms + row * kRow + chunk * 8, head_factors + row * kD + chunk * 8, 16);
-      }
+      IssueFactorTerm<T, kD>(ms, head_factors);
     }
     CpAsyncCommit();
     CpAsyncWait<0>();
@@ -314,10 +323,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (chunk + 1 < chunks) {
           T* dst = ms + ((chunk + 1) & 1) * kD * kRow;
           const T* src = head_factors + static_cast<int64_t>(chunk + 1) * kD * kD;
-          for (int idx = threadIdx.x; idx < kD * kD / 8; idx += kThreads) {
-            const int row = idx / (kD / 8), c8 = idx % (kD / 8);
-            CpAsync16(dst + row * kRow + c8 * 8, src + row * kD + c8 * 8, 16);
-          }
+          IssueFactorTerm<T, kD>(dst, src);
           CpAsyncCommit();
           CpAsyncWait<1>();
         } else {
@@ -529,7 +535,8 @@ __global__ void __launch_bounds__(kThreads)
   float biggest = 0.f;
   for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) biggest = fmaxf(biggest, maxima[w]);
   int exponent = 0;
-  if (biggest > 0.f && isfinite(biggest)) exponent = ilogbf(biggest);  // biggest in [2^e, 2^e+1)
+  // biggest in [2^e, 2^(e+1)); e clamped so that 2^-e stays a finite normal float.
+  if (biggest > 0.f && isfinite(biggest)) exponent = max(ilogbf(biggest), -126);
   const float scale = ldexpf(1.f, -exponent);
   if (threadIdx.x == 0) inv_scale[blockIdx.x] = ldexpf(1.f, exponent);
   T* dst = out + static_cast<int64_t>(blockIdx.x) * kFactorTerms * elements;

@@ -27,14 +27,18 @@
 // (3.6 ms at 4.8 TB/s), Q.K^T is 2.2 TFLOP and the G quadratic forms 4.4 TFLOP dense, 2.5 TFLOP
 // triangular; fp32 CUDA cores (~67 TFLOP/s) would need > 35 ms, bf16 tensor cores with the
 // 3-term split ~7.4 TFLOP + 2.2 = 9.6 TFLOP, ~10 ms at the 990 TFLOP/s peak (mma.sync reaches
-// less). So this scorer is compute bound at that geometry, not bandwidth bound; a 2-term split
-// (error < 2^-17) would cut the V.M work by a third.
+// less; pass 1 adds another 2.2 TFLOP without window_lse). So this scorer is compute bound at that
+// geometry, not bandwidth bound; a 2-term split (error < 2^-17) would cut the V.M work by a third.
 //
-// Memory traffic per layer (HBM): K read twice without window_lse (pass 1 and pass 2), once with
-// it; V once; Q once per CTA (L2); the split factors (L * Hkv * G * 3 * d^2 * 2 B = 25 MB/layer
-// at Llama geometry... per layer 3 MB) are streamed from L2 by every CTA for every token tile;
-// c and r are 8 B per token (written once, read once by the pool kernel); p 4 B per token.
-// Relative to the floor (K + V once): about 1.0x with window_lse, 1.5x without.
+// Memory traffic (HBM): K read twice without window_lse (pass 1 over [0, n), pass 2 over the
+// candidates [0, n - we)), once with it; V once; everything else is small: Q once per CTA, c and
+// r 8 B per token (written once, read once by the pool kernel), p 4 B per token, the split
+// factors 3 * blocks * d^2 * 2 B per (layer, KV head) (3 MB per Llama layer). Relative to the
+// floor (K + V once, 17.2 GB at Llama geometry / 128K): ~1.0x with window_lse, ~1.5x without.
+// L2 -> SM: every CTA streams the upper-triangular blocks of the split factor terms for every
+// 128-token tile (G * 3 * 0.56 * d^2 * 2 B = 221 KB per tile at Llama geometry, 3.4x the tile's
+// K + V bytes); with the FLOPs above this makes v1 compute / L2 bound, not HBM bound, at that
+// geometry (estimate ~10-15 ms at 128K vs the 3.6 ms floor; unmeasured).
 //
 // Determinism: no atomics; every reduction has a fixed order for a given grid, and the grid
 // depends only on the shapes and the device's SM count (same device, same bits).
