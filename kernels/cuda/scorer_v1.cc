@@ -1,5 +1,14 @@
 // The v1 scorer: per layer a factor split, the window LSE (given or pass 1), the fused pass and
 // the pooling kernel, all on context.stream (kernel design in fused_kernels.h / .cu).
+//
+// Supports: LAPROX with window_queries (not window_attention), keys / values / queries all bf16
+// or all fp16 in device memory, keys and values [Hkv, n, d] with unit innermost stride and
+// 16-byte aligned rows, any query strides, head_dim 64 or 128, G <= 16, the padded window rows
+// fitting shared memory (Gp = G rounded up to a power of two; d = 128: Gp * we <= 336, e.g. G 4
+// with w <= 84; d = 64: Gp * we <= 976),
+// indicator ATTENTION, ATTENTION_X_VALUE, or ATTENTION_X_PROJECTED_VALUE with MEAN_HEAD_NORM or
+// SUMMED_PROJECTION; any pooling, kernel, sinks, allocation; window_lse (any dtype) or not.
+// Everything else (MEAN_HEAD_PRODUCT, EXACT_BLOCK, fp32 inputs, ...) runs on v0.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
