@@ -17,7 +17,14 @@ namespace {
 constexpr double kRowSumTolerance = 1e-2;
 constexpr unsigned long long kNothingFound = ~0ull;
 
-// The tensors of a layer in the order their errors are reported.
+// The tensors of a layer in the order their errors are reported (check.h): lowest layer, then
+// keys, values, window_queries / window_attention, window_lse, then the lowest element in
+// row-major order (window_attention: the first bad row, and within it a non-finite value before
+// a negative one before a wrong sum, as the CPU reads a row). With a single bad value the
+// message is the CPU backend's word for word. With several, the CPU reports the first of its
+// (layer, KV head) tasks and, within one, reads queries (or attention rows), the LSE, keys, then
+// values, so it may name a different one: both are valid answers, and a one-pass device check
+// in the CPU's order would need a (layer, KV head)-major key for every tensor.
 enum Slot : int { kKeys = 0, kValues = 1, kWindow = 2, kLse = 3, kSlots = 4 };
 
 CheckedTensor ToChecked(const TensorView& view) {
@@ -115,7 +122,9 @@ absl::Status InputChecker::Check(const DeviceContext& context,
   if (shape.attention_given) {
     // Keys of the attention rows must fit the 64-bit key space (kind and column included).
     unsigned long long keys = 0;
-    if (__builtin_mul_overflow(static_cast<unsigned long long>(H * wq), 3ull * shape.n, &keys)) {
+    if (__builtin_mul_overflow(
+            static_cast<unsigned long long>(H) * static_cast<unsigned long long>(wq),
+            3ull * static_cast<unsigned long long>(shape.n), &keys)) {
       return absl::InvalidArgumentError("window_attention is too large to check");
     }
   }
