@@ -20,4 +20,12 @@ absl::Status CudaStatus(cudaError_t error, absl::string_view context) {
   }
 }
 
+absl::Status CublasStatus(cublasStatus_t status, absl::string_view context) {
+  if (status == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
+  const std::string message =
+      absl::StrCat(context, ": ", cublasGetStatusName(status), ": ", cublasGetStatusString(status));
+  if (status == CUBLAS_STATUS_ALLOC_FAILED) return absl::ResourceExhaustedError(message);
+  return absl::InternalError(message);
+}
+
 }  // namespace laprox::kernels::cuda
