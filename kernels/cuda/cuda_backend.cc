@@ -1,6 +1,7 @@
 #include "cuda/cuda_backend.h"
 
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <utility>
 
@@ -33,6 +34,19 @@ bool IsSticky(cudaError_t error) {
     default:
       return false;
   }
+}
+
+// A device view whose first element is not aligned to its element size would make the kernels
+// fault with cudaErrorMisalignedAddress, which poisons the CUDA context: refuse it up front.
+// (Element strides keep every element aligned once the first one is.)
+absl::Status CheckAligned(const TensorView& view, absl::string_view name) {
+  if (view.empty() || view.space() != MemorySpace::kDevice) return absl::OkStatus();
+  const auto address = reinterpret_cast<uintptr_t>(view.data());
+  const size_t size = DTypeSize(view.dtype());
+  if (address % size == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(name, " starts at a device address that is not a ",
+                                                 "multiple of its ", size, "-byte element size (",
+                                                 "address % ", size, " = ", address % size, ")"));
 }
 
 }  // namespace
@@ -141,6 +155,9 @@ absl::StatusOr<std::shared_ptr<const PreparedModel>> CudaBackend::PrepareModelIm
   absl::MutexLock lock(&mu_);
   LAPROX_RETURN_IF_ERROR(sticky_);
   LAPROX_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(context_.device), "cudaSetDevice"));
+  for (size_t l = 0; l < o_proj.size(); ++l) {
+    LAPROX_RETURN_IF_ERROR(CheckAligned(o_proj[l], absl::StrCat("o_proj[", l, "]")));
+  }
   std::vector<TensorView> views(o_proj.begin(), o_proj.end());
   std::vector<TensorView*> pointers;
   for (TensorView& v : views) pointers.push_back(&v);
@@ -161,6 +178,15 @@ absl::StatusOr<KeepPlan> CudaBackend::ComputeKeepPlanImpl(const PreparedModel& m
   const Clock::time_point started = Clock::now();
   LAPROX_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(context_.device), "cudaSetDevice"));
 
+  for (size_t l = 0; l < request.layers.size(); ++l) {
+    const LayerInputs& in = request.layers[l];
+    const std::string prefix = absl::StrCat("layers[", l, "].");
+    LAPROX_RETURN_IF_ERROR(CheckAligned(in.keys, prefix + "keys"));
+    LAPROX_RETURN_IF_ERROR(CheckAligned(in.values, prefix + "values"));
+    LAPROX_RETURN_IF_ERROR(CheckAligned(in.window_queries, prefix + "window_queries"));
+    LAPROX_RETURN_IF_ERROR(CheckAligned(in.window_attention, prefix + "window_attention"));
+    LAPROX_RETURN_IF_ERROR(CheckAligned(in.window_lse, prefix + "window_lse"));
+  }
   std::vector<LayerInputs> layers = request.layers;
   std::vector<TensorView*> views;
   for (LayerInputs& layer : layers) {
