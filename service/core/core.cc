@@ -104,8 +104,9 @@ absl::Status WriteOutput(kernels::Backend& backend, const MappedRegion& region, 
                                                    " bytes"));
   }
   absl::Status s = backend.CopyToRegion(*slice, region.space(), values.data(), bytes);
-  if (!s.ok())
+  if (!s.ok()) {
     return absl::Status(s.code(), absl::StrCat("outputs.destination.", field, ": ", s.message()));
+  }
   return absl::OkStatus();
 }
 
@@ -233,9 +234,12 @@ absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call
   if (destination == nullptr) return plan;
   const OutputDestination& to = *call.destination;
   absl::Status s;
-  if (to.counts) s.Update(WriteOutput(*backend_, *destination, *to.counts, plan->counts, "counts"));
-  if (to.offsets)
+  if (to.counts) {
+    s.Update(WriteOutput(*backend_, *destination, *to.counts, plan->counts, "counts"));
+  }
+  if (to.offsets) {
     s.Update(WriteOutput(*backend_, *destination, *to.offsets, plan->offsets, "offsets"));
+  }
   if (to.positions) {
     s.Update(WriteOutput(*backend_, *destination, *to.positions, plan->positions, "positions"));
     plan->positions.clear();

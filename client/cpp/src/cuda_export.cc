@@ -103,8 +103,9 @@ absl::StatusOr<CudaIpcExport> ExportCudaBuffer(const void* device_ptr, int64_t b
                      allocation_bytes, " bytes of the allocation that holds device_ptr"));
   }
   cudaIpcMemHandle_t handle;
-  if (cudaError_t e = cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base));
-      e != cudaSuccess) {
+  // The base as a pointer derived from device_ptr (not cast back from the integer).
+  void* base_ptr = const_cast<std::byte*>(static_cast<const std::byte*>(device_ptr) - offset);
+  if (cudaError_t e = cudaIpcGetMemHandle(&handle, base_ptr); e != cudaSuccess) {
     cudaGetLastError();
     return CudaError(e, "cudaIpcGetMemHandle");
   }
