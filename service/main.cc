@@ -32,6 +32,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "laprox/kernels/registry.h"
 #include "service/core/core.h"
 #include "service/core/work_queue.h"
@@ -50,10 +51,14 @@ ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
 ABSL_FLAG(std::string, health_listen, "",
           "serve only grpc.health.v1 on this TCP address, for probes (host:port; port 0 picks "
           "one and prints it): service \"\" is SERVING while laproxd runs, service "
-          "\"laprox.v1.Laprox\" only while a model is registered");
+          "\"laprox.v1.Laprox\" only while a model is registered; both are NOT_SERVING after a "
+          "fatal (sticky) CUDA error");
 ABSL_FLAG(std::string, backend, "auto", "compute backend: auto, cpu or cuda");
 ABSL_FLAG(int, threads, 2, "CPU backend worker threads per request");
 ABSL_FLAG(int, device, 0, "CUDA device ordinal (cuda backend)");
+ABSL_FLAG(std::string, cuda_kernels, "v0",
+          "cuda backend kernels: v0 (cuBLAS GEMMs, radix-sort select) or v1 (fused kernel, "
+          "histogram select; requests it cannot take run on v0)");
 ABSL_FLAG(int, workers, 2, "requests computed concurrently");
 ABSL_FLAG(int64_t, max_pending, 64,
           "requests waiting beyond those running (then RESOURCE_EXHAUSTED)");
@@ -124,9 +129,15 @@ int main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
-  auto backend = laprox::kernels::CreateBackend(
-      absl::GetFlag(FLAGS_backend),
-      {.threads = absl::GetFlag(FLAGS_threads), .device = absl::GetFlag(FLAGS_device)});
+  const std::string cuda_kernels = absl::GetFlag(FLAGS_cuda_kernels);
+  if (cuda_kernels != "v0" && cuda_kernels != "v1") {
+    std::fprintf(stderr, "laproxd: --cuda_kernels=%s is not one of v0, v1\n", cuda_kernels.c_str());
+    return 1;
+  }
+  auto backend = laprox::kernels::CreateBackend(absl::GetFlag(FLAGS_backend),
+                                                {.threads = absl::GetFlag(FLAGS_threads),
+                                                 .device = absl::GetFlag(FLAGS_device),
+                                                 .cuda_kernels = cuda_kernels});
   if (!backend.ok()) {
     std::fprintf(stderr, "laproxd: %s\n", backend.status().ToString().c_str());
     return 1;
@@ -138,12 +149,16 @@ int main(int argc, char** argv) {
                                                            absl::GetFlag(FLAGS_max_pending));
 
   const laprox::kernels::Backend& compute = core.backend();
+  std::string active_device;
+  for (const laprox::kernels::DeviceDescription& d : compute.Devices()) {
+    if (d.active) active_device = d.uuid;
+  }
   laprox::service::Metrics metrics(
       std::make_shared<prometheus::Registry>(),
       {.version = kVersion,
        .backend = compute.kind() == laprox::kernels::BackendKind::kCuda ? "cuda" : "cpu",
        .backend_description = compute.Describe(),
-       .device = "",
+       .device = active_device,
        .max_regions = core.limits().max_regions,
        .max_models = core.limits().max_models,
        .snapshot = [&core] {
@@ -171,12 +186,33 @@ int main(int argc, char** argv) {
   }
 
   // Health: "" is SERVING while the server runs; kReadinessService while a model is registered.
+  // After a sticky backend error (the CUDA context is unusable until a restart) both are
+  // NOT_SERVING for good, so the orchestrator restarts the pod.
   std::vector<grpc::HealthCheckServiceInterface*> health;
-  auto set_ready = [&health, &metrics](int64_t models) {
+  absl::Mutex health_mu;
+  bool backend_failed = false;  // guarded by health_mu
+  int64_t models_now = 0;       // guarded by health_mu
+  auto publish = [&]() {        // with health_mu held
+    const bool ready = models_now > 0 && !backend_failed;
     for (grpc::HealthCheckServiceInterface* h : health) {
-      h->SetServingStatus(kReadinessService, models > 0);
+      h->SetServingStatus(kReadinessService, ready);
+      if (backend_failed) h->SetServingStatus("", false);
     }
-    metrics.SetReady(models > 0);
+    metrics.SetReady(ready);
+    if (backend_failed) metrics.SetServing(false);
+  };
+  auto set_ready = [&](int64_t models) {
+    absl::MutexLock lock(&health_mu);
+    models_now = models;
+    publish();
+  };
+  auto backend_unhealthy = [&](const absl::Status& cause) {
+    absl::MutexLock lock(&health_mu);
+    if (backend_failed) return;
+    backend_failed = true;
+    std::fprintf(stderr, "laproxd: the backend failed for good, health is NOT_SERVING: %s\n",
+                 cause.ToString().c_str());
+    publish();
   };
   // Protobuf cannot serialise a message of 2 GiB or more, whatever gRPC allows.
   constexpr int64_t kMaxResponseBytes = (int64_t{1} << 31) - 1;
@@ -184,6 +220,7 @@ int main(int argc, char** argv) {
       core, *work, kVersion,
       {.metrics = &metrics,
        .models_changed = set_ready,
+       .backend_unhealthy = backend_unhealthy,
        .max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes),
        .max_response_bytes = kMaxResponseBytes});
 
@@ -213,7 +250,10 @@ int main(int argc, char** argv) {
   if (!socket.empty() && chmod(socket.c_str(), 0660) != 0) {
     std::perror("laproxd: chmod of the socket");
   }
-  health.push_back(server->GetHealthCheckService());
+  {
+    absl::MutexLock lock(&health_mu);
+    health.push_back(server->GetHealthCheckService());
+  }
 
   // A second server with only the health service, so a probe port exposes nothing else.
   std::unique_ptr<grpc::Server> health_server;
@@ -229,10 +269,11 @@ int main(int argc, char** argv) {
       server->Shutdown();
       return 1;
     }
+    absl::MutexLock lock(&health_mu);
     health.push_back(health_server->GetHealthCheckService());
   }
-  set_ready(0);
   metrics.SetServing(true);
+  set_ready(core.model_totals().count);
 
   std::string endpoints;
   if (!socket.empty()) absl::StrAppend(&endpoints, " unix:", socket);
@@ -246,7 +287,10 @@ int main(int argc, char** argv) {
   const int signal = WaitForStopSignal(stop_signals);
   std::printf("laproxd: signal %d, finishing in-flight calls\n", signal);
   std::fflush(stdout);
-  for (grpc::HealthCheckServiceInterface* h : health) h->SetServingStatus(false);
+  {
+    absl::MutexLock lock(&health_mu);
+    for (grpc::HealthCheckServiceInterface* h : health) h->SetServingStatus(false);
+  }
   metrics.SetServing(false);
   server->Shutdown();  // waits for in-flight calls (their jobs still run on the work queue)
   if (health_server) health_server->Shutdown();

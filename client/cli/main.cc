@@ -2,7 +2,7 @@
 //
 //   laprox-cli info                          server version, backend, limits
 //   laprox-cli plan DUMP.safetensors         keep-plan of a KV dump, as a budget table
-//   laprox-cli demo [--save=FILE]            generate a realistic sample, plan it, print the table
+//   laprox-cli demo [--save=FILE] [--device] generate a realistic sample, plan it, print the table
 //   laprox-cli health [--service=NAME]       exit 0 when the grpc.health.v1 service says SERVING
 //
 // Common flags: --target (default unix:/tmp/laproxd.sock), --budget (tokens per KV head),
@@ -10,7 +10,9 @@
 // critical_adakv, cake), --numeric_mode (exact, kvpress_compat), --window, --pool_kernel,
 // --sinks (unset: the policy's default), --json (print {"counts","kept","layer_sums"}), --local
 // (compute in-process with the CPU backend instead of asking laproxd; the same library the
-// server runs).
+// server runs), --device (plan and demo: put the tensors in GPU memory and share them with a
+// CUDA laproxd as cuda_ipc regions instead of POSIX shared memory; needs a GPU, a CUDA build
+// of this tool and a laproxd on the cuda backend).
 //
 // A dump holds layers.{l}.keys [Hkv,n,d], layers.{l}.values [Hkv,n,d],
 // layers.{l}.window_queries [H,w,d] (or layers.{l}.window_attention [H,w,n]; optionally
@@ -59,6 +61,9 @@ ABSL_FLAG(bool, local, false, "compute in-process (CPU backend) instead of askin
 ABSL_FLAG(std::string, geometry, "", "JSON file with the geometry (else the dump's metadata)");
 ABSL_FLAG(std::string, save, "", "demo: also write the generated sample to this safetensors file");
 ABSL_FLAG(std::string, shm_name, "", "shared-memory name for the upload (default per process)");
+ABSL_FLAG(bool, device, false,
+          "plan/demo: upload the tensors to GPU memory and register them as a cuda_ipc region "
+          "(needs a GPU and laproxd --backend=cuda) instead of shared memory");
 ABSL_FLAG(std::string, service, "",
           "health: the service to ask about (\"\" = the server; laprox.v1.Laprox = ready)");
 
@@ -186,29 +191,90 @@ absl::StatusOr<kernels::KeepPlan> PlanLocal(const Dump& dump) {
   return (*backend)->ComputeKeepPlan(**model, request);
 }
 
-// Through laproxd: every tensor is copied once into one shared buffer and sent by reference.
+// The dump's tensors in one device allocation, registered with laproxd as a cuda_ipc region.
+struct DeviceUpload {
+  client::DeviceAllocation memory;
+  uint64_t region_id = 0;
+};
+
+absl::StatusOr<DeviceUpload> UploadToDevice(client::Client& server, const Dump& dump,
+                                            const std::map<std::string, int64_t>& offsets,
+                                            size_t total) {
+  auto with_context = [](const absl::Status& s) {
+    return absl::Status(s.code(), absl::StrCat("--device: ", s.message()));
+  };
+  if (!client::CudaExportBuilt()) {
+    return absl::UnimplementedError(
+        "--device: this laprox-cli was built without CUDA; drop --device to use shared memory");
+  }
+  auto info = server.GetServerInfo();
+  if (!info.ok()) return info.status();
+  if (!info->cuda_ipc) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--device: laproxd runs the ", info->backend,
+        " backend, which cannot read GPU memory; start it with --backend=cuda or drop --device"));
+  }
+  auto memory = client::DeviceAllocation::Allocate(total);
+  if (!memory.ok()) return with_context(memory.status());
+  for (const auto& [name, t] : dump.file.tensors) {
+    if (absl::Status s = memory->CopyFromHost(offsets.at(name), t.bytes.data(), t.bytes.size());
+        !s.ok()) {
+      return with_context(s);
+    }
+  }
+  auto exported = client::ExportCudaBuffer(memory->data(), static_cast<int64_t>(total));
+  if (!exported.ok()) return with_context(exported.status());
+  auto id = server.RegisterCudaIpcRegion(*exported);
+  if (!id.ok()) return with_context(id.status());
+  return DeviceUpload{*std::move(memory), *id};
+}
+
+// Through laproxd: every tensor is copied once into one shared buffer (or, with --device, one
+// device allocation) and sent by reference.
 absl::StatusOr<kernels::KeepPlan> PlanRemote(const Dump& dump) {
   auto policy = Policy();
   if (!policy.ok()) return policy.status();
   auto client = client::Client::Connect(absl::GetFlag(FLAGS_target));
   if (!client.ok()) return client.status();
   size_t total = 0;
-  for (const auto& [name, t] : dump.file.tensors) total += (t.bytes.size() + 63) / 64 * 64;
-  std::string shm = absl::GetFlag(FLAGS_shm_name);
-  if (shm.empty()) shm = absl::StrCat("laprox-cli-", getpid());
-  auto buffer = (*client)->ShareHostBuffer(shm, total);
-  if (!buffer.ok()) return buffer.status();
   std::map<std::string, int64_t> offsets;
-  size_t offset = 0;
   for (const auto& [name, t] : dump.file.tensors) {
-    std::memcpy(buffer->data() + offset, t.bytes.data(), t.bytes.size());
-    offsets[name] = static_cast<int64_t>(offset);
-    offset += (t.bytes.size() + 63) / 64 * 64;
+    offsets[name] = static_cast<int64_t>(total);
+    total += (t.bytes.size() + 63) / 64 * 64;
+  }
+  uint64_t region_id = 0;
+  std::optional<client::SharedBuffer> buffer;
+  std::optional<DeviceUpload> device;
+  // Destroyed before `device`: the server closes the region before its memory is freed.
+  struct UnregisterOnExit {
+    client::Client* client = nullptr;
+    uint64_t region_id = 0;
+    ~UnregisterOnExit() {
+      if (client != nullptr) client->UnregisterRegion(region_id).IgnoreError();
+    }
+  } unregister_device;
+  if (absl::GetFlag(FLAGS_device)) {
+    auto upload = UploadToDevice(**client, dump, offsets, total);
+    if (!upload.ok()) return upload.status();
+    device.emplace(*std::move(upload));
+    region_id = device->region_id;
+    unregister_device.client = client->get();
+    unregister_device.region_id = region_id;
+  } else {
+    std::string shm = absl::GetFlag(FLAGS_shm_name);
+    if (shm.empty()) shm = absl::StrCat("laprox-cli-", getpid());
+    auto shared = (*client)->ShareHostBuffer(shm, total);
+    if (!shared.ok()) return shared.status();
+    for (const auto& [name, t] : dump.file.tensors) {
+      std::memcpy(shared->data() + offsets.at(name), t.bytes.data(), t.bytes.size());
+    }
+    region_id = shared->region_id();
+    buffer.emplace(*std::move(shared));
   }
   auto ref = [&](int l, const char* what) {
     const std::string name = absl::StrCat("layers.", l, ".", what);
     const SafeTensor& t = dump.file.tensors.at(name);
-    return client::TensorRef::InRegion(buffer->region_id(), offsets.at(name), t.dtype, t.shape);
+    return client::TensorRef::InRegion(region_id, offsets.at(name), t.dtype, t.shape);
   };
   std::vector<client::TensorRef> o_proj;
   std::vector<client::LayerRefs> layers;
@@ -328,6 +394,9 @@ int Fail(const absl::Status& status) {
 int RunPlan(SafeTensorsFile file) {
   auto dump = LoadDump(std::move(file));
   if (!dump.ok()) return Fail(dump.status());
+  if (absl::GetFlag(FLAGS_local) && absl::GetFlag(FLAGS_device)) {
+    return Fail(absl::InvalidArgumentError("--device and --local exclude each other"));
+  }
   auto plan = absl::GetFlag(FLAGS_local) ? PlanLocal(*dump) : PlanRemote(*dump);
   if (!plan.ok()) return Fail(plan.status());
   if (absl::GetFlag(FLAGS_json)) {
@@ -339,7 +408,8 @@ int RunPlan(SafeTensorsFile file) {
 }
 
 constexpr char kUsage[] =
-    "laprox-cli info | plan DUMP.safetensors | demo [--save=FILE] | health [--service=NAME]";
+    "laprox-cli info | plan DUMP.safetensors | demo [--save=FILE] [--device] | health "
+    "[--service=NAME]";
 
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);

@@ -38,6 +38,7 @@ class Resolver {
           absl::StrCat(field, ": extent of ", extent, " elements overflows int64 bytes"));
     }
     const void* data = nullptr;
+    kernels::MemorySpace space = kernels::MemorySpace::kHost;
     if (ref.source == TensorRef::Source::kInline) {
       if (static_cast<int64_t>(ref.inline_bytes.size()) != bytes) {
         return absl::InvalidArgumentError(
@@ -65,8 +66,9 @@ class Resolver {
             "-byte ", kernels::DTypeName(ref.dtype), " elements"));
       }
       data = *slice;
+      space = (*lease)->space();  // cuda_ipc regions are read in place on the device
     }
-    return TensorView(data, ref.dtype, ref.shape, strides, kernels::MemorySpace::kHost);
+    return TensorView(data, ref.dtype, ref.shape, strides, space);
   }
 
   absl::StatusOr<const MappedRegion*> Lease(uint64_t id, const std::string& field) {
@@ -88,9 +90,10 @@ class Resolver {
   std::vector<std::vector<uint64_t>> copies_;
 };
 
-// Copies `values` to `byte_offset` of `region` (checked bounds and alignment).
+// Copies `values` to `byte_offset` of `region` (checked bounds and alignment) through the
+// backend, which writes host and device regions alike.
 template <typename T>
-absl::Status WriteOutput(const MappedRegion& region, int64_t byte_offset,
+absl::Status WriteOutput(kernels::Backend& backend, const MappedRegion& region, int64_t byte_offset,
                          const std::vector<T>& values, const char* field) {
   const int64_t bytes = static_cast<int64_t>(values.size() * sizeof(T));
   auto slice = region.Slice(byte_offset, bytes, absl::StrCat("outputs.destination.", field));
@@ -100,7 +103,10 @@ absl::Status WriteOutput(const MappedRegion& region, int64_t byte_offset,
                                                    byte_offset, " is not aligned to ", alignof(T),
                                                    " bytes"));
   }
-  std::memcpy(*slice, values.data(), bytes);
+  absl::Status s = backend.CopyToRegion(*slice, region.space(), values.data(), bytes);
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("outputs.destination.", field, ": ", s.message()));
+  }
   return absl::OkStatus();
 }
 
@@ -110,6 +116,11 @@ Core::Core(std::unique_ptr<kernels::Backend> backend, const CoreLimits& limits)
     : backend_(std::move(backend)),
       limits_(limits),
       regions_(RegionRegistry::Limits{.max_regions = limits.max_regions}) {}
+
+absl::StatusOr<uint64_t> Core::RegisterCudaIpcRegion(const kernels::CudaIpcRegionSpec& spec,
+                                                     bool writable) {
+  return regions_.RegisterCudaIpc(spec, writable, *backend_);
+}
 
 absl::StatusOr<ModelInfo> Core::RegisterModel(const ModelSpec& spec) {
   {
@@ -223,18 +234,22 @@ absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call
   if (destination == nullptr) return plan;
   const OutputDestination& to = *call.destination;
   absl::Status s;
-  if (to.counts) s.Update(WriteOutput(*destination, *to.counts, plan->counts, "counts"));
-  if (to.offsets) s.Update(WriteOutput(*destination, *to.offsets, plan->offsets, "offsets"));
+  if (to.counts) {
+    s.Update(WriteOutput(*backend_, *destination, *to.counts, plan->counts, "counts"));
+  }
+  if (to.offsets) {
+    s.Update(WriteOutput(*backend_, *destination, *to.offsets, plan->offsets, "offsets"));
+  }
   if (to.positions) {
-    s.Update(WriteOutput(*destination, *to.positions, plan->positions, "positions"));
+    s.Update(WriteOutput(*backend_, *destination, *to.positions, plan->positions, "positions"));
     plan->positions.clear();
   }
   if (to.bitmask) {
-    s.Update(WriteOutput(*destination, *to.bitmask, plan->bitmask, "bitmask"));
+    s.Update(WriteOutput(*backend_, *destination, *to.bitmask, plan->bitmask, "bitmask"));
     plan->bitmask.clear();
   }
   if (to.scores) {
-    s.Update(WriteOutput(*destination, *to.scores, plan->scores, "scores"));
+    s.Update(WriteOutput(*backend_, *destination, *to.scores, plan->scores, "scores"));
     plan->scores.clear();
   }
   if (!s.ok()) return s;

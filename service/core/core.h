@@ -49,7 +49,8 @@ struct ModelSpec {
 
 // Where to write outputs in a writable region the client registered, as byte offsets; an
 // output with an offset is written there (positions, bitmask and scores are then left out of the
-// returned plan; counts and offsets stay in it too).
+// returned plan; counts and offsets stay in it too). A cuda_ipc region is written through
+// Backend::CopyToRegion, which has finished the copy when ComputeKeepPlan returns.
 struct OutputDestination {
   uint64_t region_id = 0;
   std::optional<int64_t> counts;     // int32 [L * Hkv]
@@ -88,6 +89,12 @@ class Core {
   const kernels::Backend& backend() const { return *backend_; }
   const CoreLimits& limits() const { return limits_; }
   RegionRegistry& regions() { return regions_; }
+
+  // Opens a CUDA IPC allocation through the backend and registers it (RegionRegistry::
+  // RegisterCudaIpc): UNIMPLEMENTED on a backend without device memory, and the errors listed
+  // there. Requests then read it in place as device memory.
+  absl::StatusOr<uint64_t> RegisterCudaIpcRegion(const kernels::CudaIpcRegionSpec& spec,
+                                                 bool writable);
 
   // Prepares the model's factors (the o_proj tensors are read during this call only).
   // INVALID_ARGUMENT / NOT_FOUND / OUT_OF_RANGE for bad references (naming "o_proj[l]"),

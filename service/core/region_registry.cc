@@ -100,10 +100,7 @@ absl::StatusOr<uint64_t> RegionRegistry::RegisterShm(const ShmRegionSpec& spec) 
   }
   {
     absl::MutexLock lock(&mu_);
-    if (static_cast<int64_t>(regions_.size()) >= limits_.max_regions) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "already ", regions_.size(), " regions registered (limit ", limits_.max_regions, ")"));
-    }
+    if (absl::Status s = CheckRoom(); !s.ok()) return s;
   }
   absl::string_view name = spec.name;
   absl::ConsumePrefix(&name, "/");
@@ -141,18 +138,56 @@ absl::StatusOr<uint64_t> RegionRegistry::RegisterShm(const ShmRegionSpec& spec) 
   region->data_ = static_cast<std::byte*>(mapping) + (spec.offset - map_offset);
   region->info_.kind = RegionKind::kShm;
   region->info_.name = std::string{name};
+  region->info_.offset = spec.offset;
   region->info_.byte_size = spec.byte_size;
   region->info_.writable = spec.writable;
+  return Insert(std::move(region));
+}
 
-  absl::MutexLock lock(&mu_);
-  if (static_cast<int64_t>(regions_.size()) >= limits_.max_regions) {  // raced with another
+absl::StatusOr<uint64_t> RegionRegistry::RegisterCudaIpc(const kernels::CudaIpcRegionSpec& spec,
+                                                         bool writable, kernels::Backend& backend) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (absl::Status s = CheckRoom(); !s.ok()) return s;
+  }
+  // Opening is slow (the driver maps the allocation): never under mu_.
+  absl::StatusOr<std::unique_ptr<kernels::ImportedRegion>> imported = backend.ImportCudaIpc(spec);
+  if (!imported.ok()) return imported.status();
+  auto region = std::shared_ptr<MappedRegion>(new MappedRegion());
+  region->data_ = (*imported)->data();
+  region->space_ = (*imported)->space();
+  region->imported_ = *std::move(imported);
+  region->info_.kind = RegionKind::kCudaIpc;
+  // ImportCudaIpc accepted the UUID, so it is well formed.
+  region->info_.device_uuid = kernels::CanonicalDeviceUuid(spec.device_uuid).value_or("");
+  region->info_.offset = spec.offset;
+  region->info_.byte_size = region->imported_->byte_size();
+  region->info_.writable = writable;
+  return Insert(std::move(region));
+}
+
+absl::Status RegionRegistry::CheckRoom() const {
+  if (static_cast<int64_t>(regions_.size()) >= limits_.max_regions) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "already ", regions_.size(), " regions registered (limit ", limits_.max_regions, ")"));
   }
-  const uint64_t id = next_id_++;
-  region->info_.id = id;
-  regions_[id].region = std::move(region);
-  return id;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> RegionRegistry::Insert(std::shared_ptr<MappedRegion> region) {
+  absl::Status full;
+  {
+    absl::MutexLock lock(&mu_);
+    full = CheckRoom();  // again: another registration may have raced this one
+    if (full.ok()) {
+      const uint64_t id = next_id_++;
+      region->info_.id = id;
+      regions_[id].region = std::move(region);
+      return id;
+    }
+  }
+  region.reset();  // unmapped / closed outside the lock
+  return full;
 }
 
 absl::StatusOr<RegionLease> RegionRegistry::Acquire(uint64_t id) {

@@ -1,10 +1,12 @@
 // RegionRegistry: client memory registered once and used by many requests.
 //
 // A region is a window of client memory the server can read (and, when registered writable,
-// write): POSIX shared memory now, CUDA IPC allocations once the CUDA backend imports them. The
-// registry maps each region once at registration, hands requests reference-counted leases, and
-// on unregistration refuses new leases at once but unmaps only after the last lease is released,
-// so a request that started never sees its memory disappear.
+// write): POSIX shared memory (mapped here, host memory) or a CUDA IPC allocation (opened by the
+// backend through kernels::Backend::ImportCudaIpc, device memory; this file includes no CUDA
+// header). The registry maps or opens each region once at registration, hands requests
+// reference-counted leases, and on unregistration refuses new leases at once but unmaps / closes
+// only after the last lease is released, so a request that started never sees its memory
+// disappear.
 //
 // Thread safety: every method may be called concurrently. Leases must not outlive the registry.
 #ifndef LAPROX_SERVICE_CORE_REGION_REGISTRY_H_
@@ -21,6 +23,8 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "laprox/kernels/backend.h"
+#include "laprox/kernels/tensor_view.h"
 
 namespace laprox::service {
 
@@ -38,14 +42,16 @@ struct ShmRegionSpec {
 struct RegionInfo {
   uint64_t id = 0;
   RegionKind kind = RegionKind::kShm;
-  std::string name;  // the shm object name
+  std::string name;         // the shm object name (shm only)
+  std::string device_uuid;  // the owning device, "GPU-" + 36 lower-case characters (cuda_ipc only)
+  int64_t offset = 0;       // into the shm object or the exported allocation, as registered
   int64_t byte_size = 0;
   bool writable = false;
   int64_t in_use = 0;     // leases held by requests right now
   bool draining = false;  // being unregistered: no new leases
 };
 
-// One mapped region. Immutable; unmapped when destroyed.
+// One mapped (shm) or imported (cuda_ipc) region. Immutable; unmapped or closed when destroyed.
 class MappedRegion {
  public:
   MappedRegion(const MappedRegion&) = delete;
@@ -53,8 +59,10 @@ class MappedRegion {
   ~MappedRegion();
 
   const RegionInfo& info() const { return info_; }
-  // First byte of the region (host memory for shm).
+  // First byte of the region, in space(): host memory for shm, device memory for cuda_ipc
+  // (never dereference it on the host then).
   std::byte* data() const { return data_; }
+  kernels::MemorySpace space() const { return space_; }
 
   // The bytes [byte_offset, byte_offset + byte_count) of the region, or OUT_OF_RANGE naming
   // `field` and the numbers when they do not lie inside it (overflow included).
@@ -67,8 +75,10 @@ class MappedRegion {
 
   RegionInfo info_;
   std::byte* data_ = nullptr;
-  void* mapping_ = nullptr;  // page-aligned start of the mapping
+  kernels::MemorySpace space_ = kernels::MemorySpace::kHost;
+  void* mapping_ = nullptr;  // shm: page-aligned start of the mapping
   size_t mapping_size_ = 0;
+  std::unique_ptr<kernels::ImportedRegion> imported_;  // cuda_ipc: closed when destroyed
 };
 
 class RegionRegistry;
@@ -110,6 +120,15 @@ class RegionRegistry {
   // RESOURCE_EXHAUSTED: max_regions reached; INTERNAL: mmap failed.
   absl::StatusOr<uint64_t> RegisterShm(const ShmRegionSpec& spec);
 
+  // Opens the CUDA IPC allocation through `backend` (Backend::ImportCudaIpc: once, it is slow)
+  // and registers it; returns its id. The backend must outlive the region. Errors are the
+  // backend's (see Backend::ImportCudaIpc: INVALID_ARGUMENT for a bad handle size or UUID,
+  // UNIMPLEMENTED without a CUDA backend, NOT_FOUND for an unknown device, OUT_OF_RANGE past the
+  // allocation), and RESOURCE_EXHAUSTED when max_regions is reached. `writable`: outputs may be
+  // written there (through Backend::CopyToRegion).
+  absl::StatusOr<uint64_t> RegisterCudaIpc(const kernels::CudaIpcRegionSpec& spec, bool writable,
+                                           kernels::Backend& backend);
+
   // A lease on region `id` for one request. NOT_FOUND: unknown id; FAILED_PRECONDITION: the
   // region is being unregistered.
   absl::StatusOr<RegionLease> Acquire(uint64_t id);
@@ -132,6 +151,9 @@ class RegionRegistry {
   };
 
   void ReleaseLease(uint64_t id);
+  absl::Status CheckRoom() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives `region` an id and stores it; RESOURCE_EXHAUSTED (destroying it) when full.
+  absl::StatusOr<uint64_t> Insert(std::shared_ptr<MappedRegion> region);
 
   const Limits limits_;
   mutable absl::Mutex mu_;

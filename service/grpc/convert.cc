@@ -126,14 +126,35 @@ void KeepPlanToProto(const kernels::KeepPlan& plan, const KeepPlanCall& call,
   v1::PolicyToProto(call.policy, proto->mutable_effective_policy());
 }
 
+kernels::CudaIpcRegionSpec CudaIpcSpecFromProto(const v1::CudaIpcRegion& proto) {
+  kernels::CudaIpcRegionSpec spec;
+  spec.handle = proto.handle();
+  spec.device_uuid = proto.device_uuid();
+  spec.offset = proto.offset();
+  spec.byte_size = proto.byte_size();
+  return spec;
+}
+
 void RegionInfoToProto(const RegionInfo& info, v1::RegionInfo* proto) {
   proto->set_region_id(info.id);
   proto->set_kind(info.kind == RegionKind::kShm ? v1::REGION_KIND_SHM : v1::REGION_KIND_CUDA_IPC);
   proto->set_name(info.name);
+  proto->set_device_uuid(info.device_uuid);
+  proto->set_offset(info.offset);
   proto->set_byte_size(info.byte_size);
   proto->set_writable(info.writable);
   proto->set_in_flight_requests(info.in_use);
   proto->set_draining(info.draining);
+}
+
+void DeviceToProto(const kernels::DeviceDescription& device, v1::DeviceInfo* proto) {
+  proto->set_uuid(device.uuid);
+  proto->set_name(device.name);
+  proto->set_ordinal(device.ordinal);
+  proto->set_total_memory_bytes(device.total_memory_bytes);
+  proto->set_compute_capability_major(device.compute_capability_major);
+  proto->set_compute_capability_minor(device.compute_capability_minor);
+  proto->set_active(device.active);
 }
 
 }  // namespace laprox::service

@@ -18,7 +18,13 @@ absl::StatusOr<KeepPlanCall> KeepPlanCallFromProto(const v1::ComputeKeepMaskRequ
 void KeepPlanToProto(const kernels::KeepPlan& plan, const KeepPlanCall& call,
                      v1::ComputeKeepMaskResponse* proto);
 
+// Copies the fields as they are; Backend::ImportCudaIpc checks them (handle size first).
+kernels::CudaIpcRegionSpec CudaIpcSpecFromProto(const v1::CudaIpcRegion& proto);
+
+// Never includes the IPC handle.
 void RegionInfoToProto(const RegionInfo& info, v1::RegionInfo* proto);
+
+void DeviceToProto(const kernels::DeviceDescription& device, v1::DeviceInfo* proto);
 
 }  // namespace laprox::service
 

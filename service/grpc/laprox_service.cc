@@ -68,12 +68,14 @@ grpc::ServerUnaryReactor* LaproxService::Offload(grpc::CallbackServerContext* co
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto shared_call = std::make_shared<Call>(std::move(call));
   absl::Status queued =
-      work_.Submit([context, shared_call, reactor, job = std::move(job)]() mutable {
+      work_.Submit([this, context, shared_call, reactor, job = std::move(job)]() mutable {
         if (context->IsCancelled()) {
           Reply(reactor, *shared_call, absl::CancelledError("cancelled before it started"));
           return;
         }
-        Reply(reactor, *shared_call, job(*shared_call));
+        absl::Status status = job(*shared_call);
+        if (!status.ok()) CheckBackendHealth();
+        Reply(reactor, *shared_call, status);
       });
   if (!queued.ok()) return Reply(reactor, *shared_call, queued);
   return reactor;
@@ -81,6 +83,13 @@ grpc::ServerUnaryReactor* LaproxService::Offload(grpc::CallbackServerContext* co
 
 void LaproxService::ModelsChanged() {
   if (options_.models_changed) options_.models_changed(core_.model_totals().count);
+}
+
+void LaproxService::CheckBackendHealth() {
+  if (!options_.backend_unhealthy) return;
+  if (absl::Status health = core_.backend().Health(); !health.ok()) {
+    options_.backend_unhealthy(health);
+  }
 }
 
 grpc::ServerUnaryReactor* LaproxService::GetServerInfo(grpc::CallbackServerContext* context,
@@ -110,7 +119,14 @@ grpc::ServerUnaryReactor* LaproxService::GetServerInfo(grpc::CallbackServerConte
   for (v1::DType d : {v1::DTYPE_F32, v1::DTYPE_F16, v1::DTYPE_BF16}) {
     response->add_supported_dtypes(d);
   }
+  for (const kernels::DeviceDescription& d : core_.backend().Devices()) {
+    DeviceToProto(d, response->add_devices());
+  }
   response->add_supported_region_kinds(v1::REGION_KIND_SHM);
+  // Only a backend with device memory opens CUDA IPC handles (Backend::ImportCudaIpc).
+  if (core_.backend().kind() == kernels::BackendKind::kCuda) {
+    response->add_supported_region_kinds(v1::REGION_KIND_CUDA_IPC);
+  }
   return Reply(context->DefaultReactor(), call, absl::OkStatus());
 }
 
@@ -129,10 +145,17 @@ grpc::ServerUnaryReactor* LaproxService::RegisterRegion(grpc::CallbackServerCont
       return Reply(context->DefaultReactor(), call, id.status());
     }
     case v1::RegisterRegionRequest::kCudaIpc:
-      return Reply(context->DefaultReactor(), call,
-                   absl::UnimplementedError(
-                       absl::StrCat("cuda_ipc regions need the CUDA backend; this server runs ",
-                                    core_.backend().Describe())));
+      // Opening the handle is slow (the driver maps the allocation): off the callback threads.
+      // Backend::ImportCudaIpc checks the handle size and the UUID before it asks whether the
+      // backend can open handles at all, so a CPU server answers INVALID_ARGUMENT for a
+      // malformed request and UNIMPLEMENTED for a well-formed one.
+      return Offload(context, std::move(call), [this, request, response](Call&) -> absl::Status {
+        auto id = core_.RegisterCudaIpcRegion(CudaIpcSpecFromProto(request->cuda_ipc()),
+                                              request->writable());
+        if (!id.ok()) return id.status();
+        response->set_region_id(*id);
+        return absl::OkStatus();
+      });
     case v1::RegisterRegionRequest::KIND_NOT_SET:
       break;
   }

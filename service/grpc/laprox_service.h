@@ -23,6 +23,10 @@ struct ServiceOptions {
   // Called with the number of registered models after a model was registered or unregistered
   // (laproxd derives its readiness from it).
   std::function<void(int64_t models)> models_changed;
+  // Called after a failed call when Backend::Health() is no longer OK (a sticky device error),
+  // with that status; possibly many times and from several threads. laproxd then reports
+  // NOT_SERVING.
+  std::function<void(const absl::Status& health)> backend_unhealthy = nullptr;
   // The transport's message limits, reported by GetServerInfo (0: not reported).
   int64_t max_request_bytes = 0;
   int64_t max_response_bytes = 0;
@@ -69,6 +73,8 @@ class LaproxService final : public v1::Laprox::CallbackService {
   template <typename Job>
   grpc::ServerUnaryReactor* Offload(grpc::CallbackServerContext* context, Call call, Job job);
   void ModelsChanged();
+  // Asks the backend whether it still works after a failed call (see backend_unhealthy).
+  void CheckBackendHealth();
 
   Core& core_;
   WorkQueue& work_;

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <random>
@@ -376,6 +377,8 @@ TEST_F(GrpcIntegrationTest, RegionErrorsAndLimits) {
   EXPECT_EQ(Call(&v1::Laprox::Stub::RegisterRegion, request, &response).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
   request.mutable_cuda_ipc()->set_handle(std::string(64, 'x'));
+  request.mutable_cuda_ipc()->set_device_uuid("GPU-00112233-4455-6677-8899-aabbccddeeff");
+  request.mutable_cuda_ipc()->set_byte_size(8);
   EXPECT_EQ(Call(&v1::Laprox::Stub::RegisterRegion, request, &response).error_code(),
             grpc::StatusCode::UNIMPLEMENTED);
   v1::UnregisterRegionRequest unregister;
@@ -384,6 +387,92 @@ TEST_F(GrpcIntegrationTest, RegionErrorsAndLimits) {
   EXPECT_EQ(Call(&v1::Laprox::Stub::UnregisterRegion, unregister, &unregistered).error_code(),
             grpc::StatusCode::NOT_FOUND);
   EXPECT_TRUE(Regions().empty());
+}
+
+// cuda_ipc on the CPU backend: malformed requests are INVALID_ARGUMENT naming the field (checked
+// before the backend is asked whether it opens handles at all), a well-formed one UNIMPLEMENTED;
+// nothing is left registered and the server answers the next good request. (The CUDA backend's
+// answers, with real handles, are in tests/cuda/ipc_test.cc.)
+TEST_F(GrpcIntegrationTest, CudaIpcRegionsOnTheCpuBackend) {
+  v1::GetServerInfoResponse info;
+  ASSERT_TRUE(Call(&v1::Laprox::Stub::GetServerInfo, v1::GetServerInfoRequest(), &info).ok());
+  EXPECT_THAT(info.supported_region_kinds(), ::testing::ElementsAre(v1::REGION_KIND_SHM));
+  EXPECT_TRUE(info.devices().empty());
+
+  auto good = [] {
+    v1::RegisterRegionRequest request;
+    v1::CudaIpcRegion* ipc = request.mutable_cuda_ipc();
+    ipc->set_handle(std::string(64, '\x01'));
+    ipc->set_device_uuid("GPU-00112233-4455-6677-8899-aabbccddeeff");
+    ipc->set_offset(256);
+    ipc->set_byte_size(4096);
+    return request;
+  };
+  struct BadCase {
+    const char* what;
+    std::function<void(v1::RegisterRegionRequest&)> mutate;
+    grpc::StatusCode code;
+    std::vector<std::string> message;  // substrings
+  };
+  const std::vector<BadCase> cases = {
+      {"63-byte handle",
+       [](auto& r) { r.mutable_cuda_ipc()->mutable_handle()->resize(63); },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       {"cuda_ipc.handle", "63"}},
+      {"65-byte handle",
+       [](auto& r) { r.mutable_cuda_ipc()->mutable_handle()->push_back('x'); },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       {"cuda_ipc.handle", "65"}},
+      {"malformed UUID",
+       [](auto& r) { r.mutable_cuda_ipc()->set_device_uuid("GPU-0011-zz"); },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       {"device_uuid", "GPU-0011-zz"}},
+      {"missing UUID",
+       [](auto& r) { r.mutable_cuda_ipc()->clear_device_uuid(); },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       {"device_uuid"}},
+      {"negative offset",
+       [](auto& r) { r.mutable_cuda_ipc()->set_offset(-8); },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       {"cuda_ipc.offset", "-8"}},
+      {"zero byte_size",
+       [](auto& r) { r.mutable_cuda_ipc()->set_byte_size(0); },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       {"cuda_ipc.byte_size"}},
+      {"well formed (the CPU backend cannot open it)",
+       [](auto&) {},
+       grpc::StatusCode::UNIMPLEMENTED,
+       {"cuda_ipc", "CUDA backend"}},
+  };
+  for (const BadCase& c : cases) {
+    v1::RegisterRegionRequest request = good();
+    c.mutate(request);
+    v1::RegisterRegionResponse response;
+    grpc::Status s = Call(&v1::Laprox::Stub::RegisterRegion, request, &response);
+    EXPECT_EQ(s.error_code(), c.code) << c.what << ": " << s.error_message();
+    for (const std::string& part : c.message) {
+      EXPECT_THAT(s.error_message(), ::testing::HasSubstr(part)) << c.what;
+    }
+    // The handle bytes never come back in a message.
+    EXPECT_THAT(s.error_message(), ::testing::Not(::testing::HasSubstr("\x01\x01"))) << c.what;
+    EXPECT_EQ(response.region_id(), 0u) << c.what;
+  }
+  EXPECT_TRUE(Regions().empty());
+
+  // The server still answers a good request.
+  Prefill prefill(9);
+  const uint64_t region = RegisterRegion(prefill);
+  const uint64_t model = RegisterModel(prefill);
+  v1::ComputeKeepMaskResponse response;
+  grpc::Status s =
+      Call(&v1::Laprox::Stub::ComputeKeepMask, GoodRequest(model, region, prefill), &response);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_THAT(response.positions(), ::testing::ElementsAreArray(DirectPlan(prefill).positions));
+  const std::vector<v1::RegionInfo> regions = Regions();
+  ASSERT_EQ(regions.size(), 1u);
+  EXPECT_EQ(regions[0].kind(), v1::REGION_KIND_SHM);
+  EXPECT_EQ(regions[0].name(), prefill.name());
+  EXPECT_EQ(regions[0].device_uuid(), "");
 }
 
 TEST_F(GrpcIntegrationTest, SequenceLengthAboveTheLimitIsResourceExhausted) {

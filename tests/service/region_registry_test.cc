@@ -1,5 +1,8 @@
 // RegionRegistry against real POSIX shared memory: registration checks, leases, and
-// unregistration that waits for in-flight requests.
+// unregistration that waits for in-flight requests. The cuda_ipc bookkeeping (same leases and
+// draining, the imported region closed after the last lease) runs against a test backend whose
+// "imported" regions are host memory that records when it is closed — a stand-in for the CUDA
+// driver, since these tests run without a GPU (tests/cuda/ipc_test.cc opens real handles).
 #include "service/core/region_registry.h"
 
 #include <atomic>
@@ -7,6 +10,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -17,6 +21,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "laprox/kernels/backend.h"
 
 namespace laprox::service {
 namespace {
@@ -168,6 +173,207 @@ TEST(RegionRegistryTest, UnregisterDeadlineLeavesTheRegionDraining) {
     ASSERT_EQ(registry.List().size(), 1u);
   }
   EXPECT_TRUE(registry.List().empty());  // gone with its last lease
+}
+
+// Test double for the CUDA driver (no GPU here): ImportCudaIpcImpl hands out host memory and
+// counts how many of its regions are open.
+class FakeDeviceBackend final : public kernels::Backend {
+ public:
+  class Region final : public kernels::ImportedRegion {
+   public:
+    Region(std::vector<std::byte> memory, int64_t offset, int64_t size, std::atomic<int>* open)
+        : ImportedRegion(memory.data() + offset, size), memory_(std::move(memory)), open_(open) {
+      ++*open_;
+    }
+    ~Region() override { --*open_; }
+
+   private:
+    std::vector<std::byte> memory_;  // moved in before data() was taken: the buffer stays put
+    std::atomic<int>* open_;
+  };
+
+  static constexpr int64_t kAllocationBytes = 4096;
+  static constexpr char kUuid[] = "GPU-00112233-4455-6677-8899-aabbccddeeff";
+
+  kernels::BackendKind kind() const override { return kernels::BackendKind::kCuda; }
+  std::string Describe() const override { return "fake device backend"; }
+  bool Supports(kernels::PolicyKind) const override { return false; }
+  int open() const { return open_; }
+  int imports() const { return imports_; }
+
+ protected:
+  bool CanRead(kernels::MemorySpace) const override { return true; }
+  absl::StatusOr<std::shared_ptr<const kernels::PreparedModel>> PrepareModelImpl(
+      const kernels::ModelGeometry&, absl::Span<const kernels::TensorView>,
+      const kernels::PrepareOptions&) override {
+    return absl::UnimplementedError("fake");
+  }
+  absl::StatusOr<kernels::KeepPlan> ComputeKeepPlanImpl(const kernels::PreparedModel&,
+                                                        const kernels::KeepPlanRequest&,
+                                                        const kernels::PlanShape&) override {
+    return absl::UnimplementedError("fake");
+  }
+  absl::StatusOr<std::unique_ptr<kernels::ImportedRegion>> ImportCudaIpcImpl(
+      const kernels::CudaIpcRegionSpec& spec) override {
+    ++imports_;
+    if (*kernels::CanonicalDeviceUuid(spec.device_uuid) != kUuid) {
+      return absl::NotFoundError("cuda_ipc.device_uuid is not a device this server sees");
+    }
+    if (spec.offset + spec.byte_size > kAllocationBytes) {
+      return absl::OutOfRangeError("cuda_ipc.offset + cuda_ipc.byte_size past the allocation");
+    }
+    std::vector<std::byte> memory(kAllocationBytes);
+    for (size_t i = 0; i < memory.size(); ++i) memory[i] = static_cast<std::byte>(i % 251);
+    return std::make_unique<Region>(std::move(memory), spec.offset, spec.byte_size, &open_);
+  }
+
+ private:
+  std::atomic<int> open_{0};
+  std::atomic<int> imports_{0};
+};
+
+kernels::CudaIpcRegionSpec IpcSpec(int64_t offset, int64_t byte_size) {
+  return {.handle = std::string(64, '\x5a'),
+          .device_uuid = "GPU-00112233-4455-6677-8899-AABBCCDDEEFF",  // upper case accepted
+          .offset = offset,
+          .byte_size = byte_size};
+}
+
+TEST(RegionRegistryCudaIpcTest, RegistersADeviceRegion) {
+  FakeDeviceBackend backend;
+  RegionRegistry registry({});
+  auto id = registry.RegisterCudaIpc(IpcSpec(256, 1024), /*writable=*/true, backend);
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_EQ(backend.open(), 1);
+  const std::vector<RegionInfo> list = registry.List();
+  ASSERT_EQ(list.size(), 1u);
+  EXPECT_EQ(list[0].kind, RegionKind::kCudaIpc);
+  EXPECT_EQ(list[0].device_uuid, FakeDeviceBackend::kUuid);  // canonical, lower case
+  EXPECT_EQ(list[0].name, "");
+  EXPECT_EQ(list[0].offset, 256);
+  EXPECT_EQ(list[0].byte_size, 1024);
+  EXPECT_TRUE(list[0].writable);
+  auto lease = registry.Acquire(*id);
+  ASSERT_TRUE(lease.ok());
+  EXPECT_EQ(lease->region().space(), kernels::MemorySpace::kDevice);
+  EXPECT_EQ(static_cast<int>(lease->region().data()[0]), 256 % 251);
+  EXPECT_THAT(lease->region().Slice(1000, 25, "layers[0].keys").status(),
+              IsStatus(absl::StatusCode::kOutOfRange, "layers[0].keys"));
+}
+
+TEST(RegionRegistryCudaIpcTest, BadRegistrationsLeaveNothingOpen) {
+  FakeDeviceBackend backend;
+  RegionRegistry registry({});
+  kernels::CudaIpcRegionSpec short_handle = IpcSpec(0, 64);
+  short_handle.handle.resize(63);
+  EXPECT_THAT(registry.RegisterCudaIpc(short_handle, false, backend).status(),
+              IsStatus(absl::StatusCode::kInvalidArgument, "cuda_ipc.handle has 63 bytes"));
+  kernels::CudaIpcRegionSpec bad_uuid = IpcSpec(0, 64);
+  bad_uuid.device_uuid = "GPU-not-a-uuid";
+  EXPECT_THAT(registry.RegisterCudaIpc(bad_uuid, false, backend).status(),
+              IsStatus(absl::StatusCode::kInvalidArgument, "device_uuid"));
+  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(-1, 64), false, backend).status(),
+              IsStatus(absl::StatusCode::kInvalidArgument, "cuda_ipc.offset = -1"));
+  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(0, 0), false, backend).status(),
+              IsStatus(absl::StatusCode::kInvalidArgument, "cuda_ipc.byte_size = 0"));
+  EXPECT_EQ(backend.imports(), 0) << "malformed specs must not reach the backend";
+  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(4000, 200), false, backend).status(),
+              IsStatus(absl::StatusCode::kOutOfRange, "past the allocation"));
+  kernels::CudaIpcRegionSpec other_device = IpcSpec(0, 64);
+  other_device.device_uuid = "ffffffff-4455-6677-8899-aabbccddeeff";  // bare form accepted
+  EXPECT_THAT(registry.RegisterCudaIpc(other_device, false, backend).status(),
+              IsStatus(absl::StatusCode::kNotFound, "device_uuid"));
+  EXPECT_TRUE(registry.List().empty());
+  EXPECT_EQ(backend.open(), 0);
+}
+
+TEST(RegionRegistryCudaIpcTest, TheCpuBackendCannotOpenHandles) {
+  // The base class's ImportCudaIpcImpl: what a backend without device memory answers.
+  class HostOnly final : public kernels::Backend {
+   public:
+    kernels::BackendKind kind() const override { return kernels::BackendKind::kCpu; }
+    std::string Describe() const override { return "host only"; }
+    bool Supports(kernels::PolicyKind) const override { return false; }
+
+   protected:
+    bool CanRead(kernels::MemorySpace space) const override {
+      return space == kernels::MemorySpace::kHost;
+    }
+    absl::StatusOr<std::shared_ptr<const kernels::PreparedModel>> PrepareModelImpl(
+        const kernels::ModelGeometry&, absl::Span<const kernels::TensorView>,
+        const kernels::PrepareOptions&) override {
+      return absl::UnimplementedError("host only");
+    }
+    absl::StatusOr<kernels::KeepPlan> ComputeKeepPlanImpl(const kernels::PreparedModel&,
+                                                          const kernels::KeepPlanRequest&,
+                                                          const kernels::PlanShape&) override {
+      return absl::UnimplementedError("host only");
+    }
+  } backend;
+  RegionRegistry registry({});
+  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(0, 64), false, backend).status(),
+              IsStatus(absl::StatusCode::kUnimplemented, "cuda_ipc regions need the CUDA backend"));
+  EXPECT_TRUE(registry.List().empty());
+}
+
+TEST(RegionRegistryCudaIpcTest, ClosesAfterTheLastLeaseOfADrainingRegion) {
+  FakeDeviceBackend backend;
+  RegionRegistry registry({});
+  const uint64_t id = *registry.RegisterCudaIpc(IpcSpec(0, 4096), false, backend);
+  auto acquired = registry.Acquire(id);
+  ASSERT_TRUE(acquired.ok());
+  std::optional<RegionLease> first(std::move(acquired).value());
+  std::optional<RegionLease> second(*registry.Acquire(id));
+
+  std::atomic<bool> unregistered{false};
+  std::thread unregister([&] {
+    EXPECT_TRUE(registry.Unregister(id).ok());
+    unregistered = true;
+  });
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  std::vector<RegionInfo> list = registry.List();
+  while (!(list.size() == 1 && list[0].draining) && absl::Now() < give_up) {
+    std::this_thread::yield();
+    list = registry.List();
+  }
+  ASSERT_EQ(list.size(), 1u);
+  ASSERT_TRUE(list[0].draining);
+  EXPECT_EQ(list[0].in_use, 2);
+  EXPECT_THAT(registry.Acquire(id).status(),
+              IsStatus(absl::StatusCode::kFailedPrecondition, "being unregistered"));
+  first.reset();
+  EXPECT_FALSE(unregistered);
+  EXPECT_EQ(backend.open(), 1) << "closed while a request still held a lease";
+  EXPECT_EQ(static_cast<int>(second->region().data()[7]), 7);  // still readable
+  second.reset();
+  unregister.join();
+  EXPECT_TRUE(unregistered);
+  EXPECT_EQ(backend.open(), 0);
+  EXPECT_TRUE(registry.List().empty());
+}
+
+TEST(RegionRegistryCudaIpcTest, DeadlineLeavesItOpenUntilTheLastLease) {
+  FakeDeviceBackend backend;
+  RegionRegistry registry({});
+  const uint64_t id = *registry.RegisterCudaIpc(IpcSpec(0, 64), false, backend);
+  {
+    auto lease = registry.Acquire(id);
+    ASSERT_TRUE(lease.ok());
+    EXPECT_THAT(registry.Unregister(id, absl::Now()),
+                IsStatus(absl::StatusCode::kDeadlineExceeded, "still used by 1 requests"));
+    EXPECT_EQ(backend.open(), 1);
+  }
+  EXPECT_EQ(backend.open(), 0);
+  EXPECT_TRUE(registry.List().empty());
+}
+
+TEST(RegionRegistryCudaIpcTest, RegionLimitCountsDeviceRegionsAndClosesTheExtraOne) {
+  FakeDeviceBackend backend;
+  RegionRegistry registry({.max_regions = 1});
+  ASSERT_TRUE(registry.RegisterCudaIpc(IpcSpec(0, 64), false, backend).ok());
+  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(0, 64), false, backend).status(),
+              IsStatus(absl::StatusCode::kResourceExhausted, "limit 1"));
+  EXPECT_EQ(backend.open(), 1);
 }
 
 }  // namespace

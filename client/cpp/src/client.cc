@@ -96,6 +96,13 @@ absl::StatusOr<ServerInfo> Client::GetServerInfo() {
       info.supported_policies.push_back(static_cast<PolicyKind>(kind - 1));
     }
   }
+  for (const v1::DeviceInfo& d : response.devices()) {
+    info.device_uuids.push_back(d.uuid());
+    if (d.active()) info.active_device_uuid = d.uuid();
+  }
+  for (int kind : response.supported_region_kinds()) {
+    info.cuda_ipc |= kind == v1::REGION_KIND_CUDA_IPC;
+  }
   info.max_tokens = response.limits().max_tokens();
   info.max_regions = response.limits().max_regions();
   info.max_models = response.limits().max_models();
@@ -108,6 +115,22 @@ absl::StatusOr<uint64_t> Client::RegisterShmRegion(const std::string& name, int6
   request.mutable_shm()->set_name(name);
   request.mutable_shm()->set_offset(offset);
   request.mutable_shm()->set_byte_size(byte_size);
+  request.set_writable(writable);
+  v1::RegisterRegionResponse response;
+  if (absl::Status s = impl_->Call(&v1::Laprox::Stub::RegisterRegion, request, &response);
+      !s.ok()) {
+    return s;
+  }
+  return response.region_id();
+}
+
+absl::StatusOr<uint64_t> Client::RegisterCudaIpcRegion(const CudaIpcExport& region, bool writable) {
+  v1::RegisterRegionRequest request;
+  v1::CudaIpcRegion* cuda_ipc = request.mutable_cuda_ipc();
+  cuda_ipc->set_handle(region.handle);
+  cuda_ipc->set_device_uuid(region.device_uuid);
+  cuda_ipc->set_offset(region.offset);
+  cuda_ipc->set_byte_size(region.byte_size);
   request.set_writable(writable);
   v1::RegisterRegionResponse response;
   if (absl::Status s = impl_->Call(&v1::Laprox::Stub::RegisterRegion, request, &response);

@@ -27,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "laprox/client/cuda_export.h"
 #include "laprox/kernels/geometry.h"
 #include "laprox/kernels/keep_plan.h"
 #include "laprox/kernels/policy.h"
@@ -73,6 +74,9 @@ struct ServerInfo {
   std::string backend;  // "cpu" or "cuda"
   std::string backend_description;
   std::vector<PolicyKind> supported_policies;  // what ComputeKeepPlan accepts
+  std::vector<std::string> device_uuids;       // GPUs the server sees, in ordinal order
+  std::string active_device_uuid;              // the one the CUDA backend computes on, or ""
+  bool cuda_ipc = false;                       // RegisterCudaIpcRegion is supported
   int64_t max_tokens = 0;
   int32_t max_regions = 0;
   int32_t max_models = 0;
@@ -123,6 +127,12 @@ class Client {
   // Registers an existing shared-memory object window (name starts with "laprox-").
   absl::StatusOr<uint64_t> RegisterShmRegion(const std::string& name, int64_t offset,
                                              int64_t byte_size, bool writable = false);
+  // Registers device memory another call exported (ExportCudaBuffer in this process, or any
+  // process on the server's machine); the server opens the handle once and reads in place.
+  // The server's errors: UNIMPLEMENTED on a CPU server, NOT_FOUND for a device it does not see,
+  // OUT_OF_RANGE past the allocation, INVALID_ARGUMENT for a malformed export.
+  absl::StatusOr<uint64_t> RegisterCudaIpcRegion(const CudaIpcExport& region,
+                                                 bool writable = false);
   // Waits until requests using the region finish.
   absl::Status UnregisterRegion(uint64_t region_id);
 
