@@ -11,6 +11,7 @@
 // Add a case: use IpcTest's exporter_ regions and client_, and end with ExpectServerAnswers().
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <future>
 #include <map>
@@ -61,6 +62,10 @@ class Exporter {
       return nullptr;
     }
     const std::string seed_text = std::to_string(seed);
+    // The build's exporter, unless LAPROX_IPC_EXPORTER names another (tests/gpu/run.sh --packed
+    // runs the binaries away from the build tree).
+    const char* overridden = std::getenv("LAPROX_IPC_EXPORTER");
+    const std::string exporter_path = overridden != nullptr ? overridden : LAPROX_IPC_EXPORTER;
     const pid_t pid = fork();
     if (pid == 0) {  // the child: only async-signal-safe calls until exec
       dup2(to_child[0], STDIN_FILENO);
@@ -69,7 +74,7 @@ class Exporter {
       close(to_child[1]);
       close(from_child[0]);
       close(from_child[1]);
-      execl(LAPROX_IPC_EXPORTER, LAPROX_IPC_EXPORTER, seed_text.c_str(), nullptr);
+      execl(exporter_path.c_str(), exporter_path.c_str(), seed_text.c_str(), nullptr);
       _exit(127);
     }
     close(to_child[0]);
