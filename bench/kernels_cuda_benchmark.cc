@@ -179,7 +179,7 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   for (absl::string_view kernels : absl::StrSplit(kernel_list, ',')) {
     auto created =
-        laprox::kernels::CreateBackend("cuda", {.device = 0, .cuda_kernels = std::string(kernels)});
+        laprox::kernels::CreateBackend("cuda", {.device = 0, .cuda_kernels = std::string{kernels}});
     if (!created.ok()) {
       std::fprintf(stderr, "kernels_cuda_benchmark: %s\n", created.status().ToString().c_str());
       return 1;
@@ -192,6 +192,7 @@ int main(int argc, char** argv) {
     laprox::kernels::cuda::LaunchFillRandom(o_proj, 2, o_elems * kL, 7, 0.02f, nullptr);
     cudaDeviceSynchronize();
     std::vector<TensorView> o_views;
+    o_views.reserve(kL);
     for (int l = 0; l < kL; ++l) {
       o_views.emplace_back(static_cast<const uint16_t*>(o_proj) + l * o_elems, DType::kBF16,
                            Dims{kHidden, int64_t{kH} * kD}, MemorySpace::kDevice);
@@ -247,7 +248,7 @@ int main(int argc, char** argv) {
         const double flops = kL * (2.0 * kH * w * n * kD + 2.0 * kH * n * kD * kD);
         Row row{n,
                 static_cast<int>(w),
-                std::string(kernels),
+                std::string{kernels},
                 Median(times),
                 *std::min_element(times.begin(), times.end()),
                 *std::max_element(times.begin(), times.end()),

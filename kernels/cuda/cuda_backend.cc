@@ -160,6 +160,7 @@ absl::StatusOr<std::shared_ptr<const PreparedModel>> CudaBackend::PrepareModelIm
   }
   std::vector<TensorView> views(o_proj.begin(), o_proj.end());
   std::vector<TensorView*> pointers;
+  pointers.reserve(views.size());
   for (TensorView& v : views) pointers.push_back(&v);
   LAPROX_RETURN_IF_ERROR(Track(StageToDevice(pointers)));
   absl::StatusOr<std::shared_ptr<CudaPreparedModel>> model =
