@@ -148,8 +148,12 @@ absl::Status ComputeAttention(const PlanShape& shape, const HeadTask& task, int6
 
 absl::Status WindowAttention(const PlanShape& shape, const HeadTask& task, ScoreWorkspace& ws) {
   const int64_t prefix = shape.n - shape.window;
-  return shape.attention_given ? LoadGivenAttention(shape, task, prefix, ws)
-                               : ComputeAttention(shape, task, prefix, ws);
+  if (!shape.attention_given) return ComputeAttention(shape, task, prefix, ws);
+  LAPROX_RETURN_IF_ERROR(LoadGivenAttention(shape, task, prefix, ws));
+  // Keys are not needed with the engine's attention, but a NaN/Inf in any input rejects the
+  // request (DESIGN.md section 2), as the CUDA backend's input check does.
+  return CheckRowsFinite(task.inputs->keys, task.kv_head, 0, shape.n, {task.layer, "keys"},
+                         ws.rows);
 }
 
 void RoundTo(DType dtype, float* x, int64_t count) {

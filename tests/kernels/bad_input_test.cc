@@ -165,6 +165,11 @@ TEST_F(BadInputTest, RejectsAttentionRowsThatAreNotProbabilities) {
   attention[(3 * wq) * n + 1] = -1e-3f;
   EXPECT_THAT(Compute(r), IsStatus(absl::StatusCode::kInvalidArgument,
                                    "window_attention has a negative value (-0.001) at [3, 0, 1]"));
+  attention[(3 * wq) * n + 1] = 1.f / n;
+  // Keys are not needed with given attention, but a NaN anywhere still rejects the request.
+  case_.keys[1][(1 * n + 9) * 8 + 2] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_THAT(Compute(r), IsStatus(absl::StatusCode::kInvalidArgument,
+                                   "layers[1].keys has a non-finite value (nan) at [1, 9, 2]"));
 }
 
 TEST_F(BadInputTest, RejectsMixedOrMissingWindowInputs) {
