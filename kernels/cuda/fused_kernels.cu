@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/load.cuh"
 
@@ -510,8 +511,8 @@ __global__ void CombineLseKernel(const float2* __restrict__ partials, int ctas, 
 
 // ---- factor split, given LSE, pooling ----------------------------------------------------------
 
-// One CTA per (g, block f): U = triu(M) (off-diagonal doubled) scaled to max |U| in [1, 2), split
-// into kFactorTerms 16-bit terms.
+// One CTA per (g, block f): U = triu(M) (off-diagonal doubled) scaled by a power of two to
+// max |U| in [1, 2) (bf16) or [2^14, 2^15) (fp16), split into kFactorTerms 16-bit terms.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     SplitFactorsKernel(const float* __restrict__ factors, int64_t matrix_size, int64_t row_stride,
@@ -534,9 +535,16 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   float biggest = 0.f;
   for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) biggest = fmaxf(biggest, maxima[w]);
+  // fp16 has 5 exponent bits: scaled to [1, 2), the second and third terms of every element
+  // below ~2^-3 fall into fp16 subnormals (absolute step 2^-24, or flushed by the MMA), which
+  // caps the split at ~2^-25 absolute instead of ~2^-33 relative. Scaling max |U| to
+  // [2^14, 2^15) instead (< 65504; products stay well inside fp32) keeps the significant bits of
+  // all three terms normal. bf16 has fp32's exponent range: [1, 2) is fine.
+  constexpr int kTop = std::is_same<T, __half>::value ? 14 : 0;
   int exponent = 0;
-  // biggest in [2^e, 2^(e+1)); e clamped so that 2^-e stays a finite normal float.
-  if (biggest > 0.f && isfinite(biggest)) exponent = max(ilogbf(biggest), -126);
+  // biggest in [2^e, 2^(e+1)); scaled by 2^(kTop - e); e clamped so that the scale stays a
+  // finite normal float.
+  if (biggest > 0.f && isfinite(biggest)) exponent = max(ilogbf(biggest), -126 + kTop) - kTop;
   const float scale = ldexpf(1.f, -exponent);
   if (threadIdx.x == 0) inv_scale[blockIdx.x] = ldexpf(1.f, exponent);
   T* dst = out + static_cast<int64_t>(blockIdx.x) * kFactorTerms * elements;

@@ -18,9 +18,11 @@
 // Precision. Q, K and V enter the MMAs exactly (bf16 / fp16 inputs). Logits are fp32 dot products
 // times the softmax scale (the CPU scales q first; the difference is a rounding). The factor
 // matrices are not rounded: each block M (fp32) becomes U = triu(M) with doubled off-diagonal
-// (v U v^T = v M v^T, and the zero 16x16 blocks below the diagonal are skipped: 36 of 64 at
-// d = 128), scaled by a power of two so that max |U| is in [1, 2), and split into three 16-bit
-// terms U1 + U2 + U3 (relative representation error < 2^-24 for bf16); all products accumulate
+// (v U v^T = v M v^T, and the zero 16x16 blocks below the diagonal are skipped: 36 of 64 are
+// used at d = 128), scaled by a power of two so that max |U| is in [1, 2) (bf16) or
+// [2^14, 2^15) (fp16, whose narrow exponent range would otherwise push the second and third
+// terms into subnormals), and split into three 16-bit terms U1 + U2 + U3 (relative
+// representation error < 2^-24 for bf16); all products accumulate
 // in fp32. Softmax, sums of squares, square roots and pooling are fp32 (pool sums in fp64), as on
 // the CPU. Why tensor cores and not fp32 CUDA cores for v M v^T: at Llama-3.1-8B geometry
 // (L32 Hkv8 G4 d128, n = 128K, w = 64) K and V are 2 * 32 * 8 * 128K * 128 * 2 B = 17.2 GB
