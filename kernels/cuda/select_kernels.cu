@@ -246,12 +246,15 @@ __global__ void MarkSortedKernel(SelectGeometry g, const uint64_t* __restrict__ 
   }
 }
 
-// One sort call: one segment (DeviceRadixSort) or a batch of equal segments
-// (DeviceSegmentedRadixSort). With d_temp == nullptr only sizes temp_bytes.
+// One sort call: the one segment of a single-segment select (DeviceRadixSort) or a batch of
+// equal segments (DeviceSegmentedRadixSort). With d_temp == nullptr only sizes temp_bytes.
+// `segmented` is decided by the select's total segment count, not by this batch's: a last
+// batch of one segment must stay on the segmented sort, whose temporary storage (about none)
+// is what RadixSortSelectTempBytes sized, not DeviceRadixSort's (proportional to items).
 cudaError_t SortBatch(void* d_temp, size_t& temp_bytes, cub::DoubleBuffer<uint64_t>& keys,
-                      uint64_t items, uint64_t segments, const int* d_offsets, int end_bit,
-                      cudaStream_t stream) {
-  if (segments == 1) {
+                      uint64_t items, uint64_t segments, bool segmented, const int* d_offsets,
+                      int end_bit, cudaStream_t stream) {
+  if (!segmented) {
     return cub::DeviceRadixSort::SortKeys(d_temp, temp_bytes, keys, static_cast<uint32_t>(items), 0,
                                           end_bit, stream);
   }
@@ -487,8 +490,8 @@ cudaError_t RadixSortSelectTempBytes(const SelectGeometry& geometry, uint64_t se
   const uint64_t batch = SegmentsPerBatch(segments, segment_size);
   cub::DoubleBuffer<uint64_t> keys(nullptr, nullptr);
   const int end_bit = 32 + IndexBits(candidate_total);
-  return SortBatch(nullptr, *temp_bytes, keys, batch * segment_size, batch, nullptr, end_bit,
-                   nullptr);
+  return SortBatch(nullptr, *temp_bytes, keys, batch * segment_size, batch, segments > 1, nullptr,
+                   end_bit, nullptr);
 }
 
 cudaError_t LaunchRadixSortSelect(const SelectGeometry& geometry, const float* d_scores,
@@ -519,7 +522,8 @@ cudaError_t LaunchRadixSortSelect(const SelectGeometry& geometry, const float* d
     cub::DoubleBuffer<uint64_t> keys(d_keys_a + first * segment_size,
                                      d_keys_b + first * segment_size);
     size_t bytes = temp_bytes;
-    error = SortBatch(d_temp, bytes, keys, items, count, d_segment_offsets, end_bit, stream);
+    error = SortBatch(d_temp, bytes, keys, items, count, segments > 1, d_segment_offsets, end_bit,
+                      stream);
     if (error != cudaSuccess) return error;
     MarkSortedKernel<<<BlocksFor(items), kThreads, 0, stream>>>(
         geometry, keys.Current(), items, segment_size, first, d_k, index_bits, d_kept);
