@@ -14,8 +14,7 @@ namespace laprox::kernels::cuda {
 enum class DeviceDType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 // Element `offset` (in elements) of `data` as fp32. 16-bit values convert exactly.
-__device__ __forceinline__ float LoadAsFloat(const void* data, DeviceDType dtype,
-                                             int64_t offset) {
+__device__ __forceinline__ float LoadAsFloat(const void* data, DeviceDType dtype, int64_t offset) {
   switch (dtype) {
     case DeviceDType::kF16:
       return __half2float(static_cast<const __half*>(data)[offset]);
