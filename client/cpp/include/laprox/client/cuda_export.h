@@ -55,7 +55,9 @@ class DeviceAllocation {
   DeviceAllocation& operator=(DeviceAllocation&& other) noexcept;
   DeviceAllocation(const DeviceAllocation&) = delete;
   DeviceAllocation& operator=(const DeviceAllocation&) = delete;
-  ~DeviceAllocation();
+  // Frees the memory (cudaFree) in CUDA builds; the stub of builds without CUDA has nothing to
+  // free.
+  ~DeviceAllocation();  // NOLINT(performance-trivially-destructible)
 
   void* data() const { return data_; }  // device memory: do not dereference on the host
   size_t size() const { return size_; }
