@@ -119,6 +119,10 @@ absl::Status CudaBackend::Track(absl::Status status) {
     std::fprintf(stderr, "laproxd: %s\n", sticky_.ToString().c_str());
     return sticky_;
   }
+  // A failed runtime call (cudaMalloc out of memory, a refused launch) stays this thread's last
+  // error, and every kernel wrapper returns cudaGetLastError(): clear it, or the next request on
+  // this worker thread fails with this request's error.
+  cudaGetLastError();
   return status;
 }
 
@@ -223,7 +227,10 @@ absl::StatusOr<std::unique_ptr<ImportedRegion>> CudaBackend::ImportCudaIpcImpl(
     const CudaIpcRegionSpec& spec) {
   absl::MutexLock lock(&mu_);
   LAPROX_RETURN_IF_ERROR(sticky_);
-  return ImportIpcRegion(context_.device, spec);
+  absl::StatusOr<std::unique_ptr<ImportedRegion>> region = ImportIpcRegion(context_.device, spec);
+  // A refused handle or a bad range leaves the runtime's last error set: see Track.
+  if (!region.ok()) cudaGetLastError();
+  return region;
 }
 
 absl::Status CudaBackend::CopyToRegion(void* dst, MemorySpace space, const void* src,

@@ -96,7 +96,10 @@ std::vector<DeviceDescription> ListDevices(int active_device) {
   }
   for (int i = 0; i < count; ++i) {
     cudaDeviceProp prop{};
-    if (cudaGetDeviceProperties(&prop, i) != cudaSuccess) continue;
+    if (cudaGetDeviceProperties(&prop, i) != cudaSuccess) {
+      cudaGetLastError();  // or the next kernel launch check on this thread reports it
+      continue;
+    }
     DeviceDescription& d = out.emplace_back();
     d.uuid = FormatUuid(prop.uuid);
     d.name = prop.name;

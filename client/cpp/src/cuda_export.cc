@@ -16,6 +16,9 @@ namespace laprox::client {
 namespace {
 
 absl::Status CudaError(cudaError_t error, absl::string_view what) {
+  // Clear the failed call's error from the runtime's per-thread last error: the engine's own
+  // launch checks (cudaGetLastError) must not see laprox's failure later.
+  cudaGetLastError();
   const std::string message =
       absl::StrCat(what, ": ", cudaGetErrorName(error), ": ", cudaGetErrorString(error));
   switch (error) {
