@@ -55,8 +55,10 @@ if [[ "${1:-}" == "--pack" ]]; then
   for b in "${bins[@]}"; do cp "$build/$b" "$stage/bin/"; done
   cp "$root/bench/cuda_reference.py" "$stage/bin/"
   # Shared libraries outside the C runtime and outside cuBLAS (present wherever CUDA 13 is).
+  # Never the driver (libcuda, libnvidia-*): the build machine has at most a stub of it, which
+  # first on LD_LIBRARY_PATH would hide the GPU machine's real driver.
   for b in "${bins[@]}"; do ldd "$build/$b"; done | awk '/=> \//{print $3}' | sort -u |
-    grep -v -E '/(libc|libm|libdl|librt|libpthread|libgcc_s|ld-linux[^/]*|libcublas|libcublasLt)\.so' |
+    grep -v -E '/(libc|libm|libdl|librt|libpthread|libgcc_s|ld-linux[^/]*|libcublas|libcublasLt|libcuda|libnvidia-[^/]*)\.so' |
     while read -r lib; do cp -L "$lib" "$stage/lib/"; done
   mkdir -p "$out"
   tar -C "$stage" -cJf "$out/laprox-gpu.tar.xz" bin lib
