@@ -41,8 +41,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(absl::string_view name,
   if (name == "cpu") return CreateBackend(BackendKind::kCpu, options);
   if (name == "cuda") return CreateBackend(BackendKind::kCuda, options);
   if (name == "auto") {
-    // The CUDA backend is a skeleton that answers UNIMPLEMENTED; until it computes plans,
-    // "auto" means the CPU backend.
+    // The CUDA backend has not yet run on a GPU (tests/gpu/run.sh); until it has passed there,
+    // "auto" means the CPU backend (README, --backend).
     return CreateBackend(BackendKind::kCpu, options);
   }
   return absl::InvalidArgumentError(

@@ -23,7 +23,8 @@ struct BackendOptions {
 // Whether this build contains the CUDA backend.
 bool CudaBackendBuilt();
 
-// "cpu" or "cuda"; "auto" picks cuda when built and a device is present, else cpu.
+// "cpu" or "cuda"; "auto" is cpu for now (README: until the CUDA backend has passed
+// tests/gpu/run.sh on a GPU, then cuda when built and a device is present).
 // INVALID_ARGUMENT for an unknown name; UNIMPLEMENTED when cuda is asked for but not built;
 // UNAVAILABLE when cuda is built but no device is usable.
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(absl::string_view name,
