@@ -22,6 +22,7 @@
 #      V.W_O per head) when python3 has torch with CUDA.
 # Exit status: 0 when every test and sanitizer run passed (the benchmark never fails it).
 set -uo pipefail
+run_env=()  # prefix of every command that runs a laprox binary (--packed: its libraries)
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 build="$root/build-gpu"
 targets=(laprox_cuda_backend_test laprox_cuda_select_test laprox_cuda_ipc_test
@@ -73,7 +74,9 @@ if [[ "${1:-}" == "--packed" ]]; then
   bin="$(mktemp -d)"
   tar -C "$bin" -xJf "$packed/laprox-gpu.tar.xz" || exit 1
   cuda_libs=$(find / -xdev -name 'libcublasLt.so.13*' -printf '%h\n' 2>/dev/null | head -1)
-  export LD_LIBRARY_PATH="$bin/lib:${cuda_libs}:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+  # The packed libraries only for our binaries (and the exporter they start), not exported:
+  # python3 (the summary, torch) and nvidia-smi must keep the GPU machine's own libraries.
+  run_env=(env "LD_LIBRARY_PATH=$bin/lib:${cuda_libs:+$cuda_libs:}/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
   test_bin="$bin/bin"; bench_bin="$bin/bin"; reference="$bin/bin/cuda_reference.py"
 else
   logs="${1:?usage: tests/gpu/run.sh LOGDIR}"
@@ -113,7 +116,7 @@ EOF
 run_test() {  # name binary [args...]
   local name=$1 binary=$2; shift 2
   if [[ ! -x "$binary" ]]; then result[$name]="not built"; return; fi
-  timeout "$(cap 120)" "$binary" --gtest_output="xml:$logs/$name.xml" "$@" > "$logs/$name.log" 2>&1
+  timeout "$(cap 120)" ${run_env[@]+"${run_env[@]}"} "$binary" --gtest_output="xml:$logs/$name.xml" "$@" > "$logs/$name.log" 2>&1
   local rc=$?
   result[$name]="$(gtest_counts "$logs/$name.xml") (exit $rc)"
   [[ $rc -ne 0 ]] && status=1
@@ -130,7 +133,7 @@ sanitize() {  # name seconds tool binary [args...]
   local name=$1 seconds=$2 tool=$3 binary=$4; shift 4
   if ! command -v compute-sanitizer >/dev/null; then result[$name]="no compute-sanitizer"; return; fi
   if [[ ! -x "$binary" ]]; then result[$name]="not built"; return; fi
-  LAPROX_CUDA_TEST_SMALL=1 timeout "$(cap "$seconds")" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+  LAPROX_CUDA_TEST_SMALL=1 timeout "$(cap "$seconds")" ${run_env[@]+"${run_env[@]}"} compute-sanitizer --tool "$tool" --error-exitcode 9 \
     "$binary" "$@" > "$logs/$name.log" 2>&1
   local rc=$?
   result[$name]="$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs/$name.log" | tail -1) (exit $rc$( (( rc == 124 )) && echo ', timed out'))"
@@ -146,7 +149,7 @@ sanitize memcheck-ipc 60 memcheck "$test_bin/laprox_cuda_ipc_test"
 
 echo "== benchmark"
 if [[ -x "$bench_bin/kernels_cuda_benchmark" ]]; then
-  timeout "$(cap 150)" "$bench_bin/kernels_cuda_benchmark" --json="$logs/bench.json" \
+  timeout "$(cap 150)" ${run_env[@]+"${run_env[@]}"} "$bench_bin/kernels_cuda_benchmark" --json="$logs/bench.json" \
     > "$logs/bench.log" 2>&1 || echo "benchmark failed (see bench.log)" >> "$logs/bench.log"
 fi
 timeout "$(cap 100)" python3 "$reference" --json="$logs/reference.json" > "$logs/reference.log" 2>&1 ||
