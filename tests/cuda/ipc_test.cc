@@ -323,7 +323,9 @@ TEST_F(IpcTest, BadRegistrationsAreRejectedAndTheServerGoesOn) {
   to_end.byte_size = allocation - good.offset;
   auto whole = client_->RegisterCudaIpcRegion(to_end);
   EXPECT_TRUE(whole.ok()) << whole.status();
-  if (whole.ok()) EXPECT_TRUE(client_->UnregisterRegion(*whole).ok());
+  if (whole.ok()) {
+    EXPECT_TRUE(client_->UnregisterRegion(*whole).ok());
+  }
 
   // Well past any rounding of the allocation's size.
   client::CudaIpcExport past_end = good;
