@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "laprox/kernels/registry.h"
 #include "service/core/core.h"
 #include "service/core/work_queue.h"
@@ -103,8 +104,21 @@ TEST_F(ClientTest, KeepPlanThroughSharedBufferEqualsTheLibrary) {
   PolicySpec policy;
   policy.window = kWindow;
   policy.budget = kernels::Budget::TokensPerHead(30);
-  auto plan = client_->ComputeKeepPlan(*model, kN, layers, policy, {.bitmask = true});
+  ServerTiming server;
+  const absl::Time sent = absl::Now();
+  auto plan = client_->ComputeKeepPlan(*model, kN, layers, policy, {.bitmask = true}, &server);
+  const double round_trip = absl::ToDoubleSeconds(absl::Now() - sent);
   ASSERT_TRUE(plan.ok()) << plan.status();
+  // The server's stage times come back: every stage inside its total, the total inside the
+  // round trip the client saw.
+  const kernels::PlanTiming& stages = plan->timing;
+  EXPECT_GT(stages.score_seconds, 0);
+  EXPECT_GT(stages.select_seconds, 0);
+  EXPECT_GT(server.total_seconds, 0);
+  EXPECT_LE(server.queue_seconds + stages.validate_seconds + stages.score_seconds +
+                stages.select_seconds + server.respond_seconds,
+            server.total_seconds * (1 + 1e-9));
+  EXPECT_LT(server.total_seconds, round_trip);
 
   // The library on the same memory.
   auto backend = *kernels::CreateBackend("cpu");

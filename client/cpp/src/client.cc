@@ -208,7 +208,8 @@ absl::Status Client::UnregisterModel(uint64_t model_id) {
 absl::StatusOr<KeepPlan> Client::ComputeKeepPlan(uint64_t model_id, int64_t n,
                                                  absl::Span<const LayerRefs> layers,
                                                  const PolicySpec& policy,
-                                                 const OutputOptions& outputs) {
+                                                 const OutputOptions& outputs,
+                                                 ServerTiming* server_timing) {
   v1::ComputeKeepMaskRequest request;
   request.set_model_id(model_id);
   request.set_n(n);
@@ -246,6 +247,15 @@ absl::StatusOr<KeepPlan> Client::ComputeKeepPlan(uint64_t model_id, int64_t n,
   plan.bitmask.assign(response.bitmask().begin(), response.bitmask().end());
   plan.scores.assign(response.scores().begin(), response.scores().end());
   plan.layer_sums.assign(response.layer_sums().begin(), response.layer_sums().end());
+  const v1::Timing& timing = response.timing();
+  plan.timing = {.validate_seconds = timing.validate_seconds(),
+                 .score_seconds = timing.score_seconds(),
+                 .select_seconds = timing.select_seconds()};
+  if (server_timing != nullptr) {
+    *server_timing = {.queue_seconds = timing.queue_seconds(),
+                      .respond_seconds = timing.respond_seconds(),
+                      .total_seconds = timing.total_seconds()};
+  }
   return plan;
 }
 

@@ -110,6 +110,16 @@ class SharedBuffer {
   uint64_t region_id_ = 0;
 };
 
+// laproxd's own account of one ComputeKeepPlan beside the compute (the response's Timing), in
+// seconds. The compute's stages (validate, score, select) come in KeepPlan::timing. What the
+// caller measured minus total_seconds is the transport: (de)serialization on both sides, the
+// socket, and gRPC's thread hops.
+struct ServerTiming {
+  double queue_seconds = 0;    // waiting for a free worker
+  double respond_seconds = 0;  // building the response, writing outputs into a region
+  double total_seconds = 0;    // from the request's arrival in the handler to the response built
+};
+
 struct ClientOptions {
   absl::Duration deadline = absl::Seconds(60);  // per call
 };
@@ -148,10 +158,13 @@ class Client {
 
   // The keep-plan of one prefill under `policy`: LAPROX or a baseline (policy.kind; start from
   // PolicySpec::ForKind(kind) for that kind's defaults). Every option of `policy` is sent.
+  // The plan's `timing` holds the server's compute stages; `server_timing`, when given, the rest
+  // of the server's time.
   absl::StatusOr<KeepPlan> ComputeKeepPlan(uint64_t model_id, int64_t n,
                                            absl::Span<const LayerRefs> layers,
                                            const PolicySpec& policy,
-                                           const OutputOptions& outputs = {});
+                                           const OutputOptions& outputs = {},
+                                           ServerTiming* server_timing = nullptr);
 
  private:
   struct Impl;
