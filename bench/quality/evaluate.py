@@ -493,13 +493,13 @@ def main() -> int:
                "needles": 0.0}
 
     os.makedirs(args.out, exist_ok=True)
-    suffix = {"full": "", "quick": "_quick"}.get(mode_name, "_custom")
+    import report
+    suffix = report.suffix_for(mode_name)
     done = {"docs": 0, "needles": 0}
 
     def save(final: bool) -> None:
         """results.json, RESULTS.md and the plots of what is done so far (also after every
         document, so an interrupted run still leaves its tables)."""
-        import report
         meta = {
             "mode": mode_name,
             "complete": final,

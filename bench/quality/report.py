@@ -36,6 +36,17 @@ def _style(method: str):
     return "--", "^"
 
 
+def suffix_for(mode: str) -> str:
+    """File-name suffix of a run's outputs: RESULTS.md for the full mode, RESULTS_quick.md,
+    and RESULTS_custom.md for any run with overridden settings (e.g. --investigate)."""
+    return {"full": "", "quick": "_quick"}.get(mode, "_custom")
+
+
+def _measured(res: Dict[str, Any], key: str) -> bool:
+    """Whether any method has a value for the metric (a run with --needle-docs 0 has none)."""
+    return any(vals for per_budget in res[key].values() for vals in per_budget.values())
+
+
 def write(res: Dict[str, Any], meta: Dict[str, Any], methods: List[str], budgets: List[int],
           out: str, suffix: str = "") -> None:
     budgets = [int(b) for b in budgets]
@@ -80,6 +91,9 @@ def write(res: Dict[str, Any], meta: Dict[str, Any], methods: List[str], budgets
     for key, title, better, fmt in METRICS:
         table = res[key]
         lines += [f"## {title} ({better} is better)", ""]
+        if not _measured(res, key):
+            lines += ["Not measured in this run.", ""]
+            continue
         lines.append("| method | " + " | ".join(f"B={b}" for b in budgets) + " |")
         lines.append("|---|" + "---|" * len(budgets))
         best = {}
@@ -119,6 +133,8 @@ def _plots(res, methods, budgets, out, suffix):
     import matplotlib.pyplot as plt
     cmap = plt.get_cmap("tab20")
     for key, title, better, _ in METRICS:
+        if not _measured(res, key):
+            continue
         fig, ax = plt.subplots(figsize=(9, 6))
         for i, m in enumerate(methods):
             table = res[key][m]
@@ -169,7 +185,7 @@ def merge(docs_path: str, needles_path: str, out: str) -> None:
                     "--docs 0`, same code and settings) running beside the document run.")
     methods = list(res["kl"].keys())
     budgets = [int(x) for x in next(iter(res["kl"].values())).keys()]
-    suffix = "" if meta["mode"] == "full" else "_quick"
+    suffix = suffix_for(meta["mode"])
     with open(os.path.join(out, f"results{suffix}.json"), "w") as f:
         json.dump({"meta": meta, "results": res}, f, indent=1)
     write(res, meta, methods, budgets, out, suffix)
@@ -185,6 +201,6 @@ if __name__ == "__main__":
     res = data["results"]
     methods = list(res["kl"].keys())
     budgets = [int(b) for b in next(iter(res["kl"].values())).keys()]
-    suffix = "" if data["meta"]["mode"] == "full" else "_quick"
+    suffix = suffix_for(data["meta"]["mode"])
     write(res, data["meta"], methods, budgets, sys.argv[2] if len(sys.argv) > 2
           else os.path.dirname(os.path.abspath(path)), suffix)
