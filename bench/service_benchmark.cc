@@ -7,12 +7,16 @@
 // only references. Calls alternate (in-process, served) so both see the same machine state; the
 // overhead of each pair is served - in-process, and the p50/p99 of those differences are
 // reported beside the p50 of each side. That difference is noisy where the compute is long and
-// shares the cores with gRPC's threads, so the overhead is also split directly, per call, with
-// the server's own stage times (the response's Timing): transport = what the client saw minus
-// the server's total (serialization both ways, the socket, gRPC's thread hops), and in-server =
-// the server's total minus its score and select stages (queue, request conversion and checks,
-// response building). A GetServerInfo round trip on the same connection gives the transport's
-// floor. n = 256 (compute ~1 ms) and n = 4096 (~180 ms on 2 cores).
+// shares the cores with gRPC's threads, so the overhead is also split per call with the server's
+// own stage times (the response's Timing):
+//   transport = what the client saw - the server's total: (de)serialization on both sides, the
+//               socket, gRPC's threads and the wake-ups between them;
+//   in-server = the server's total - its score and select stages: queue (the hop to a worker),
+//               validate (request conversion and checks), respond, bookkeeping.
+// Beside them, floors measured on the same connection: a GetServerInfo round trip (answered on
+// gRPC's thread), a ComputeKeepMask the worker refuses at once (unknown model: transport plus
+// the worker hop, no compute), and the transport of a plan without positions (counts only).
+// n = 256 (compute a few ms) and n = 4096 (~100-180 ms on 2 cores).
 //
 //   build/bench/service_benchmark [--benchmark_filter=...]
 #include <algorithm>
@@ -114,13 +118,12 @@ void BM_ServiceOverhead(benchmark::State& state) {
     in.window_queries = {floats + base + 2 * kv, kernels::DType::kF32, {kH, kWindow, kD}};
   }
 
-  std::vector<double> direct, served, overhead, transport, in_server;
+  std::vector<double> direct, served, overhead, transport, in_server, queue, validate, respond;
   for (auto _ : state) {  // NOLINT(clang-analyzer-deadcode.DeadStores): Google Benchmark idiom
-    direct.clear();
-    served.clear();
-    overhead.clear();
-    transport.clear();
-    in_server.clear();
+    for (auto* v :
+         {&direct, &served, &overhead, &transport, &in_server, &queue, &validate, &respond}) {
+      v->clear();
+    }
     for (int round = -2; round < kRounds; ++round) {  // two warm-up rounds
       auto t0 = Clock::now();
       auto local = backend->ComputeKeepPlan(*prepared, request);
@@ -142,16 +145,43 @@ void BM_ServiceOverhead(benchmark::State& state) {
       transport.push_back(b - server_total);
       in_server.push_back(server_total -
                           (remote->timing.score_seconds + remote->timing.select_seconds) * 1e6);
+      queue.push_back(server_timing.queue_seconds * 1e6);
+      validate.push_back(remote->timing.validate_seconds * 1e6);
+      respond.push_back(server_timing.respond_seconds * 1e6);
     }
   }
-  // The transport alone: a GetServerInfo round trip on the same connection.
-  std::vector<double> rpc;
+  // Floors on the same connection.
+  auto micros_since = [](Clock::time_point t0) {
+    return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+  };
+  std::vector<double> rpc, refused, counts_only;
   for (int i = 0; i < 200; ++i) {
     auto t0 = Clock::now();
     if (!client->GetServerInfo().ok()) state.SkipWithError("GetServerInfo failed");
-    rpc.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    rpc.push_back(micros_since(t0));
+  }
+  for (int i = 0; i < 200; ++i) {
+    auto t0 = Clock::now();
+    if (client->ComputeKeepPlan(model + 1000, n, refs, policy).ok()) {
+      state.SkipWithError("a plan for an unknown model");
+    }
+    refused.push_back(micros_since(t0));
+  }
+  for (int i = 0; i < kRounds; ++i) {
+    client::ServerTiming server_timing;
+    auto t0 = Clock::now();
+    if (!client->ComputeKeepPlan(model, n, refs, policy, {.positions = false}, &server_timing)
+             .ok()) {
+      state.SkipWithError("counts-only plan failed");
+    }
+    counts_only.push_back(micros_since(t0) - server_timing.total_seconds * 1e6);
   }
   state.counters["empty_rpc_p50_us"] = Percentile(rpc, 0.5);
+  state.counters["refused_rpc_p50_us"] = Percentile(refused, 0.5);
+  state.counters["transport_counts_only_p50_us"] = Percentile(counts_only, 0.5);
+  state.counters["queue_p50_us"] = Percentile(queue, 0.5);
+  state.counters["validate_p50_us"] = Percentile(validate, 0.5);
+  state.counters["respond_p50_us"] = Percentile(respond, 0.5);
   state.counters["in_process_p50_us"] = Percentile(direct, 0.5);
   state.counters["served_p50_us"] = Percentile(served, 0.5);
   state.counters["overhead_p50_us"] = Percentile(overhead, 0.5);
