@@ -15,7 +15,8 @@
 //               validate (request conversion and checks), respond, bookkeeping.
 // Beside them, floors measured on the same connection: a GetServerInfo round trip (answered on
 // gRPC's thread), a ComputeKeepMask the worker refuses at once (unknown model: transport plus
-// the worker hop, no compute), and the transport of a plan without positions (counts only).
+// the worker hop, no compute), the transport of a plan without positions (counts only), and of
+// a plan whose positions the server writes into a registered region (ComputeKeepPlanInto).
 // n = 256 (compute a few ms) and n = 4096 (~100-180 ms on 2 cores).
 //
 //   build/bench/service_benchmark [--benchmark_filter=...]
@@ -154,7 +155,7 @@ void BM_ServiceOverhead(benchmark::State& state) {
   auto micros_since = [](Clock::time_point t0) {
     return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
   };
-  std::vector<double> rpc, refused, counts_only;
+  std::vector<double> rpc, refused, counts_only, into_region;
   for (int i = 0; i < 200; ++i) {
     auto t0 = Clock::now();
     if (!client->GetServerInfo().ok()) state.SkipWithError("GetServerInfo failed");
@@ -176,7 +177,27 @@ void BM_ServiceOverhead(benchmark::State& state) {
     }
     counts_only.push_back(micros_since(t0) - server_timing.total_seconds * 1e6);
   }
+  // The positions written into a writable region instead of the response.
+  auto out = client->ShareHostBuffer(absl::StrCat("laprox-bench-out-", getpid(), "-", n),
+                                     static_cast<size_t>(kL * kHkv * n * 4), /*writable=*/true);
+  if (!out.ok()) {
+    state.SkipWithError(out.status().ToString().c_str());
+    return;
+  }
+  for (int i = 0; i < kRounds; ++i) {
+    client::ServerTiming server_timing;
+    auto t0 = Clock::now();
+    if (!client
+             ->ComputeKeepPlanInto(model, n, refs, policy,
+                                   {.region_id = out->region_id(), .positions_offset = 0},
+                                   &server_timing)
+             .ok()) {
+      state.SkipWithError("plan into a region failed");
+    }
+    into_region.push_back(micros_since(t0) - server_timing.total_seconds * 1e6);
+  }
   state.counters["empty_rpc_p50_us"] = Percentile(rpc, 0.5);
+  state.counters["transport_into_region_p50_us"] = Percentile(into_region, 0.5);
   state.counters["refused_rpc_p50_us"] = Percentile(refused, 0.5);
   state.counters["transport_counts_only_p50_us"] = Percentile(counts_only, 0.5);
   state.counters["queue_p50_us"] = Percentile(queue, 0.5);

@@ -144,6 +144,38 @@ TEST_F(ClientTest, KeepPlanThroughSharedBufferEqualsTheLibrary) {
   EXPECT_EQ(plan->kept(1, 1).size(), static_cast<size_t>(direct.count(1, 1)));
   EXPECT_EQ(plan->bitmask.size(), static_cast<size_t>(kL * kHkv * ((kN + 7) / 8)));
 
+  // The same plan written into a writable region (positions after the bitmask, both
+  // 4-aligned), left out of the returned plan.
+  const size_t mask_bytes = plan->bitmask.size(), positions_at = (mask_bytes + 3) / 4 * 4;
+  auto out = client_->ShareHostBuffer(absl::StrCat("laprox-client-test-out-", getpid()),
+                                      positions_at + direct.positions.size() * 4,
+                                      /*writable=*/true);
+  ASSERT_TRUE(out.ok()) << out.status();
+  std::memset(out->data(), 0xee, out->size());
+  const client::OutputDestination to = {
+      .region_id = out->region_id(), .positions_offset = positions_at, .bitmask_offset = 0};
+  auto written = client_->ComputeKeepPlanInto(*model, kN, layers, policy, to);
+  ASSERT_TRUE(written.ok()) << written.status();
+  EXPECT_EQ(written->counts, direct.counts);
+  EXPECT_EQ(written->offsets, direct.offsets);
+  EXPECT_TRUE(written->positions.empty());
+  EXPECT_TRUE(written->bitmask.empty());
+  std::vector<int32_t> positions(direct.positions.size());
+  std::memcpy(positions.data(), out->data() + positions_at, positions.size() * 4);
+  EXPECT_EQ(positions, direct.positions);
+  EXPECT_EQ(std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(out->data()),
+                                 reinterpret_cast<const uint8_t*>(out->data()) + mask_bytes),
+            plan->bitmask);
+  // The inputs' region was registered read-only: the server refuses to write there.
+  const absl::Status refused =
+      client_
+          ->ComputeKeepPlanInto(*model, kN, layers, policy,
+                                {.region_id = buffer->region_id(), .positions_offset = 0})
+          .status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(refused.message()), ::testing::HasSubstr("read-only"));
+  out = absl::CancelledError("released");  // unregisters the output region
+
   // Baselines, with every option the client sends: the server applies exactly the same policy.
   for (PolicyKind kind : {PolicyKind::kStreamingLlm, PolicyKind::kCriticalAdaKv,
                           PolicyKind::kPyramidKv, PolicyKind::kCake}) {

@@ -147,7 +147,8 @@ absl::Status Client::UnregisterRegion(uint64_t region_id) {
   return impl_->Call(&v1::Laprox::Stub::UnregisterRegion, request, &response);
 }
 
-absl::StatusOr<SharedBuffer> Client::ShareHostBuffer(const std::string& name, size_t bytes) {
+absl::StatusOr<SharedBuffer> Client::ShareHostBuffer(const std::string& name, size_t bytes,
+                                                     bool writable) {
   const std::string path = "/" + name;
   const int fd = shm_open(path.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) {
@@ -169,7 +170,7 @@ absl::StatusOr<SharedBuffer> Client::ShareHostBuffer(const std::string& name, si
         absl::StrCat("cannot size or map \"", name, "\": ", std::strerror(error)));
   }
   buffer.data_ = static_cast<std::byte*>(mapping);
-  auto id = RegisterShmRegion(name, 0, static_cast<int64_t>(bytes));
+  auto id = RegisterShmRegion(name, 0, static_cast<int64_t>(bytes), writable);
   if (!id.ok()) return id.status();  // ~SharedBuffer unmaps and unlinks
   buffer.region_id_ = *id;
   buffer.client_ = this;
@@ -210,6 +211,25 @@ absl::StatusOr<KeepPlan> Client::ComputeKeepPlan(uint64_t model_id, int64_t n,
                                                  const PolicySpec& policy,
                                                  const OutputOptions& outputs,
                                                  ServerTiming* server_timing) {
+  return ComputeKeepPlanImpl(model_id, n, layers, policy, outputs, nullptr, server_timing);
+}
+
+absl::StatusOr<KeepPlan> Client::ComputeKeepPlanInto(uint64_t model_id, int64_t n,
+                                                     absl::Span<const LayerRefs> layers,
+                                                     const PolicySpec& policy,
+                                                     const OutputDestination& destination,
+                                                     ServerTiming* server_timing) {
+  // Nothing inline beyond what is always returned; the server produces what it writes.
+  return ComputeKeepPlanImpl(model_id, n, layers, policy, {.positions = false}, &destination,
+                             server_timing);
+}
+
+absl::StatusOr<KeepPlan> Client::ComputeKeepPlanImpl(uint64_t model_id, int64_t n,
+                                                     absl::Span<const LayerRefs> layers,
+                                                     const PolicySpec& policy,
+                                                     const OutputOptions& outputs,
+                                                     const OutputDestination* destination,
+                                                     ServerTiming* server_timing) {
   v1::ComputeKeepMaskRequest request;
   request.set_model_id(model_id);
   request.set_n(n);
@@ -220,6 +240,15 @@ absl::StatusOr<KeepPlan> Client::ComputeKeepPlan(uint64_t model_id, int64_t n,
   request.mutable_outputs()->set_positions(outputs.positions);
   request.mutable_outputs()->set_bitmask(outputs.bitmask);
   request.mutable_outputs()->set_scores(outputs.scores);
+  if (destination != nullptr) {
+    v1::OutputDestination* to = request.mutable_outputs()->mutable_destination();
+    to->set_region_id(destination->region_id);
+    if (destination->counts_offset) to->set_counts_offset(*destination->counts_offset);
+    if (destination->offsets_offset) to->set_offsets_offset(*destination->offsets_offset);
+    if (destination->positions_offset) to->set_positions_offset(*destination->positions_offset);
+    if (destination->bitmask_offset) to->set_bitmask_offset(*destination->bitmask_offset);
+    if (destination->scores_offset) to->set_scores_offset(*destination->scores_offset);
+  }
   for (const LayerRefs& layer : layers) {
     v1::LayerInputs* in = request.add_layers();
     ToProto(layer.keys, in->mutable_keys());

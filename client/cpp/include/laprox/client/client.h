@@ -110,6 +110,21 @@ class SharedBuffer {
   uint64_t region_id_ = 0;
 };
 
+// Where ComputeKeepPlanInto writes a plan's outputs instead of the response: byte offsets into a
+// region registered writable (on the server's CPU: shared memory; on its GPU: a cuda_ipc region,
+// written on the device). An output whose offset is set is written there and left out of the
+// returned plan; the rest is not produced. The area must lie inside the region (OUT_OF_RANGE)
+// and be aligned to its element size.
+struct OutputDestination {
+  uint64_t region_id = 0;
+  std::optional<int64_t> counts_offset;     // int32 [L * Hkv] (also in the returned plan)
+  std::optional<int64_t> offsets_offset;    // int64 [L * Hkv + 1] (also in the returned plan)
+  std::optional<int64_t> positions_offset;  // int32, every kept position in (layer, head) order;
+                                            // L * Hkv * n of them always fit
+  std::optional<int64_t> bitmask_offset;    // uint8 [L, Hkv, ceil(n / 8)]
+  std::optional<int64_t> scores_offset;     // float32 [L, Hkv, n]
+};
+
 // laproxd's own account of one ComputeKeepPlan beside the compute (the response's Timing), in
 // seconds. The compute's stages (validate, score, select) come in KeepPlan::timing. What the
 // caller measured minus total_seconds is the transport: (de)serialization on both sides, the
@@ -147,8 +162,10 @@ class Client {
   absl::Status UnregisterRegion(uint64_t region_id);
 
   // Creates the shared-memory object `name` (must not exist; "laprox-" prefix) of `bytes`
-  // bytes, maps it, and registers it. ALREADY_EXISTS, and the server's errors.
-  absl::StatusOr<SharedBuffer> ShareHostBuffer(const std::string& name, size_t bytes);
+  // bytes, maps it, and registers it (`writable`: the server may write plans into it).
+  // ALREADY_EXISTS, and the server's errors.
+  absl::StatusOr<SharedBuffer> ShareHostBuffer(const std::string& name, size_t bytes,
+                                               bool writable = false);
 
   // The model's id. `o_proj` holds each layer's [D, H*d] weight.
   absl::StatusOr<uint64_t> RegisterModel(const std::string& name, const ModelGeometry& geometry,
@@ -165,10 +182,25 @@ class Client {
                                            const PolicySpec& policy,
                                            const OutputOptions& outputs = {},
                                            ServerTiming* server_timing = nullptr);
+  // The same plan with its outputs written into `destination` (an engine's own mask or index
+  // buffer, with no copy through the response). The returned plan has counts, offsets and layer
+  // sums; positions, bitmask and scores only where `destination` has no offset for them (then
+  // none). FAILED_PRECONDITION for a read-only region, OUT_OF_RANGE for an area past its end.
+  absl::StatusOr<KeepPlan> ComputeKeepPlanInto(uint64_t model_id, int64_t n,
+                                               absl::Span<const LayerRefs> layers,
+                                               const PolicySpec& policy,
+                                               const OutputDestination& destination,
+                                               ServerTiming* server_timing = nullptr);
 
  private:
   struct Impl;
   explicit Client(std::unique_ptr<Impl> impl);
+  absl::StatusOr<KeepPlan> ComputeKeepPlanImpl(uint64_t model_id, int64_t n,
+                                               absl::Span<const LayerRefs> layers,
+                                               const PolicySpec& policy,
+                                               const OutputOptions& outputs,
+                                               const OutputDestination* destination,
+                                               ServerTiming* server_timing);
   std::unique_ptr<Impl> impl_;
 };
 
