@@ -6,14 +6,17 @@
 //   ipc_exporter SEED
 //
 // Puts ipc_sample.h's sample for SEED in two device allocations (KV at kKvPad bytes into the
-// first, the window queries at the start of the second), exports both with the client library's
-// ExportCudaBuffer and prints, on stdout, one line per region and then "ready":
-//   region kv|queries HANDLE_HEX DEVICE_UUID OFFSET BYTE_SIZE ALLOCATION_BYTES
-// It then keeps the memory alive until stdin reaches EOF or a line "exit", and exits 0. Any
-// failure: a line "error MESSAGE" and exit 1.
+// first, the window queries at the start of the second), adds a third for plans the server
+// writes (kOutBytes of 0xee), exports all three with the client library's ExportCudaBuffer and
+// prints, on stdout, one line per region and then "ready":
+//   region kv|queries|out HANDLE_HEX DEVICE_UUID OFFSET BYTE_SIZE ALLOCATION_BYTES
+// It then keeps the memory alive until stdin reaches EOF or a line "exit", and exits 0. A line
+// "dump OFFSET BYTES" is answered with "data HEX", the bytes of the out region read back now.
+// Any failure: a line "error MESSAGE" and exit 1.
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "absl/strings/escaping.h"
 #include "laprox/client/cuda_export.h"
@@ -68,14 +71,33 @@ int main(int argc, char** argv) {
   if (kv_export->offset != kKvPad) return Fail("ExportCudaBuffer found the wrong offset");
   auto q_export = laprox::client::ExportCudaBuffer(q->data(), static_cast<int64_t>(q_bytes));
   if (!q_export.ok()) return Fail(q_export.status().ToString());
+  auto out = laprox::client::DeviceAllocation::Allocate(kOutBytes);
+  if (!out.ok()) return Fail(out.status().ToString());
+  const std::vector<unsigned char> fill(kOutBytes, 0xee);
+  if (absl::Status s = out->CopyFromHost(0, fill.data(), kOutBytes); !s.ok()) {
+    return Fail(s.ToString());
+  }
+  auto out_export = laprox::client::ExportCudaBuffer(out->data(), static_cast<int64_t>(kOutBytes));
+  if (!out_export.ok()) return Fail(out_export.status().ToString());
   Print("kv", *kv_export, kv_allocation);
   Print("queries", *q_export, q_bytes);
+  Print("out", *out_export, kOutBytes);
   std::printf("ready\n");
   std::fflush(stdout);
 
   char line[64];
   while (std::fgets(line, sizeof(line), stdin) != nullptr) {
     if (std::string(line).rfind("exit", 0) == 0) break;
+    long long offset = 0, bytes = 0;
+    if (std::sscanf(line, "dump %lld %lld", &offset, &bytes) == 2) {
+      std::string data(bytes > 0 ? static_cast<size_t>(bytes) : 0, '\0');
+      if (absl::Status s = out->CopyToHost(static_cast<size_t>(offset), data.data(), data.size());
+          !s.ok()) {
+        return Fail(s.ToString());
+      }
+      std::printf("data %s\n", absl::BytesToHexString(data).c_str());
+      std::fflush(stdout);
+    }
   }
   return 0;
 }

@@ -4,6 +4,7 @@
 #ifndef LAPROX_TESTS_CUDA_IPC_SAMPLE_H_
 #define LAPROX_TESTS_CUDA_IPC_SAMPLE_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <random>
 #include <vector>
@@ -20,6 +21,8 @@ constexpr int64_t kQueryElements = int64_t{kH} * kWindow * kD;  // one layer's q
 // The exporter puts the KV tensors kKvPad bytes into their allocation, so the exported region
 // starts at a non-zero offset from the allocation's base (as a caching allocator's blocks do).
 constexpr int64_t kKvPad = 512;
+// Size of the exporter's region for plans the server writes (ipc_test's written-plan case).
+constexpr size_t kOutBytes = 4096;
 
 struct Sample {
   std::vector<uint16_t> kv;                // per layer: keys [Hkv,n,d], then values [Hkv,n,d]

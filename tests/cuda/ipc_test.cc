@@ -1,7 +1,8 @@
 // CUDA IPC end to end: a separate exporter process (ipc_exporter.cc) puts a seeded bf16 sample
 // in device memory and exports it; an in-process laproxd service on the CUDA backend registers
 // the handles as cuda_ipc regions and computes a keep-plan straight from them, which must equal
-// the CPU backend's plan on the same bytes (regenerated from the seed on the host). Also the bad
+// the CPU backend's plan on the same bytes (regenerated from the seed on the host); the same
+// plan written into the exporter's device memory (a writable cuda_ipc region). Also the bad
 // cuda_ipc registrations (wrong handle size, garbage handle, offset past the allocation, unknown
 // device) and unregistering a region while a request reads it; after each the server answers
 // the next request. Skips (GTEST_SKIP, with the reason) without a CUDA device.
@@ -30,6 +31,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -120,6 +122,24 @@ class Exporter {
   }
 
   const ExportedRegion& region(const std::string& name) const { return regions_.at(name); }
+
+  // The out region's bytes [offset, offset + bytes) as the exporter reads them back now; empty
+  // on failure (with the test failed).
+  std::string Dump(int64_t offset, int64_t bytes) {
+    std::fprintf(in_, "dump %lld %lld\n", static_cast<long long>(offset),
+                 static_cast<long long>(bytes));
+    std::fflush(in_);
+    char* line = nullptr;
+    size_t capacity = 0;
+    const ssize_t length = getline(&line, &capacity, out_);
+    const std::string text = length > 0 ? std::string(line, length) : "";
+    std::free(line);  // NOLINT(cppcoreguidelines-no-malloc): getline allocates with malloc
+    if (!absl::StartsWith(text, "data ")) {
+      ADD_FAILURE() << "ipc_exporter answered dump with: " << text;
+      return "";
+    }
+    return absl::HexStringToBytes(absl::StripTrailingAsciiWhitespace(text.substr(5)));
+  }
 
  private:
   Exporter() = default;
@@ -298,6 +318,49 @@ TEST_F(IpcTest, PlanFromExportedDeviceMemoryEqualsTheCpuBackend) {
   EXPECT_TRUE(client_->UnregisterRegion(kv).ok());
   EXPECT_TRUE(client_->UnregisterRegion(q).ok());
   EXPECT_TRUE(core_->regions().List().empty());
+}
+
+TEST_F(IpcTest, PlanWrittenIntoAnExportedDeviceRegion) {
+  auto [kv, q] = RegisterRegions();
+  ASSERT_NE(kv, 0u);
+  ASSERT_NE(q, 0u);
+  auto out = client_->RegisterCudaIpcRegion(exporter_->region("out").ipc, /*writable=*/true);
+  ASSERT_TRUE(out.ok()) << out.status();
+  const uint64_t model = RegisterModel();
+  const std::vector<client::LayerRefs> layers = Layers(kv, q);
+  auto in_response = client_->ComputeKeepPlan(model, kN, layers, Policy(), {.bitmask = true});
+  ASSERT_TRUE(in_response.ok()) << in_response.status();
+
+  // Positions first, then the bitmask: the exporter's memory, written on the device.
+  const auto positions_bytes = static_cast<int64_t>(in_response->positions.size() * 4);
+  const auto mask_bytes = static_cast<int64_t>(in_response->bitmask.size());
+  ASSERT_LE(positions_bytes + mask_bytes, static_cast<int64_t>(kOutBytes));
+  auto written = client_->ComputeKeepPlanInto(
+      model, kN, layers, Policy(),
+      {.region_id = *out, .positions_offset = 0, .bitmask_offset = positions_bytes});
+  ASSERT_TRUE(written.ok()) << written.status();
+  EXPECT_EQ(written->counts, in_response->counts);
+  EXPECT_TRUE(written->positions.empty());
+  EXPECT_TRUE(written->bitmask.empty());
+  const std::string bytes = exporter_->Dump(0, positions_bytes + mask_bytes);
+  ASSERT_EQ(static_cast<int64_t>(bytes.size()), positions_bytes + mask_bytes);
+  std::vector<int32_t> positions(in_response->positions.size());
+  std::memcpy(positions.data(), bytes.data(), positions_bytes);
+  EXPECT_EQ(positions, in_response->positions);
+  EXPECT_EQ(std::vector<uint8_t>(bytes.begin() + positions_bytes, bytes.end()),
+            in_response->bitmask);
+
+  // A region registered read-only is not written.
+  EXPECT_THAT(client_
+                  ->ComputeKeepPlanInto(model, kN, layers, Policy(),
+                                        {.region_id = kv, .positions_offset = 0})
+                  .status(),
+              IsStatus(absl::StatusCode::kFailedPrecondition, "read-only"));
+  EXPECT_TRUE(client_->UnregisterRegion(*out).ok());
+  EXPECT_TRUE(client_->UnregisterRegion(kv).ok());
+  EXPECT_TRUE(client_->UnregisterRegion(q).ok());
+  EXPECT_TRUE(client_->UnregisterModel(model).ok());
+  ExpectServerAnswers();
 }
 
 TEST_F(IpcTest, BadRegistrationsAreRejectedAndTheServerGoesOn) {

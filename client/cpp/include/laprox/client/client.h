@@ -117,12 +117,16 @@ class SharedBuffer {
 // and be aligned to its element size.
 struct OutputDestination {
   uint64_t region_id = 0;
-  std::optional<int64_t> counts_offset;     // int32 [L * Hkv] (also in the returned plan)
-  std::optional<int64_t> offsets_offset;    // int64 [L * Hkv + 1] (also in the returned plan)
-  std::optional<int64_t> positions_offset;  // int32, every kept position in (layer, head) order;
-                                            // L * Hkv * n of them always fit
-  std::optional<int64_t> bitmask_offset;    // uint8 [L, Hkv, ceil(n / 8)]
-  std::optional<int64_t> scores_offset;     // float32 [L, Hkv, n]
+  // int32 [L * Hkv]; also in the returned plan.
+  std::optional<int64_t> counts_offset = std::nullopt;
+  // int64 [L * Hkv + 1]; also in the returned plan.
+  std::optional<int64_t> offsets_offset = std::nullopt;
+  // int32, every kept position in (layer, head) order; L * Hkv * n of them always fit.
+  std::optional<int64_t> positions_offset = std::nullopt;
+  // uint8 [L, Hkv, ceil(n / 8)], bit i % 8 of byte i / 8.
+  std::optional<int64_t> bitmask_offset = std::nullopt;
+  // float32 [L, Hkv, n].
+  std::optional<int64_t> scores_offset = std::nullopt;
 };
 
 // laproxd's own account of one ComputeKeepPlan beside the compute (the response's Timing), in
