@@ -112,9 +112,9 @@ class SharedBuffer {
 
 // Where ComputeKeepPlanInto writes a plan's outputs instead of the response: byte offsets into a
 // region registered writable (on the server's CPU: shared memory; on its GPU: a cuda_ipc region,
-// written on the device). An output whose offset is set is written there and left out of the
-// returned plan; the rest is not produced. The area must lie inside the region (OUT_OF_RANGE)
-// and be aligned to its element size.
+// written on the device). An output whose offset is set is written there; positions, bitmask
+// and scores are then left out of the returned plan (counts and offsets are always returned as
+// well). The area must lie inside the region (OUT_OF_RANGE) and be aligned to its element size.
 struct OutputDestination {
   uint64_t region_id = 0;
   // int32 [L * Hkv]; also in the returned plan.
@@ -187,9 +187,9 @@ class Client {
                                            const OutputOptions& outputs = {},
                                            ServerTiming* server_timing = nullptr);
   // The same plan with its outputs written into `destination` (an engine's own mask or index
-  // buffer, with no copy through the response). The returned plan has counts, offsets and layer
-  // sums; positions, bitmask and scores only where `destination` has no offset for them (then
-  // none). FAILED_PRECONDITION for a read-only region, OUT_OF_RANGE for an area past its end.
+  // buffer, with no copy through the response). Only the outputs `destination` has an offset
+  // for are produced, and only there: the returned plan has counts, offsets and layer sums.
+  // FAILED_PRECONDITION for a read-only region, OUT_OF_RANGE for an area past its end.
   absl::StatusOr<KeepPlan> ComputeKeepPlanInto(uint64_t model_id, int64_t n,
                                                absl::Span<const LayerRefs> layers,
                                                const PolicySpec& policy,
