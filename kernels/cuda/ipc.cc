@@ -9,60 +9,12 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "common/status_macros.h"
 #include "cuda/cuda_status.h"
+#include "cuda/device_util.h"
 
 namespace laprox::kernels::cuda {
 namespace {
-
-// nvidia-smi's spelling of a device UUID: "GPU-" and the 16 bytes as 8-4-4-4-12 lower-case hex.
-std::string FormatUuid(const cudaUUID_t& uuid) {
-  std::string out = "GPU-";
-  for (int i = 0; i < 16; ++i) {
-    if (i == 4 || i == 6 || i == 8 || i == 10) out.push_back('-');
-    absl::StrAppendFormat(&out, "%02x", static_cast<unsigned char>(uuid.bytes[i]));
-  }
-  return out;
-}
-
-// Makes `device` current for the scope and restores the caller's device afterwards: the service
-// calls in from worker threads that other code may have pointed at another device.
-class ScopedDevice {
- public:
-  explicit ScopedDevice(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    error_ = cudaSetDevice(device);
-  }
-  ~ScopedDevice() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  ScopedDevice(const ScopedDevice&) = delete;
-  ScopedDevice& operator=(const ScopedDevice&) = delete;
-  cudaError_t error() const { return error_; }
-
- private:
-  int previous_ = -1;
-  cudaError_t error_ = cudaSuccess;
-};
-
-// The driver's cuMemGetAddressRange, looked up through the runtime at first use: laproxd must
-// start (and serve the CPU backend) on machines without libcuda, so it never links the driver.
-absl::StatusOr<PFN_cuMemGetAddressRange_v3020> AddressRangeQuery() {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  const cudaError_t error = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000,
-                                                             cudaEnableDefault, &found);
-  if (error != cudaSuccess) {
-    return CudaStatus(error, "looking up the driver's cuMemGetAddressRange");
-  }
-  if (found != cudaDriverEntryPointSuccess || fn == nullptr) {
-    return absl::InternalError(
-        absl::StrCat("the CUDA driver has no cuMemGetAddressRange (entry point query result ",
-                     static_cast<int>(found), ")"));
-  }
-  return reinterpret_cast<PFN_cuMemGetAddressRange_v3020>(fn);
-}
 
 // An allocation opened with cudaIpcOpenMemHandle; closing it is the destructor's job.
 class IpcRegion final : public ImportedRegion {

@@ -9,56 +9,20 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
+#include "cuda/cuda_status.h"
+#include "cuda/device_util.h"
 #include "laprox/client/cuda_export.h"
 
 namespace laprox::client {
 namespace {
 
+// The backend's conversion (kernels/cuda/cuda_status.h), after clearing the failed call's error
+// from the runtime's per-thread last error: the engine's own launch checks (cudaGetLastError)
+// must not see laprox's failure later.
 absl::Status CudaError(cudaError_t error, absl::string_view what) {
-  // Clear the failed call's error from the runtime's per-thread last error: the engine's own
-  // launch checks (cudaGetLastError) must not see laprox's failure later.
   cudaGetLastError();
-  const std::string message =
-      absl::StrCat(what, ": ", cudaGetErrorName(error), ": ", cudaGetErrorString(error));
-  switch (error) {
-    case cudaErrorMemoryAllocation:
-      return absl::ResourceExhaustedError(message);
-    case cudaErrorNoDevice:
-    case cudaErrorInsufficientDriver:
-      return absl::UnavailableError(message);
-    default:
-      return absl::InternalError(message);
-  }
+  return kernels::cuda::CudaStatus(error, what);
 }
-
-std::string FormatUuid(const cudaUUID_t& uuid) {
-  std::string out = "GPU-";
-  for (int i = 0; i < 16; ++i) {
-    if (i == 4 || i == 6 || i == 8 || i == 10) out.push_back('-');
-    absl::StrAppendFormat(&out, "%02x", static_cast<unsigned char>(uuid.bytes[i]));
-  }
-  return out;
-}
-
-// Makes `device` current while it lives (the handle must be created on the owning device).
-class ScopedDevice {
- public:
-  explicit ScopedDevice(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    error_ = cudaSetDevice(device);
-  }
-  ~ScopedDevice() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  ScopedDevice(const ScopedDevice&) = delete;
-  ScopedDevice& operator=(const ScopedDevice&) = delete;
-  cudaError_t error() const { return error_; }
-
- private:
-  int previous_ = -1;
-  cudaError_t error_ = cudaSuccess;
-};
 
 }  // namespace
 
@@ -71,7 +35,6 @@ absl::StatusOr<CudaIpcExport> ExportCudaBuffer(const void* device_ptr, int64_t b
   }
   cudaPointerAttributes attributes{};
   if (cudaError_t e = cudaPointerGetAttributes(&attributes, device_ptr); e != cudaSuccess) {
-    cudaGetLastError();
     return CudaError(e, "cudaPointerGetAttributes");
   }
   if (attributes.type != cudaMemoryTypeDevice) {
@@ -79,23 +42,18 @@ absl::StatusOr<CudaIpcExport> ExportCudaBuffer(const void* device_ptr, int64_t b
         absl::StrCat("device_ptr is not device memory from cudaMalloc (cudaMemoryType ",
                      static_cast<int>(attributes.type), "); only such memory has IPC handles"));
   }
-  ScopedDevice current(attributes.device);
+  kernels::cuda::ScopedDevice current(attributes.device);
   if (current.error() != cudaSuccess) return CudaError(current.error(), "cudaSetDevice");
 
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  if (cudaError_t e = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000,
-                                                       cudaEnableDefault, &found);
-      e != cudaSuccess) {
-    return CudaError(e, "looking up the driver's cuMemGetAddressRange");
-  }
-  if (found != cudaDriverEntryPointSuccess || fn == nullptr) {
-    return absl::InternalError("the CUDA driver has no cuMemGetAddressRange");
+  auto address_range = kernels::cuda::AddressRangeQuery();
+  if (!address_range.ok()) {
+    cudaGetLastError();
+    return address_range.status();
   }
   CUdeviceptr base = 0;
   size_t allocation_bytes = 0;
-  if (CUresult r = reinterpret_cast<PFN_cuMemGetAddressRange_v3020>(fn)(
-          &base, &allocation_bytes, reinterpret_cast<CUdeviceptr>(device_ptr));
+  if (CUresult r =
+          (*address_range)(&base, &allocation_bytes, reinterpret_cast<CUdeviceptr>(device_ptr));
       r != CUDA_SUCCESS) {
     return absl::InternalError(absl::StrCat("cuMemGetAddressRange failed with CUresult ", r));
   }
@@ -109,7 +67,6 @@ absl::StatusOr<CudaIpcExport> ExportCudaBuffer(const void* device_ptr, int64_t b
   // The base as a pointer derived from device_ptr (not cast back from the integer).
   void* base_ptr = const_cast<std::byte*>(static_cast<const std::byte*>(device_ptr) - offset);
   if (cudaError_t e = cudaIpcGetMemHandle(&handle, base_ptr); e != cudaSuccess) {
-    cudaGetLastError();
     return CudaError(e, "cudaIpcGetMemHandle");
   }
   cudaDeviceProp prop{};
@@ -118,7 +75,7 @@ absl::StatusOr<CudaIpcExport> ExportCudaBuffer(const void* device_ptr, int64_t b
   }
   CudaIpcExport out;
   out.handle.assign(handle.reserved, sizeof(handle.reserved));
-  out.device_uuid = FormatUuid(prop.uuid);
+  out.device_uuid = kernels::cuda::FormatUuid(prop.uuid);
   out.offset = offset;
   out.byte_size = byte_size;
   return out;
@@ -127,7 +84,6 @@ absl::StatusOr<CudaIpcExport> ExportCudaBuffer(const void* device_ptr, int64_t b
 absl::StatusOr<DeviceAllocation> DeviceAllocation::Allocate(size_t bytes) {
   DeviceAllocation out;
   if (cudaError_t e = cudaMalloc(&out.data_, bytes); e != cudaSuccess) {
-    cudaGetLastError();
     return CudaError(e, absl::StrCat("cudaMalloc(", bytes, ")"));
   }
   out.size_ = bytes;
