@@ -2,13 +2,12 @@
 
 #include <array>
 #include <cstdint>
-#include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "common/half.h"
 #include "common/status_macros.h"
 #include "cuda/check_kernels.h"
 #include "cuda/cuda_status.h"
+#include "cuda/device_util.h"
 
 namespace laprox::kernels::cuda {
 namespace {
@@ -27,48 +26,11 @@ constexpr unsigned long long kNothingFound = ~0ull;
 // in the CPU's order would need a (layer, KV head)-major key for every tensor.
 enum Slot : int { kKeys = 0, kValues = 1, kWindow = 2, kLse = 3, kSlots = 4 };
 
-CheckedTensor ToChecked(const TensorView& view) {
-  CheckedTensor t;
-  t.data = view.data();
-  t.dtype = static_cast<int>(view.dtype());
-  if (view.rank() == 2) {
-    t.dims[0] = view.dim(0);
-    t.dims[1] = view.dim(1);
-    t.dims[2] = 1;
-    t.strides[0] = view.stride(0);
-    t.strides[1] = view.stride(1);
-    t.strides[2] = 0;
-  } else {
-    for (int i = 0; i < 3; ++i) {
-      t.dims[i] = view.dim(i);
-      t.strides[i] = view.stride(i);
-    }
-  }
-  return t;
-}
-
 // Element (a, b, c) of a device view, read back to the host as fp32 (for the message).
 absl::StatusOr<float> ReadElement(const TensorView& view, int64_t a, int64_t b, int64_t c) {
   int64_t offset = a * view.stride(0) + b * view.stride(1);
   if (view.rank() == 3) offset += c * view.stride(2);
-  const size_t size = DTypeSize(view.dtype());
-  uint32_t bits = 0;
-  LAPROX_RETURN_IF_ERROR(CudaStatus(
-      cudaMemcpy(&bits,
-                 static_cast<const std::byte*>(view.data()) + offset * static_cast<int64_t>(size),
-                 size, cudaMemcpyDeviceToHost),
-      "reading a bad input element"));
-  switch (view.dtype()) {
-    case DType::kF16:
-      return F16ToFloat(static_cast<uint16_t>(bits));
-    case DType::kBF16:
-      return Bf16ToFloat(static_cast<uint16_t>(bits));
-    case DType::kF32:
-      break;
-  }
-  float value = 0.f;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
+  return ReadDeviceElement(view.data(), view.dtype(), offset, "reading a bad input element");
 }
 
 absl::Status NonFiniteError(int64_t layer, const char* field, const TensorView& view,
@@ -146,26 +108,27 @@ absl::Status InputChecker::Check(const DeviceContext& context,
     unsigned long long* slot = bad + l * kSlots;
     if (!in.keys.empty()) {
       LAPROX_RETURN_IF_ERROR(CudaStatus(
-          LaunchFindNonFinite(ToChecked(in.keys), slot + kKeys, stream), "checking keys"));
+          LaunchFindNonFinite(ToKernelTensor(in.keys), slot + kKeys, stream), "checking keys"));
     }
     if (!in.values.empty()) {
-      LAPROX_RETURN_IF_ERROR(CudaStatus(
-          LaunchFindNonFinite(ToChecked(in.values), slot + kValues, stream), "checking values"));
+      LAPROX_RETURN_IF_ERROR(
+          CudaStatus(LaunchFindNonFinite(ToKernelTensor(in.values), slot + kValues, stream),
+                     "checking values"));
     }
     if (!in.window_queries.empty()) {
       LAPROX_RETURN_IF_ERROR(
-          CudaStatus(LaunchFindNonFinite(ToChecked(in.window_queries), slot + kWindow, stream),
+          CudaStatus(LaunchFindNonFinite(ToKernelTensor(in.window_queries), slot + kWindow, stream),
                      "checking window_queries"));
     }
     if (!in.window_attention.empty()) {
       LAPROX_RETURN_IF_ERROR(
-          CudaStatus(LaunchCheckAttentionRows(ToChecked(in.window_attention), kRowSumTolerance,
+          CudaStatus(LaunchCheckAttentionRows(ToKernelTensor(in.window_attention), kRowSumTolerance,
                                               slot + kWindow, sums + l * H * wq, stream),
                      "checking window_attention"));
     }
     if (!in.window_lse.empty()) {
       LAPROX_RETURN_IF_ERROR(
-          CudaStatus(LaunchFindNonFinite(ToChecked(in.window_lse), slot + kLse, stream),
+          CudaStatus(LaunchFindNonFinite(ToKernelTensor(in.window_lse), slot + kLse, stream),
                      "checking window_lse"));
     }
   }

@@ -8,24 +8,7 @@ namespace {
 
 constexpr int kThreads = 256;  // a power of two (BlockSum)
 constexpr int kWarpsPerBlock = kThreads / 32;
-constexpr int64_t kMaxBlocks = 8192;
 constexpr unsigned long long kNone = ~0ull;
-
-int Blocks(int64_t items, int64_t items_per_block) {
-  const int64_t blocks = (items + items_per_block - 1) / items_per_block;
-  return static_cast<int>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
-}
-
-DeviceView ToDeviceView(const CheckedTensor& t) {
-  DeviceView v;
-  v.data = t.data;
-  v.dtype = static_cast<DeviceDType>(t.dtype);
-  for (int i = 0; i < 3; ++i) {
-    v.shape[i] = t.dims[i];
-    v.strides[i] = t.strides[i];
-  }
-  return v;
-}
 
 // One warp per row (a, b), lanes along c.
 __global__ void FindNonFiniteKernel(DeviceView v, unsigned long long* first_bad) {
@@ -114,21 +97,21 @@ __global__ void CheckAttentionRowsKernel(DeviceView v, double tolerance,
 
 }  // namespace
 
-cudaError_t LaunchFindNonFinite(const CheckedTensor& tensor, unsigned long long* first_bad,
+cudaError_t LaunchFindNonFinite(const KernelTensor& tensor, unsigned long long* first_bad,
                                 cudaStream_t stream) {
   const int64_t rows = tensor.dims[0] * tensor.dims[1];
   if (rows <= 0 || tensor.dims[2] <= 0) return cudaSuccess;
-  FindNonFiniteKernel<<<Blocks(rows, kWarpsPerBlock), kThreads, 0, stream>>>(ToDeviceView(tensor),
-                                                                             first_bad);
+  FindNonFiniteKernel<<<GridBlocks(rows, kWarpsPerBlock), kThreads, 0, stream>>>(
+      ToDeviceView(tensor), first_bad);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchCheckAttentionRows(const CheckedTensor& attention, double tolerance,
+cudaError_t LaunchCheckAttentionRows(const KernelTensor& attention, double tolerance,
                                      unsigned long long* first_bad, double* row_sums,
                                      cudaStream_t stream) {
   const int64_t rows = attention.dims[0] * attention.dims[1];
   if (rows <= 0 || attention.dims[2] <= 0) return cudaSuccess;
-  CheckAttentionRowsKernel<<<Blocks(rows, 1), kThreads, 0, stream>>>(
+  CheckAttentionRowsKernel<<<GridBlocks(rows, 1), kThreads, 0, stream>>>(
       ToDeviceView(attention), tolerance, first_bad, row_sums);
   return cudaGetLastError();
 }

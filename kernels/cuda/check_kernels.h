@@ -12,21 +12,13 @@
 
 #include <cuda_runtime_api.h>
 
-namespace laprox::kernels::cuda {
+#include "cuda/kernel_tensor.h"
 
-// A rank-3 strided device tensor. `dtype` is static_cast<int>(laprox::kernels::DType) (0 fp32,
-// 1 fp16, 2 bf16); strides are in elements. A rank-2 tensor [a, b] is passed as [a, b, 1] with
-// strides [s0, s1, 0].
-struct CheckedTensor {
-  const void* data = nullptr;
-  int dtype = 0;
-  int64_t dims[3] = {0, 0, 0};
-  int64_t strides[3] = {0, 0, 0};
-};
+namespace laprox::kernels::cuda {
 
 // *first_bad = min(*first_bad, (a * dims[1] + b) * dims[2] + c) over the elements (a, b, c) that
 // are NaN or infinite: the lowest bad element in row-major order of the logical shape.
-cudaError_t LaunchFindNonFinite(const CheckedTensor& tensor, unsigned long long* first_bad,
+cudaError_t LaunchFindNonFinite(const KernelTensor& tensor, unsigned long long* first_bad,
                                 cudaStream_t stream);
 
 // Window attention rows [H, wq, n] = dims. For every row (h, t) (all wq of them):
@@ -37,7 +29,7 @@ cudaError_t LaunchFindNonFinite(const CheckedTensor& tensor, unsigned long long*
 //   kind 2 (j = 0): else when |sum - 1| > tolerance.
 // So the minimum names the first bad row and, within it, what the CPU backend reports first.
 // Precondition: H * wq * 3 * n < 2^64 - 1.
-cudaError_t LaunchCheckAttentionRows(const CheckedTensor& attention, double tolerance,
+cudaError_t LaunchCheckAttentionRows(const KernelTensor& attention, double tolerance,
                                      unsigned long long* first_bad, double* row_sums,
                                      cudaStream_t stream);
 

@@ -1,6 +1,7 @@
 // Small CUDA runtime helpers shared by the backend's IPC import (ipc.cc) and the client's export
-// (client/cpp/src/cuda_export.cc): the device UUID's spelling, a scoped current device, and the
-// driver's address-range query reached through the runtime.
+// (client/cpp/src/cuda_export.cc), the input check and model preparation: the device UUID's
+// spelling, a scoped current device, the driver's address-range query reached through the
+// runtime, a TensorView as the launchers take it, and one device element read back.
 #ifndef LAPROX_KERNELS_CUDA_DEVICE_UTIL_H_
 #define LAPROX_KERNELS_CUDA_DEVICE_UTIL_H_
 
@@ -8,9 +9,13 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "cuda/kernel_tensor.h"
+#include "laprox/kernels/tensor_view.h"
 
 namespace laprox::kernels::cuda {
 
@@ -42,6 +47,14 @@ class ScopedDevice {
 // serve the CPU backend) on machines without libcuda, and the client links libcudart only, so
 // neither links the driver.
 absl::StatusOr<PFN_cuMemGetAddressRange_v3020> AddressRangeQuery();
+
+// `view` as kernel launchers take it (kernel_tensor.h): rank padded to 3.
+KernelTensor ToKernelTensor(const TensorView& view);
+
+// Element `offset` (in elements) of device memory holding `dtype` values, read back to the host
+// as fp32 (for error messages); `what` names the read in a CUDA error.
+absl::StatusOr<float> ReadDeviceElement(const void* data, DType dtype, int64_t offset,
+                                        absl::string_view what);
 
 }  // namespace laprox::kernels::cuda
 

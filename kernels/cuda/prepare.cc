@@ -2,13 +2,12 @@
 
 #include <climits>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/half.h"
 #include "common/status_macros.h"
 #include "cuda/cuda_status.h"
+#include "cuda/device_util.h"
 #include "cuda/prepare_kernels.h"
 
 namespace laprox::kernels::cuda {
@@ -17,27 +16,6 @@ namespace {
 constexpr unsigned long long kNoBadElement = ~0ull;
 
 bool FitsInt(int64_t value) { return value >= 0 && value <= INT_MAX; }
-
-// Element `offset` of a device tensor of `dtype`, read back to the host as fp32 (for messages).
-absl::StatusOr<float> ReadElement(const void* data, DType dtype, int64_t offset) {
-  const size_t size = DTypeSize(dtype);
-  uint32_t bits = 0;
-  LAPROX_RETURN_IF_ERROR(CudaStatus(
-      cudaMemcpy(&bits, static_cast<const std::byte*>(data) + offset * static_cast<int64_t>(size),
-                 size, cudaMemcpyDeviceToHost),
-      "reading a bad o_proj element"));
-  switch (dtype) {
-    case DType::kF16:
-      return F16ToFloat(static_cast<uint16_t>(bits));
-    case DType::kBF16:
-      return Bf16ToFloat(static_cast<uint16_t>(bits));
-    case DType::kF32:
-      break;
-  }
-  float value = 0.f;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
 
 // C = X_b X_a^T per KV group, in cuBLAS column-major terms, which is the row-major [d, d] block
 // C[i][j] = sum_r A[r][i] B[r][j] of the CPU backend (cblas_sgemm(RowMajor, Trans, NoTrans, ...)
@@ -131,8 +109,9 @@ absl::StatusOr<std::shared_ptr<CudaPreparedModel>> PrepareFactors(
     const auto flat = static_cast<int64_t>(h_bad[l]);
     const int64_t r = flat / Hd, c = flat % Hd;
     const TensorView& w = o_proj[l];
-    LAPROX_ASSIGN_OR_RETURN(const float value,
-                            ReadElement(w.data(), w.dtype(), r * w.stride(0) + c * w.stride(1)));
+    LAPROX_ASSIGN_OR_RETURN(
+        const float value, ReadDeviceElement(w.data(), w.dtype(), r * w.stride(0) + c * w.stride(1),
+                                             "reading a bad o_proj element"));
     // The CPU backend's words (it reads o_proj as one "head" of D rows, cpu_backend.cc).
     return absl::InvalidArgumentError(absl::StrCat(
         "layers[", l, "].o_proj has a non-finite value (", value, ") at [0, ", r, ", ", c, "]"));

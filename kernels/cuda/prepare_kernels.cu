@@ -8,14 +8,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
-// Grid-stride loops: enough blocks to fill any current GPU several times over.
-constexpr int64_t kMaxBlocks = 8192;
 constexpr unsigned long long kNone = ~0ull;
-
-int Blocks(int64_t items, int64_t items_per_block) {
-  const int64_t blocks = (items + items_per_block - 1) / items_per_block;
-  return static_cast<int>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
-}
 
 // One warp per row, lanes along the row (coalesced when col_stride == 1).
 __global__ void ConvertProjectionKernel(DeviceView w, int64_t rows, int64_t cols, float* dense,
@@ -65,8 +58,8 @@ cudaError_t LaunchConvertProjection(const void* w, int dtype, int64_t rows, int6
   view.strides[0] = 0;
   view.strides[1] = row_stride;
   view.strides[2] = col_stride;
-  ConvertProjectionKernel<<<Blocks(rows, kWarpsPerBlock), kThreads, 0, stream>>>(view, rows, cols,
-                                                                                 dense, first_bad);
+  ConvertProjectionKernel<<<GridBlocks(rows, kWarpsPerBlock), kThreads, 0, stream>>>(
+      view, rows, cols, dense, first_bad);
   return cudaGetLastError();
 }
 
@@ -74,8 +67,8 @@ cudaError_t LaunchGroupSum(const float* dense, int64_t rows, int64_t kv_heads, i
                            int64_t head_dim, float* summed, cudaStream_t stream) {
   const int64_t total = kv_heads * rows * head_dim;
   if (total <= 0) return cudaSuccess;
-  GroupSumKernel<<<Blocks(total, kThreads), kThreads, 0, stream>>>(dense, rows, kv_heads, group,
-                                                                   head_dim, summed);
+  GroupSumKernel<<<GridBlocks(total, kThreads), kThreads, 0, stream>>>(dense, rows, kv_heads, group,
+                                                                       head_dim, summed);
   return cudaGetLastError();
 }
 

@@ -8,24 +8,6 @@ namespace {
 
 constexpr int kThreads = 256;  // a power of two (BlockReduce)
 constexpr int kWarpsPerBlock = kThreads / 32;
-// Grid-stride loops: enough blocks to fill any current GPU several times over.
-constexpr int64_t kMaxBlocks = 8192;
-
-int Blocks(int64_t items, int64_t items_per_block) {
-  const int64_t blocks = (items + items_per_block - 1) / items_per_block;
-  return static_cast<int>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
-}
-
-DeviceView ToDeviceView(const ScoreTensor& t) {
-  DeviceView v;
-  v.data = t.data;
-  v.dtype = static_cast<DeviceDType>(t.dtype);
-  for (int i = 0; i < 3; ++i) {
-    v.shape[i] = t.dims[i];
-    v.strides[i] = t.strides[i];
-  }
-  return v;
-}
 
 __device__ __forceinline__ int Lane() { return static_cast<int>(threadIdx.x % 32); }
 __device__ __forceinline__ int64_t GlobalWarp() {
@@ -284,12 +266,12 @@ __global__ void PoolScoreKernel(const float* x, const float* val, int64_t kv_hea
 
 }  // namespace
 
-cudaError_t LaunchGather(const ScoreTensor& t, int64_t row0, int64_t col0, int64_t count0,
+cudaError_t LaunchGather(const KernelTensor& t, int64_t row0, int64_t col0, int64_t count0,
                          int64_t count1, int64_t count2, float scale, float* out, int64_t out_s0,
                          int64_t out_s1, cudaStream_t stream) {
   const int64_t rows = count0 * count1;
   if (rows <= 0 || count2 <= 0) return cudaSuccess;
-  GatherKernel<<<Blocks(rows, kWarpsPerBlock), kThreads, 0, stream>>>(
+  GatherKernel<<<GridBlocks(rows, kWarpsPerBlock), kThreads, 0, stream>>>(
       ToDeviceView(t), row0, col0, count1, count2, rows, scale, out, out_s0, out_s1);
   return cudaGetLastError();
 }
@@ -299,7 +281,7 @@ cudaError_t LaunchRowSoftmaxStats(const float* logits, int64_t rows, int64_t ld,
                                   float* row_max, double* row_sum, float* row_scale,
                                   cudaStream_t stream) {
   if (rows <= 0 || count <= 0 || window <= 0) return cudaSuccess;
-  RowSoftmaxStatsKernel<<<Blocks(rows, 1), kThreads, 0, stream>>>(
+  RowSoftmaxStatsKernel<<<GridBlocks(rows, 1), kThreads, 0, stream>>>(
       logits, rows, ld, col0, count, visible_base, window, first, row_max, row_sum, row_scale);
   return cudaGetLastError();
 }
@@ -307,8 +289,8 @@ cudaError_t LaunchRowSoftmaxStats(const float* logits, int64_t rows, int64_t ld,
 cudaError_t LaunchExpRows(float* x, int64_t rows, int64_t ld, int64_t count, const float* shift,
                           const float* scale, cudaStream_t stream) {
   if (rows <= 0 || count <= 0) return cudaSuccess;
-  ExpRowsKernel<<<Blocks(rows * count, kThreads), kThreads, 0, stream>>>(x, rows, ld, count, shift,
-                                                                         scale);
+  ExpRowsKernel<<<GridBlocks(rows * count, kThreads), kThreads, 0, stream>>>(x, rows, ld, count,
+                                                                             shift, scale);
   return cudaGetLastError();
 }
 
@@ -317,15 +299,15 @@ cudaError_t LaunchAttentionStatistics(const float* probs, int64_t ld, int64_t kv
                                       AttentionStatKind kind, float* att, int64_t att_ld,
                                       cudaStream_t stream) {
   if (kv_heads <= 0 || count <= 0) return cudaSuccess;
-  AttentionStatisticsKernel<<<Blocks(kv_heads * count, kThreads), kThreads, 0, stream>>>(
+  AttentionStatisticsKernel<<<GridBlocks(kv_heads * count, kThreads), kThreads, 0, stream>>>(
       probs, ld, kv_heads, group, window, col0, count, kind, att, att_ld);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchValueNorms(const ScoreTensor& v, int64_t kv_heads, int64_t count, float* out,
+cudaError_t LaunchValueNorms(const KernelTensor& v, int64_t kv_heads, int64_t count, float* out,
                              int64_t out_ld, cudaStream_t stream) {
   if (kv_heads <= 0 || count <= 0) return cudaSuccess;
-  ValueNormsKernel<<<Blocks(kv_heads * count, kWarpsPerBlock), kThreads, 0, stream>>>(
+  ValueNormsKernel<<<GridBlocks(kv_heads * count, kWarpsPerBlock), kThreads, 0, stream>>>(
       ToDeviceView(v), kv_heads, count, out, out_ld);
   return cudaGetLastError();
 }
@@ -336,7 +318,7 @@ cudaError_t LaunchQuadraticForms(const float* projected, int64_t projected_head_
                                  int64_t d, bool raw, float* out, int64_t out_ld,
                                  cudaStream_t stream) {
   if (kv_heads <= 0 || count <= 0 || forms <= 0) return cudaSuccess;
-  QuadraticFormsKernel<<<Blocks(kv_heads * count, kWarpsPerBlock), kThreads, 0, stream>>>(
+  QuadraticFormsKernel<<<GridBlocks(kv_heads * count, kWarpsPerBlock), kThreads, 0, stream>>>(
       projected, projected_head_stride, v, v_ld, v_head_stride, kv_heads, col0, count, forms, d,
       raw, out, out_ld);
   return cudaGetLastError();
@@ -346,7 +328,7 @@ cudaError_t LaunchPrePool(const float* att, const float* val, int64_t kv_heads, 
                           int64_t stats, int64_t forms, int64_t prefix, AttentionStatKind kind,
                           float* x, cudaStream_t stream) {
   if (kv_heads <= 0 || prefix <= 0) return cudaSuccess;
-  PrePoolKernel<<<Blocks(kv_heads * prefix, kThreads), kThreads, 0, stream>>>(
+  PrePoolKernel<<<GridBlocks(kv_heads * prefix, kThreads), kThreads, 0, stream>>>(
       att, val, kv_heads, group, stats, forms, prefix, kind, x);
   return cudaGetLastError();
 }
@@ -356,7 +338,7 @@ cudaError_t LaunchPoolScore(const float* x, const float* val, int64_t kv_heads, 
                             int64_t kernel, AttentionStatKind attention, ValueStatKind value,
                             float* raw, int64_t raw_head_stride, cudaStream_t stream) {
   if (kv_heads <= 0 || begin >= prefix) return cudaSuccess;
-  PoolScoreKernel<<<Blocks(kv_heads * (prefix - begin), kThreads), kThreads, 0, stream>>>(
+  PoolScoreKernel<<<GridBlocks(kv_heads * (prefix - begin), kThreads), kThreads, 0, stream>>>(
       x, val, kv_heads, group, forms, prefix, begin, pool, kernel, attention, value, raw,
       raw_head_stride);
   return cudaGetLastError();

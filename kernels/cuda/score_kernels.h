@@ -14,17 +14,9 @@
 
 #include <cuda_runtime_api.h>
 
-namespace laprox::kernels::cuda {
+#include "cuda/kernel_tensor.h"
 
-// A rank-3 strided device tensor. `dtype` is static_cast<int>(laprox::kernels::DType) (0 fp32,
-// 1 fp16, 2 bf16); strides are in elements. A rank-2 tensor [a, b] is passed as [a, b, 1] with
-// strides [s0, s1, 0].
-struct ScoreTensor {
-  const void* data = nullptr;
-  int dtype = 0;
-  int64_t dims[3] = {0, 0, 0};
-  int64_t strides[3] = {0, 0, 0};
-};
+namespace laprox::kernels::cuda {
 
 // How the attention columns of a KV group are summarised per token (score.cc AttentionStat).
 // S statistics per (group, token), stored [group][S][token]:
@@ -43,7 +35,7 @@ enum class PoolKind : int { kAvg = 0, kMax = 1, kNone = 2 };
 
 // out[a * out_s0 + b * out_s1 + c] = scale * t(a, row0 + b, col0 + c) in fp32 for a < count0,
 // b < count1, c < count2. Preconditions: the read range is inside t.dims.
-cudaError_t LaunchGather(const ScoreTensor& t, int64_t row0, int64_t col0, int64_t count0,
+cudaError_t LaunchGather(const KernelTensor& t, int64_t row0, int64_t col0, int64_t count0,
                          int64_t count1, int64_t count2, float scale, float* out, int64_t out_s0,
                          int64_t out_s1, cudaStream_t stream);
 
@@ -74,7 +66,7 @@ cudaError_t LaunchAttentionStatistics(const float* probs, int64_t ld, int64_t kv
                                       cudaStream_t stream);
 
 // out[g * out_ld + i] = ||v(g, i, :)||_2 (fp32) for g < kv_heads, i < count; v is [Hkv, n, d].
-cudaError_t LaunchValueNorms(const ScoreTensor& v, int64_t kv_heads, int64_t count, float* out,
+cudaError_t LaunchValueNorms(const KernelTensor& v, int64_t kv_heads, int64_t count, float* out,
                              int64_t out_ld, cudaStream_t stream);
 
 // Quadratic forms of tokens [col0, col0 + count): q = sum_k projected[g * projected_head_stride

@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "cuda/cuda_status.h"
+#include "cuda/device_util.h"
 #include "cuda/score_kernels.h"
 #include "cuda/scorer.h"
 
@@ -79,18 +80,6 @@ PoolKind ToPoolKind(Pooling pooling) {
       break;
   }
   return PoolKind::kNone;
-}
-
-ScoreTensor ToTensor(const TensorView& view) {
-  ScoreTensor t;
-  t.data = view.data();
-  t.dtype = static_cast<int>(view.dtype());
-  const int rank = view.rank();
-  for (int i = 0; i < 3; ++i) {
-    t.dims[i] = i < rank ? view.dim(i) : 1;
-    t.strides[i] = i < rank ? view.stride(i) : 0;
-  }
-  return t;
 }
 
 bool FitsInt(int64_t value) { return value >= 0 && value <= INT_MAX; }
@@ -183,8 +172,8 @@ absl::Status ScorerV0::ComputeLogits(const DeviceContext& context, const Plan& p
            keys.stride(0)};
     } else {
       LAPROX_RETURN_IF_ERROR(
-          CudaStatus(LaunchGather(ToTensor(keys), j0, 0, p.kv_heads, keys_now, p.d, 1.f, a.keys,
-                                  keys_now * p.d, p.d, context.stream),
+          CudaStatus(LaunchGather(ToKernelTensor(keys), j0, 0, p.kv_heads, keys_now, p.d, 1.f,
+                                  a.keys, keys_now * p.d, p.d, context.stream),
                      "gathering keys"));
       k = {a.keys, p.d, keys_now * p.d};
     }
@@ -213,10 +202,10 @@ absl::Status ScorerV0::AttentionStatistics(const DeviceContext& context, const P
   if (p.given) {
     for (int64_t c0 = 0; c0 < p.prefix; c0 += p.chunk) {
       const int64_t count = std::min(p.chunk, p.prefix - c0);
-      LAPROX_RETURN_IF_ERROR(
-          CudaStatus(LaunchGather(ToTensor(in.window_attention), first_row, c0, p.heads, p.window,
-                                  count, 1.f, a.logits, p.window * p.chunk, p.chunk, stream),
-                     "gathering window_attention"));
+      LAPROX_RETURN_IF_ERROR(CudaStatus(
+          LaunchGather(ToKernelTensor(in.window_attention), first_row, c0, p.heads, p.window, count,
+                       1.f, a.logits, p.window * p.chunk, p.chunk, stream),
+          "gathering window_attention"));
       LAPROX_RETURN_IF_ERROR(
           CudaStatus(LaunchAttentionStatistics(a.logits, p.chunk, p.kv_heads, p.group, p.window, c0,
                                                count, p.modes.attention, a.att, p.prefix, stream),
@@ -226,14 +215,15 @@ absl::Status ScorerV0::AttentionStatistics(const DeviceContext& context, const P
   }
 
   LAPROX_RETURN_IF_ERROR(
-      CudaStatus(LaunchGather(ToTensor(in.window_queries), first_row, 0, p.heads, p.window, p.d,
-                              scale, a.queries, p.window * p.d, p.d, stream),
+      CudaStatus(LaunchGather(ToKernelTensor(in.window_queries), first_row, 0, p.heads, p.window,
+                              p.d, scale, a.queries, p.window * p.d, p.d, stream),
                  "gathering window_queries"));
   bool resident = false;  // logits of every needed key already in a.logits
   if (p.use_lse) {
-    LAPROX_RETURN_IF_ERROR(CudaStatus(LaunchGather(ToTensor(in.window_lse), first_row, 0, p.heads,
-                                                   p.window, 1, 1.f, a.shift, p.window, 1, stream),
-                                      "gathering window_lse"));
+    LAPROX_RETURN_IF_ERROR(
+        CudaStatus(LaunchGather(ToKernelTensor(in.window_lse), first_row, 0, p.heads, p.window, 1,
+                                1.f, a.shift, p.window, 1, stream),
+                   "gathering window_lse"));
   } else {
     // The normaliser over every key a window row sees (window keys included).
     for (int64_t c0 = 0; c0 < p.n; c0 += p.chunk) {
@@ -269,7 +259,7 @@ absl::Status ScorerV0::ValueStatistics(const DeviceContext& context, const Plan&
   if (p.modes.value == ValueStatKind::kNone) return absl::OkStatus();
   if (p.modes.value == ValueStatKind::kNorm) {
     return CudaStatus(
-        LaunchValueNorms(ToTensor(values), p.kv_heads, p.prefix, a.val, p.prefix, stream),
+        LaunchValueNorms(ToKernelTensor(values), p.kv_heads, p.prefix, a.val, p.prefix, stream),
         "value norms");
   }
   const int64_t F = p.modes.forms, Fd = F * p.d;
@@ -281,9 +271,10 @@ absl::Status ScorerV0::ValueStatistics(const DeviceContext& context, const Plan&
       v = {static_cast<const float*>(values.data()) + i0 * values.stride(1), values.stride(1),
            values.stride(0)};
     } else {
-      LAPROX_RETURN_IF_ERROR(CudaStatus(LaunchGather(ToTensor(values), i0, 0, p.kv_heads, count,
-                                                     p.d, 1.f, a.values, count * p.d, p.d, stream),
-                                        "gathering values"));
+      LAPROX_RETURN_IF_ERROR(
+          CudaStatus(LaunchGather(ToKernelTensor(values), i0, 0, p.kv_heads, count, p.d, 1.f,
+                                  a.values, count * p.d, p.d, stream),
+                     "gathering values"));
       v = {a.values, p.d, count * p.d};
     }
     // Row-major projected[g][j] = v_j [factor blocks first_block .. + F) ([d, F*d] with the
