@@ -63,6 +63,16 @@ struct Client::Impl {
                          absl::ToChronoMilliseconds(options.deadline));
     return FromGrpc((stub.get()->*method)(&context, request, response));
   }
+
+  // RegisterRegion for a request whose kind (shm or cuda_ipc) is filled in.
+  absl::StatusOr<uint64_t> RegisterRegion(v1::RegisterRegionRequest& request, bool writable) const {
+    request.set_writable(writable);
+    v1::RegisterRegionResponse response;
+    if (absl::Status s = Call(&v1::Laprox::Stub::RegisterRegion, request, &response); !s.ok()) {
+      return s;
+    }
+    return response.region_id();
+  }
 };
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -115,13 +125,7 @@ absl::StatusOr<uint64_t> Client::RegisterShmRegion(const std::string& name, int6
   request.mutable_shm()->set_name(name);
   request.mutable_shm()->set_offset(offset);
   request.mutable_shm()->set_byte_size(byte_size);
-  request.set_writable(writable);
-  v1::RegisterRegionResponse response;
-  if (absl::Status s = impl_->Call(&v1::Laprox::Stub::RegisterRegion, request, &response);
-      !s.ok()) {
-    return s;
-  }
-  return response.region_id();
+  return impl_->RegisterRegion(request, writable);
 }
 
 absl::StatusOr<uint64_t> Client::RegisterCudaIpcRegion(const CudaIpcExport& region, bool writable) {
@@ -131,13 +135,7 @@ absl::StatusOr<uint64_t> Client::RegisterCudaIpcRegion(const CudaIpcExport& regi
   cuda_ipc->set_device_uuid(region.device_uuid);
   cuda_ipc->set_offset(region.offset);
   cuda_ipc->set_byte_size(region.byte_size);
-  request.set_writable(writable);
-  v1::RegisterRegionResponse response;
-  if (absl::Status s = impl_->Call(&v1::Laprox::Stub::RegisterRegion, request, &response);
-      !s.ok()) {
-    return s;
-  }
-  return response.region_id();
+  return impl_->RegisterRegion(request, writable);
 }
 
 absl::Status Client::UnregisterRegion(uint64_t region_id) {
