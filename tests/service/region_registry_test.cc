@@ -22,6 +22,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "laprox/kernels/backend.h"
+#include "laprox/kernels/registry.h"
 
 namespace laprox::service {
 namespace {
@@ -289,29 +290,10 @@ TEST(RegionRegistryCudaIpcTest, BadRegistrationsLeaveNothingOpen) {
 
 TEST(RegionRegistryCudaIpcTest, TheCpuBackendCannotOpenHandles) {
   // The base class's ImportCudaIpcImpl: what a backend without device memory answers.
-  class HostOnly final : public kernels::Backend {
-   public:
-    kernels::BackendKind kind() const override { return kernels::BackendKind::kCpu; }
-    std::string Describe() const override { return "host only"; }
-    bool Supports(kernels::PolicyKind) const override { return false; }
-
-   protected:
-    bool CanRead(kernels::MemorySpace space) const override {
-      return space == kernels::MemorySpace::kHost;
-    }
-    absl::StatusOr<std::shared_ptr<const kernels::PreparedModel>> PrepareModelImpl(
-        const kernels::ModelGeometry&, absl::Span<const kernels::TensorView>,
-        const kernels::PrepareOptions&) override {
-      return absl::UnimplementedError("host only");
-    }
-    absl::StatusOr<kernels::KeepPlan> ComputeKeepPlanImpl(const kernels::PreparedModel&,
-                                                          const kernels::KeepPlanRequest&,
-                                                          const kernels::PlanShape&) override {
-      return absl::UnimplementedError("host only");
-    }
-  } backend;
+  auto backend = kernels::CreateBackend("cpu");
+  ASSERT_TRUE(backend.ok()) << backend.status();
   RegionRegistry registry({});
-  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(0, 64), false, backend).status(),
+  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(0, 64), false, **backend).status(),
               IsStatus(absl::StatusCode::kUnimplemented, "cuda_ipc regions need the CUDA backend"));
   EXPECT_TRUE(registry.List().empty());
 }
