@@ -210,6 +210,18 @@ class DeviceSelectTest : public ::testing::Test {
     return plan.ok() ? *std::move(plan) : KeepPlan{};
   }
 
+  // Both device algorithms against the host selection on the case's raw scores.
+  void CheckBothAlgorithms(const Case& c) {
+    const PlanShape shape = ShapeOf(c);
+    const std::vector<float> raw = MakeRaw(c, shape);
+    const KeepPlan expected = policy::SelectKeepPlan(shape, c.policy, raw, c.outputs);
+    const float* d_raw = Upload(raw);
+    for (SelectAlgorithm algorithm : kAlgorithms) {
+      SCOPED_TRACE(absl::StrCat(AlgorithmName(algorithm), ", ", c.Describe(shape)));
+      ExpectSamePlan(expected, DeviceSelect(shape, c.policy, d_raw, c.outputs, algorithm));
+    }
+  }
+
   // Every allocation x min_per_head {0, 3} x head_uniform_layers {off, on} x both algorithms on
   // the case's raw scores, compared exactly with the CPU.
   void CheckAllOptions(Case c) {
@@ -219,15 +231,8 @@ class DeviceSelectTest : public ::testing::Test {
           c.policy.allocation = allocation;
           c.policy.min_per_head = min_per_head;
           c.policy.head_uniform_layers = head_uniform;
-          const PlanShape shape = ShapeOf(c);
-          const std::vector<float> raw = MakeRaw(c, shape);
-          const KeepPlan expected = policy::SelectKeepPlan(shape, c.policy, raw, c.outputs);
-          const float* d_raw = Upload(raw);
-          for (SelectAlgorithm algorithm : kAlgorithms) {
-            SCOPED_TRACE(absl::StrCat(AlgorithmName(algorithm), ", ", c.Describe(shape)));
-            ExpectSamePlan(expected, DeviceSelect(shape, c.policy, d_raw, c.outputs, algorithm));
-            if (HasFailure()) return;  // one failing case is enough to read
-          }
+          CheckBothAlgorithms(c);
+          if (HasFailure()) return;  // one failing case is enough to read
         }
       }
     }
@@ -349,14 +354,7 @@ TEST_F(DeviceSelectTest, MatchesCpuOnLargeShape) {
     c.policy.allocation = allocation;
     c.policy.min_per_head = 3;
     c.policy.head_uniform_layers = allocation == Allocation::kGlobalNormalized;
-    const PlanShape shape = ShapeOf(c);
-    const std::vector<float> raw = MakeRaw(c, shape);
-    const KeepPlan expected = policy::SelectKeepPlan(shape, c.policy, raw, c.outputs);
-    const float* d_raw = Upload(raw);
-    for (SelectAlgorithm algorithm : kAlgorithms) {
-      SCOPED_TRACE(absl::StrCat(AlgorithmName(algorithm), ", ", c.Describe(shape)));
-      ExpectSamePlan(expected, DeviceSelect(shape, c.policy, d_raw, c.outputs, algorithm));
-    }
+    CheckBothAlgorithms(c);
   }
 }
 
