@@ -11,6 +11,7 @@
 #include "common/status_macros.h"
 #include "cuda/cuda_status.h"
 #include "cuda/select_kernels.h"
+#include "policy/select.h"
 
 namespace laprox::kernels::cuda {
 namespace {
@@ -88,13 +89,7 @@ absl::StatusOr<KeepPlan> DeviceSelector::Select(const DeviceContext& context,
     return absl::InvalidArgumentError("DeviceSelector: raw scores are null");
   }
 
-  KeepPlan plan;
-  plan.num_layers = shape.num_layers;
-  plan.num_kv_heads = shape.num_kv_heads;
-  plan.n = n;
-  plan.window = shape.window;
-  plan.sinks = shape.sinks;
-  plan.quota = q;
+  KeepPlan plan = policy::PlanHeader(shape);
   plan.selected_total = num_layers * heads * q;
   plan.layer_sums.assign(static_cast<size_t>(num_layers), 0.0);
   plan.counts.assign(rows, 0);

@@ -137,17 +137,22 @@ KeepPlan SelectKeepPlan(const PlanShape& shape, const PolicySpec& policy,
   return plan;
 }
 
+KeepPlan PlanHeader(const PlanShape& shape) {
+  KeepPlan plan;
+  plan.num_layers = shape.num_layers;
+  plan.num_kv_heads = shape.num_kv_heads;
+  plan.n = shape.n;
+  plan.window = shape.window;
+  plan.sinks = shape.sinks;
+  plan.quota = shape.quota;
+  return plan;
+}
+
 KeepPlan BuildKeepPlan(const PlanShape& shape, absl::Span<const uint8_t> kept,
                        std::vector<float> scores, const OutputOptions& outputs) {
   const int64_t L = shape.num_layers, Hkv = shape.num_kv_heads, n = shape.n;
   const int64_t candidates_begin = shape.sinks, candidates_end = n - shape.window;
-  KeepPlan plan;
-  plan.num_layers = shape.num_layers;
-  plan.num_kv_heads = shape.num_kv_heads;
-  plan.n = n;
-  plan.window = shape.window;
-  plan.sinks = shape.sinks;
-  plan.quota = shape.quota;
+  KeepPlan plan = PlanHeader(shape);
   plan.counts.resize(L * Hkv);
   plan.offsets.resize(L * Hkv + 1);
   plan.offsets[0] = 0;

@@ -42,6 +42,9 @@ void PartitionBest(absl::Span<Ranked<Score>> tokens, int64_t k) {
   std::nth_element(tokens.begin(), tokens.begin() + k, tokens.end(), RankedBefore<Score>);
 }
 
+// A KeepPlan with only the fields `shape` fixes: L, Hkv, n, window, sinks, quota.
+KeepPlan PlanHeader(const PlanShape& shape);
+
 // The KeepPlan of a kept mask `kept` ([L, Hkv, n], nonzero = kept) with the output scores
 // `scores` ([L, Hkv, n], moved into the plan when requested): counts, offsets, positions and
 // bitmask as `outputs` asks, window / sinks / quota from `shape`, selected_total = the kept
