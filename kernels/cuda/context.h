@@ -6,6 +6,8 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include "absl/status/statusor.h"
+
 namespace laprox::kernels::cuda {
 
 // Every stage enqueues its work on `stream` (cuBLAS is bound to it) and does not synchronise
@@ -16,6 +18,15 @@ struct DeviceContext {
   cublasHandle_t cublas = nullptr;
   int multiprocessors = 0;  // SM count, for grid sizing
 };
+
+// The context of `device`, made current on the calling thread: the device is checked to exist
+// and to run a kernel, then a non-blocking stream and a cuBLAS handle bound to it with pedantic
+// math (no TF32: plans must match the CPU backend's fp32 arithmetic). UNAVAILABLE when there is
+// no such device or no usable driver.
+absl::StatusOr<DeviceContext> CreateDeviceContext(int device);
+
+// Releases what CreateDeviceContext made.
+void DestroyDeviceContext(const DeviceContext& context);
 
 }  // namespace laprox::kernels::cuda
 

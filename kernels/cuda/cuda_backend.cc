@@ -8,7 +8,6 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "cuda/cuda_status.h"
-#include "cuda/device_query.h"
 #include "cuda/ipc.h"
 #include "cuda/prepare.h"
 
@@ -53,42 +52,14 @@ absl::Status CheckAligned(const TensorView& view, absl::string_view name) {
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device,
                                                                  KernelVersion kernels) {
-  int count = 0;
-  LAPROX_RETURN_IF_ERROR(CudaStatus(CountDevices(&count), "cudaGetDeviceCount"));
-  if (device < 0 || device >= count) {
-    return absl::UnavailableError(
-        absl::StrCat("CUDA device ", device, " does not exist (", count, " devices)"));
-  }
-  LAPROX_RETURN_IF_ERROR(CudaStatus(ProbeDevice(device), "probing the CUDA device"));
-  DeviceContext context;
-  context.device = device;
-  LAPROX_RETURN_IF_ERROR(CudaStatus(
-      cudaDeviceGetAttribute(&context.multiprocessors, cudaDevAttrMultiProcessorCount, device),
-      "cudaDeviceGetAttribute"));
-  LAPROX_RETURN_IF_ERROR(CudaStatus(
-      cudaStreamCreateWithFlags(&context.stream, cudaStreamNonBlocking), "cudaStreamCreate"));
-  if (cublasCreate(&context.cublas) != CUBLAS_STATUS_SUCCESS) {
-    cudaStreamDestroy(context.stream);
-    return absl::InternalError("cublasCreate failed");
-  }
-  // Plans must match the CPU backend's fp32 arithmetic: no TF32 or reduced-precision shortcuts.
-  if (cublasSetStream(context.cublas, context.stream) != CUBLAS_STATUS_SUCCESS ||
-      cublasSetMathMode(context.cublas, CUBLAS_PEDANTIC_MATH) != CUBLAS_STATUS_SUCCESS) {
-    cublasDestroy(context.cublas);
-    cudaStreamDestroy(context.stream);
-    return absl::InternalError("configuring the cuBLAS handle failed");
-  }
+  LAPROX_ASSIGN_OR_RETURN(const DeviceContext context, CreateDeviceContext(device));
   return std::unique_ptr<CudaBackend>(new CudaBackend(context, kernels));
 }
 
 CudaBackend::CudaBackend(DeviceContext context, KernelVersion kernels)
     : context_(context), kernels_(kernels), v0_(NewScorerV0()), v1_(NewScorerV1()) {}
 
-CudaBackend::~CudaBackend() {
-  cudaSetDevice(context_.device);
-  cublasDestroy(context_.cublas);
-  cudaStreamDestroy(context_.stream);
-}
+CudaBackend::~CudaBackend() { DestroyDeviceContext(context_); }
 
 std::string CudaBackend::Describe() const {
   cudaDeviceProp prop{};

@@ -10,7 +10,8 @@
 //   - counts add up, layer sums agree to 1e-4, the bitmask matches the positions.
 // With LAPROX_CUDA_TEST_SMALL set, cases above n = 4096 are left out (for compute-sanitizer).
 // Runs with both kernel versions (v1 falls back to v0 for requests it does not take), with host
-// inputs (staged by the backend) and with device inputs (cudaMalloc'd copies).
+// inputs (staged by the backend) and with device inputs (copies in the client library's
+// DeviceAllocation).
 //
 // Without a CUDA device every test is skipped with the reason. Run on a GPU machine through
 // tests/gpu/run.sh, or directly: build/tests/cuda/laprox_cuda_backend_test. To add a case,
@@ -26,11 +27,11 @@
 #include <string>
 #include <vector>
 
-#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
 #include "common/half.h"
+#include "laprox/client/cuda_export.h"
 #include "laprox/kernels/registry.h"
 
 namespace laprox::kernels {
@@ -205,25 +206,25 @@ class DeviceCopies {
     pointers_.resize(host.size());
     for (size_t kind = 0; kind < host.size(); ++kind) {
       for (size_t l = 0; l < host[kind].size(); ++l) {
-        void* d = nullptr;
+        const void* d = nullptr;
         if (bytes[kind][l] > 0) {
-          EXPECT_EQ(cudaMalloc(&d, bytes[kind][l]), cudaSuccess);
-          EXPECT_EQ(cudaMemcpy(d, host[kind][l], bytes[kind][l], cudaMemcpyHostToDevice),
-                    cudaSuccess);
-          owned_.push_back(d);
+          auto allocation = client::DeviceAllocation::Allocate(bytes[kind][l]);
+          EXPECT_TRUE(allocation.ok()) << allocation.status();
+          if (allocation.ok()) {
+            EXPECT_TRUE(allocation->CopyFromHost(0, host[kind][l], bytes[kind][l]).ok());
+            d = allocation->data();
+            owned_.push_back(*std::move(allocation));
+          }
         }
         pointers_[kind].push_back(d);
       }
     }
   }
-  ~DeviceCopies() {
-    for (void* d : owned_) cudaFree(d);
-  }
   const std::vector<std::vector<const void*>>& pointers() const { return pointers_; }
 
  private:
   std::vector<std::vector<const void*>> pointers_;
-  std::vector<void*> owned_;
+  std::vector<client::DeviceAllocation> owned_;  // freed on destruction
 };
 
 // Segment of a flat (layer, head, position) index for the threshold of its competition.

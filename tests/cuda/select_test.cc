@@ -19,17 +19,16 @@
 #include <cstring>
 #include <iterator>
 #include <limits>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
-#include <cuda_runtime_api.h>
-
 #include "absl/strings/str_cat.h"
 #include "cuda/context.h"
-#include "cuda/device_buffer.h"
 #include "cuda/select.h"
 #include "gtest/gtest.h"
+#include "laprox/client/cuda_export.h"
 #include "laprox/kernels/backend.h"
 #include "laprox/kernels/keep_plan.h"
 #include "laprox/kernels/policy.h"
@@ -178,28 +177,31 @@ void ExpectSamePlan(const KeepPlan& expected, const KeepPlan& actual) {
 class DeviceSelectTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    int devices = 0;
-    const cudaError_t error = cudaGetDeviceCount(&devices);
-    if (error != cudaSuccess || devices == 0) {
-      GTEST_SKIP() << "no CUDA device visible (cudaGetDeviceCount: "
-                   << (error != cudaSuccess ? cudaGetErrorName(error) : "0 devices")
+    absl::StatusOr<DeviceContext> context = CreateDeviceContext(0);
+    if (absl::IsUnavailable(context.status())) {
+      GTEST_SKIP() << "no CUDA device visible (" << context.status()
                    << "): the device selection is tested on a GPU machine (tests/gpu/run.sh)";
     }
-    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
-    ASSERT_EQ(cudaDeviceGetAttribute(&context_.multiprocessors, cudaDevAttrMultiProcessorCount, 0),
-              cudaSuccess);
-    ASSERT_EQ(cudaStreamCreateWithFlags(&context_.stream, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_TRUE(context.ok()) << context.status();
+    context_ = *context;
+    created_ = true;
   }
   void TearDown() override {
-    if (context_.stream != nullptr) cudaStreamDestroy(context_.stream);
+    raw_.reset();
+    if (created_) DestroyDeviceContext(context_);
   }
 
   // Device copy of `raw` (kept in raw_ until the next call).
   const float* Upload(const std::vector<float>& raw) {
     const size_t bytes = raw.size() * sizeof(float);
-    EXPECT_EQ(raw_.Reserve(bytes), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(raw_.data(), raw.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
-    return raw_.as<float>();
+    raw_.reset();
+    absl::StatusOr<client::DeviceAllocation> allocation =
+        client::DeviceAllocation::Allocate(std::max<size_t>(bytes, 1));
+    EXPECT_TRUE(allocation.ok()) << allocation.status();
+    if (!allocation.ok()) return nullptr;
+    raw_ = *std::move(allocation);
+    EXPECT_TRUE(raw_->CopyFromHost(0, raw.data(), bytes).ok());
+    return static_cast<const float*>(raw_->data());
   }
 
   KeepPlan DeviceSelect(const PlanShape& shape, const PolicySpec& policy, const float* d_raw,
@@ -240,7 +242,8 @@ class DeviceSelectTest : public ::testing::Test {
 
   DeviceContext context_;
   DeviceSelector selector_;
-  DeviceBuffer raw_;
+  bool created_ = false;
+  std::optional<client::DeviceAllocation> raw_;
 };
 
 OutputOptions AllOutputs() { return {true, true, true}; }
@@ -459,9 +462,8 @@ TEST_F(DeviceSelectTest, RejectsInconsistentShape) {
   shape.num_kv_heads = 1;
   shape.window = 4;
   shape.candidates = 3;  // 4 + 0 + 3 != 10
-  DeviceBuffer raw;
-  ASSERT_EQ(raw.Reserve(10 * sizeof(float)), cudaSuccess);
-  absl::StatusOr<KeepPlan> plan = selector_.Select(context_, shape, PolicySpec{}, raw.as<float>(),
+  const float* d_raw = Upload(std::vector<float>(10, 1.f));
+  absl::StatusOr<KeepPlan> plan = selector_.Select(context_, shape, PolicySpec{}, d_raw,
                                                    OutputOptions{}, SelectAlgorithm::kRadixSort);
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument) << plan.status();
 }
