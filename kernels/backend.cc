@@ -10,6 +10,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/saturating.h"
 #include "common/status_macros.h"
 #include "policy/budget.h"
 
@@ -42,9 +43,10 @@ absl::StatusOr<PlanShape> ValidateKeepPlanRequest(const ModelGeometry& geometry,
                                                   const KeepPlanRequest& request) {
   LAPROX_RETURN_IF_ERROR(request.policy.Validate());
   const int64_t n = request.n;
-  if (n < 1 || n > KeepPlanRequest::kMaxTokens) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("n = ", n, " is outside [1, ", KeepPlanRequest::kMaxTokens, "]"));
+  if (n < 1) return absl::InvalidArgumentError(absl::StrCat("n = ", n, " must be at least 1"));
+  if (n > KeepPlanRequest::kMaxTokens) {
+    return absl::OutOfRangeError(absl::StrCat("n = ", n, " exceeds the backend's limit of ",
+                                              KeepPlanRequest::kMaxTokens, " tokens"));
   }
   const int64_t L = geometry.num_layers, H = geometry.num_heads, Hkv = geometry.num_kv_heads,
                 d = geometry.head_dim;
@@ -163,8 +165,8 @@ absl::StatusOr<std::shared_ptr<const PreparedModel>> Backend::PrepareModel(
   return PrepareModelImpl(geometry, o_proj, options);
 }
 
-absl::StatusOr<KeepPlan> Backend::ComputeKeepPlan(const PreparedModel& model,
-                                                  const KeepPlanRequest& request) {
+absl::StatusOr<PlanShape> Backend::CheckKeepPlanRequest(const PreparedModel& model,
+                                                        const KeepPlanRequest& request) const {
   if (!Supports(request.policy.kind)) {
     return absl::UnimplementedError(
         absl::StrCat("policy.kind = ", PolicyKindName(request.policy.kind),
@@ -175,8 +177,6 @@ absl::StatusOr<KeepPlan> Backend::ComputeKeepPlan(const PreparedModel& model,
                                                       BackendKindName(model.backend()),
                                                       " backend, not ", BackendKindName(kind())));
   }
-  using Clock = std::chrono::steady_clock;
-  const Clock::time_point start = Clock::now();
   LAPROX_ASSIGN_OR_RETURN(PlanShape shape,
                           ValidateKeepPlanRequest(model.geometry(), model.options(), request));
   for (size_t l = 0; l < request.layers.size(); ++l) {
@@ -190,6 +190,14 @@ absl::StatusOr<KeepPlan> Backend::ComputeKeepPlan(const PreparedModel& model,
       }
     }
   }
+  return shape;
+}
+
+absl::StatusOr<KeepPlan> Backend::ComputeKeepPlan(const PreparedModel& model,
+                                                  const KeepPlanRequest& request) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point start = Clock::now();
+  LAPROX_ASSIGN_OR_RETURN(PlanShape shape, CheckKeepPlanRequest(model, request));
   const Clock::time_point validated = Clock::now();
   absl::StatusOr<KeepPlan> plan = ComputeKeepPlanImpl(model, request, shape);
   if (plan.ok()) {
@@ -200,6 +208,53 @@ absl::StatusOr<KeepPlan> Backend::ComputeKeepPlan(const PreparedModel& model,
     }
   }
   return plan;
+}
+
+int64_t MemoryEstimate::total() const { return SatAdd(workspace_bytes, output_bytes); }
+
+absl::StatusOr<MemoryEstimate> Backend::EstimateKeepPlanMemory(
+    const PreparedModel& model, const KeepPlanRequest& request) const {
+  LAPROX_ASSIGN_OR_RETURN(PlanShape shape, CheckKeepPlanRequest(model, request));
+  const int64_t heads = SatMul(shape.num_layers, shape.num_kv_heads), n = shape.n;
+  const int64_t entries = SatMul(heads, n);
+  // LAPROX keeps exactly window + sinks + quota per head on average; a baseline at most n.
+  const int64_t kept = request.policy.kind == PolicyKind::kLaprox
+                           ? SatMul(heads, SatAdd({shape.window, shape.sinks, shape.quota}))
+                           : entries;
+  const OutputOptions& out = request.outputs;
+  MemoryEstimate estimate;
+  estimate.output_bytes =
+      SatAdd({SatMul(heads, 4), SatMul(SatAdd(heads, 1), 8), out.positions ? SatMul(kept, 4) : 0,
+              out.bitmask ? SatMul(heads, (n + 7) / 8) : 0, out.scores ? SatMul(entries, 4) : 0,
+              SatMul(shape.num_layers, 8)});
+  estimate.workspace_bytes = KeepPlanWorkspaceBytes(model.geometry(), shape, request.policy);
+  return estimate;
+}
+
+absl::StatusOr<MemoryEstimate> Backend::EstimatePrepareMemory(const ModelGeometry& geometry,
+                                                              const PrepareOptions& options) const {
+  LAPROX_RETURN_IF_ERROR(geometry.Validate());
+  const int64_t L = geometry.num_layers, Hkv = geometry.num_kv_heads, G = geometry.group_size(),
+                d = geometry.head_dim, D = geometry.hidden_size, H = geometry.num_heads;
+  // Per (layer, KV head): 1 + G factor blocks of d x d, and G(G-1)/2 cross-Grams on request.
+  const int64_t blocks = SatAdd(1 + G, options.cross_grams ? SatMul(G, G - 1) / 2 : 0);
+  MemoryEstimate estimate;
+  estimate.output_bytes = SatMul(4, SatAdd(SatMul({L, Hkv, d, d, blocks}),
+                                           options.output_projection ? SatMul({L, D, H, d}) : 0));
+  estimate.workspace_bytes = PrepareWorkspaceBytes(geometry, options);
+  return estimate;
+}
+
+int64_t Backend::KeepPlanWorkspaceBytes(const ModelGeometry&, const PlanShape& shape,
+                                        const PolicySpec&) const {
+  // The raw scores read back and the selection's 32-bit marks, per (layer, head, token).
+  const int64_t heads = SatMul(shape.num_layers, shape.num_kv_heads);
+  return SatAdd(SatMul({heads, shape.n, 8}), SatMul(heads, 16));
+}
+
+int64_t Backend::PrepareWorkspaceBytes(const ModelGeometry& geometry, const PrepareOptions&) const {
+  // One layer's o_proj staged on the host in fp32.
+  return SatMul({4, geometry.hidden_size, geometry.num_heads, geometry.head_dim});
 }
 
 absl::StatusOr<std::unique_ptr<ImportedRegion>> Backend::ImportCudaIpc(

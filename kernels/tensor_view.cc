@@ -1,6 +1,7 @@
 #include "laprox/kernels/tensor_view.h"
 
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -37,7 +38,11 @@ Dims ContiguousStrides(const Dims& shape) {
   int64_t stride = 1;
   for (int i = static_cast<int>(shape.size()) - 1; i >= 0; --i) {
     strides[i] = stride;
-    stride *= shape[i];
+    // Saturates instead of overflowing (shapes come from the wire): a stride of INT64_MAX is
+    // only ever multiplied by shape - 1 >= 1 in ElementExtent, which then reports OUT_OF_RANGE.
+    if (shape[i] < 0 || __builtin_mul_overflow(stride, shape[i], &stride)) {
+      stride = std::numeric_limits<int64_t>::max();
+    }
   }
   return strides;
 }
@@ -56,7 +61,11 @@ TensorView::TensorView(const void* data, DType dtype, Dims shape, Dims strides, 
 
 int64_t TensorView::num_elements() const {
   int64_t count = 1;
-  for (int64_t d : shape_) count *= d;
+  for (int64_t d : shape_) {
+    if (d < 0 || __builtin_mul_overflow(count, d, &count)) {
+      return std::numeric_limits<int64_t>::max();
+    }
+  }
   return count;
 }
 

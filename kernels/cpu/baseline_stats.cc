@@ -8,6 +8,7 @@
 #include "common/status_macros.h"
 #include "cpu/rows.h"
 #include "cpu/vector_ops.h"
+#include "policy/magnitude.h"
 
 namespace laprox::kernels::cpu {
 namespace {
@@ -43,9 +44,9 @@ void RowMoments(const float* rows, int64_t we, int64_t n, int64_t prefix, float*
 // u_i = (1/G) sum_{h in g} ||v_i W_O^h||_1 for every token i < n. An L1 norm has no d x d
 // shortcut, so V W_O^h is formed, but a chunk of tokens at a time (never n x D at once).
 // KVPRESS_COMPAT rounds like kvpress's vwl1norm in the model dtype: each product element, each
-// head's norm and the group mean.
+// head's norm and the group mean. *max_values: the largest |v| of the head.
 absl::Status ProjectedValueL1(const PlanShape& shape, const HeadTask& task, ScoreWorkspace& ws,
-                              float* u) {
+                              float* u, float* max_values) {
   const int64_t n = shape.n, d = shape.head_dim, G = shape.group_size, D = task.hidden_size;
   const int64_t Hd = int64_t{shape.num_kv_heads} * G * d;
   const int64_t chunk = std::clamp<int64_t>(kProjectionChunkBytes / (4 * D), 8, 256);
@@ -57,7 +58,7 @@ absl::Status ProjectedValueL1(const PlanShape& shape, const HeadTask& task, Scor
     const int64_t count = std::min(chunk, n - i0);
     RowBlock v;
     LAPROX_RETURN_IF_ERROR(LoadRows(task.inputs->values, task.kv_head, i0, count,
-                                    {task.layer, "values"}, ws.rows, &v));
+                                    {task.layer, "values"}, ws.rows, &v, max_values));
     std::fill(u + i0, u + i0 + count, 0.f);
     for (int64_t hi = 0; hi < G; ++hi) {
       // o_proj[:, h*d:(h+1)*d] is W_O^h transposed: [D, d] with leading dimension H*d.
@@ -106,11 +107,11 @@ void WindowStatistics(const PlanShape& shape, const PolicySpec& policy, const He
   const int64_t n = shape.n, we = shape.window, G = shape.group_size, prefix = n - we;
   const bool cake = policy.kind == PolicyKind::kCake;
   const bool compat = task.kvpress_compat && !cake;
-  const float gamma = static_cast<float>(policy.baseline.cake_gamma);
+  const double gamma = policy.baseline.cake_gamma;  // any finite value >= 0
   float* mean = Sized(ws.value, 2 * prefix);
   float* var = mean + prefix;
   float* head_score = Sized(ws.pre_pool, prefix);
-  float* pooled = Sized(ws.attention, prefix);
+  float* pooled = Sized(ws.pooled, prefix);
   std::fill(out.scores, out.scores + prefix, 0.f);
   double entropy = 0.0, variance = 0.0;
   for (int64_t hi = 0; hi < G; ++hi) {
@@ -138,13 +139,16 @@ void WindowStatistics(const PlanShape& shape, const PolicySpec& policy, const He
       if (cake) RowMoments(rows, we, n, prefix, mean, var);
     }
     if (cake) {
-      for (int64_t i = 0; i < prefix; ++i) head_score[i] = mean[i] + gamma * var[i];
+      // In fp64: a huge gamma gives +inf (beyond fp32), never inf * 0 = NaN.
+      for (int64_t i = 0; i < prefix; ++i) {
+        head_score[i] = policy::SaturatedFloat(mean[i] + gamma * var[i]);
+      }
     } else if (compat) {
       CompatRowMean(task.compat_dtype, rows, we, n, prefix, head_score);
     } else {
       RowMoments(rows, we, n, prefix, head_score, nullptr);
     }
-    Pool(policy.pooling, policy.pool_kernel, head_score, prefix, 0, pooled, ws.prefix_sum);
+    Pool(policy.pooling, policy.pool_kernel, head_score, prefix, 0, pooled, ws.pool_sums);
     if (compat) RoundTo(task.compat_dtype, pooled, prefix);
     for (int64_t i = 0; i < prefix; ++i) out.scores[i] += pooled[i];
   }
@@ -168,7 +172,10 @@ absl::Status BaselineHead(const PlanShape& shape, const PolicySpec& policy, cons
                           const BaselineHeadOutput& out) {
   LAPROX_RETURN_IF_ERROR(WindowAttention(shape, task, ws));
   if (out.value_norms != nullptr) {
-    LAPROX_RETURN_IF_ERROR(ProjectedValueL1(shape, task, ws, out.value_norms));
+    float max_values = 0.f;
+    LAPROX_RETURN_IF_ERROR(ProjectedValueL1(shape, task, ws, out.value_norms, &max_values));
+    LAPROX_RETURN_IF_ERROR(policy::CheckValueMagnitude(shape, policy, task.hidden_size, task.layer,
+                                                       task.kv_head, max_values, task.max_o_proj));
   } else {
     LAPROX_RETURN_IF_ERROR(CheckRowsFinite(task.inputs->values, task.kv_head, 0, shape.n,
                                            {task.layer, "values"}, ws.rows));

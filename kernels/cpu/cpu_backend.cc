@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <limits>
+#include <new>
 #include <vector>
 
 #include <cblas.h>
@@ -11,12 +13,15 @@
 #include "absl/strings/str_cat.h"
 #include "common/half.h"
 #include "common/parallel.h"
+#include "common/saturating.h"
 #include "common/status_macros.h"
 #include "cpu/baseline_stats.h"
 #include "cpu/factors.h"
 #include "cpu/rows.h"
 #include "cpu/score.h"
+#include "cpu/vector_ops.h"
 #include "policy/baselines.h"
+#include "policy/magnitude.h"
 #include "policy/select.h"
 
 namespace laprox::kernels::cpu {
@@ -24,14 +29,21 @@ namespace {
 
 // Runs task(item, worker) for every item, stopping early after a failure, and returns the
 // failure of the lowest-numbered failing item (so the error does not depend on thread timing:
-// items are claimed in increasing order, and items above a known failure are skipped).
+// items are claimed in increasing order, and items above a known failure are skipped). A
+// workspace allocation that fails (the host is short of memory despite the service's budget)
+// fails its item with RESOURCE_EXHAUSTED: an exception must not leave a worker thread.
 template <typename Task>
 absl::Status RunAll(int64_t count, int threads, Task&& task) {
   std::vector<absl::Status> statuses(count);
   std::atomic<int64_t> first_failure{std::numeric_limits<int64_t>::max()};
   ParallelFor(count, threads, [&](int64_t item, int worker) {
     if (item > first_failure.load(std::memory_order_relaxed)) return;
-    statuses[item] = task(item, worker);
+    try {
+      statuses[item] = task(item, worker);
+    } catch (const std::bad_alloc&) {
+      statuses[item] = absl::ResourceExhaustedError(
+          absl::StrCat("out of host memory computing item ", item, " of ", count));
+    }
     if (!statuses[item].ok()) {
       int64_t seen = first_failure.load();
       while (item < seen && !first_failure.compare_exchange_weak(seen, item)) {
@@ -88,6 +100,7 @@ CpuPreparedModel::CpuPreparedModel(const ModelGeometry& geometry, const PrepareO
   blocks_ = 1 + G + (options.cross_grams ? G * (G - 1) / 2 : 0);
   factors_.resize(int64_t{geometry.num_layers} * geometry.num_kv_heads * matrix_size());
   if (options.output_projection) output_projection_.resize(geometry.num_layers * projection_size());
+  max_o_proj_.assign(geometry.num_layers, 0.f);
 }
 
 CpuBackend::CpuBackend(int threads) : threads_(std::max(threads, 1)) {
@@ -115,7 +128,11 @@ absl::StatusOr<std::shared_ptr<const PreparedModel>> CpuBackend::PrepareModelImp
     const TensorView rows(w.data(), w.dtype(), {1, D, Hd}, {0, w.stride(0), w.stride(1)});
     RowBlock block;
     std::vector<float>& buffer = scratch[worker].weights;
-    LAPROX_RETURN_IF_ERROR(LoadRows(rows, 0, 0, D, {l, "o_proj"}, buffer, &block));
+    float max_w = 0.f;
+    LAPROX_RETURN_IF_ERROR(LoadRows(rows, 0, 0, D, {l, "o_proj"}, buffer, &block, &max_w));
+    // Finite weights can still overflow the factors (and the scores): refuse them here.
+    LAPROX_RETURN_IF_ERROR(policy::CheckFactorMagnitude(geometry, l, max_w));
+    model->set_max_o_proj(l, max_w);
     if (block.ld != Hd) {  // used in place with padded rows: make it dense
       buffer.resize(D * Hd);
       for (int64_t r = 0; r < D; ++r) {
@@ -124,6 +141,13 @@ absl::StatusOr<std::shared_ptr<const PreparedModel>> CpuBackend::PrepareModelImp
       block.data = buffer.data();
     }
     LayerFactors(geometry, block.data, options.cross_grams, l, *model, scratch[worker].summed);
+    // The bound above keeps every factor finite; a non-finite one would poison every request.
+    const float* f = model->factors(l, 0);
+    if (!std::isfinite(MaxAbs(f, geometry.num_kv_heads * model->matrix_size()))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "o_proj[", l, "]: the factor matrices computed from it are not finite (max |o_proj[", l,
+          "]| = ", max_w, ")"));
+    }
     if (options.output_projection) {
       std::copy(block.data, block.data + D * Hd, model->mutable_output_projection(l));
     }
@@ -151,11 +175,14 @@ absl::StatusOr<KeepPlan> CpuBackend::ComputeKeepPlanImpl(const PreparedModel& mo
     task.inputs = &request.layers[task.layer];
     task.factors = prepared.factors(task.layer, task.kv_head);
     task.factor_ld = prepared.row_stride();
+    task.hidden_size = model.geometry().hidden_size;
+    task.max_o_proj = prepared.max_o_proj(task.layer);
     task.scale = scale;
     return ScoreHead(shape, request.policy, task, workspaces[worker], raw.data() + item * n);
   }));
   const auto scored = std::chrono::steady_clock::now();
-  KeepPlan plan = policy::SelectKeepPlan(shape, request.policy, raw, request.outputs);
+  LAPROX_ASSIGN_OR_RETURN(KeepPlan plan,
+                          policy::SelectKeepPlan(shape, request.policy, raw, request.outputs));
   plan.timing.score_seconds = std::chrono::duration<double>(scored - started).count();
   plan.timing.select_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - scored).count();
@@ -193,6 +220,7 @@ absl::StatusOr<KeepPlan> CpuBackend::ComputeBaselinePlan(const CpuPreparedModel&
     task.inputs = &request.layers[task.layer];
     task.o_proj = model.output_projection(task.layer);
     task.hidden_size = model.geometry().hidden_size;
+    task.max_o_proj = model.max_o_proj(task.layer);
     task.scale = scale;
     task.kvpress_compat = compat_arithmetic;
     task.compat_dtype = compat ? compat_dtype[task.layer] : DType::kF32;
@@ -212,11 +240,52 @@ absl::StatusOr<KeepPlan> CpuBackend::ComputeBaselinePlan(const CpuPreparedModel&
                                                  .variance = variance,
                                                  .safeguard = safeguard,
                                                  .compat_dtype = compat_dtype};
-  KeepPlan plan = policy::SelectBaselinePlan(shape, policy, statistics, request.outputs);
+  LAPROX_ASSIGN_OR_RETURN(KeepPlan plan,
+                          policy::SelectBaselinePlan(shape, policy, statistics, request.outputs));
   plan.timing.score_seconds = std::chrono::duration<double>(scored - started).count();
   plan.timing.select_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - scored).count();
   return plan;
+}
+
+// Upper bounds of the buffers above and in score.cc, window.cc, baseline_stats.cc and the
+// selection (policy/select.cc, policy/baselines.cc); tests/kernels/memory_estimate_test.cc
+// measures every policy's peak heap use against them.
+int64_t CpuBackend::KeepPlanWorkspaceBytes(const ModelGeometry& geometry, const PlanShape& shape,
+                                           const PolicySpec& policy) const {
+  const int64_t heads = SatMul(shape.num_layers, shape.num_kv_heads), n = shape.n;
+  const int64_t G = shape.group_size, d = shape.head_dim, D = geometry.hidden_size;
+  const int64_t rows = SatMul(G, std::max(shape.window_rows, shape.window));
+  const bool exact = policy.kind == PolicyKind::kLaprox &&
+                     policy.indicator == Indicator::kAttentionXProjectedValue &&
+                     policy.gqa_value == GqaValue::kExactBlock;
+  // Factor blocks of the value product, and attention statistics per token (8 bytes each, so
+  // that fp64 accumulators are covered).
+  const int64_t blocks = exact ? SatAdd(G, SatMul(G, G - 1) / 2) : std::max<int64_t>(G, 2);
+  const int64_t statistics = exact ? SatMul(G, G + 1) / 2 : G;
+  const int64_t per_worker = SatAdd({
+      SatMul({4, rows, n}),                                        // window probabilities
+      SatMul({8, statistics, n}),                                  // attention statistics
+      SatMul({4, blocks, n}),                                      // value statistics
+      SatMul({4, 256, SatAdd(SatMul(blocks, d), D)}),              // one value chunk's products
+      SatMul(4, std::max({SatMul(1024, d), SatMul(rows, d), n})),  // rows converted to fp32
+      SatMul({12, rows, d}),                          // scaled queries, row scales, LSE
+      SatMul(40, n), SatMul(24, policy.pool_kernel),  // pooling and per-token temporaries
+      SatMul(4, rows),                                // scaled row scales
+  });
+  // Shared: raw scores, the competing scores, marks and the candidate pool of the selection
+  // (LAPROX: 4 + 4 + 2 + 8 bytes per entry; the baselines keep fp64 scores and ranked pools).
+  const int64_t per_entry = policy.kind == PolicyKind::kLaprox ? 20 : 48;
+  return SatAdd({SatMul(std::min<int64_t>(threads_, heads), per_worker),
+                 SatMul({heads, n, per_entry}), SatMul(heads, 64)});
+}
+
+int64_t CpuBackend::PrepareWorkspaceBytes(const ModelGeometry& geometry,
+                                          const PrepareOptions&) const {
+  // Per worker: one layer's o_proj in fp32 (twice when it is made dense) and the summed block.
+  const int64_t D = geometry.hidden_size, Hd = SatMul(geometry.num_heads, geometry.head_dim);
+  const int64_t per_worker = SatAdd(SatMul({8, D, Hd}), SatMul({4, D, geometry.head_dim}));
+  return SatMul(std::min<int64_t>(threads_, geometry.num_layers), per_worker);
 }
 
 }  // namespace laprox::kernels::cpu

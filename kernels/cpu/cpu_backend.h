@@ -32,6 +32,10 @@ class CpuBackend final : public Backend {
   absl::StatusOr<KeepPlan> ComputeKeepPlanImpl(const PreparedModel& model,
                                                const KeepPlanRequest& request,
                                                const PlanShape& shape) override;
+  int64_t KeepPlanWorkspaceBytes(const ModelGeometry& geometry, const PlanShape& shape,
+                                 const PolicySpec& policy) const override;
+  int64_t PrepareWorkspaceBytes(const ModelGeometry& geometry,
+                                const PrepareOptions& options) const override;
 
  private:
   absl::StatusOr<KeepPlan> ComputeBaselinePlan(const CpuPreparedModel& model,

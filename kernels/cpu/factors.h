@@ -44,9 +44,13 @@ class CpuPreparedModel final : public PreparedModel {
   float* mutable_output_projection(int64_t layer) {
     return output_projection_.data() + layer * projection_size();
   }
+  // The largest |o_proj[layer]| element (policy/magnitude.h bounds the scores with it).
+  float max_o_proj(int64_t layer) const { return max_o_proj_[layer]; }
+  void set_max_o_proj(int64_t layer, float value) { max_o_proj_[layer] = value; }
+  // Floats of one (layer, KV head) factor matrix: d * row_stride().
+  int64_t matrix_size() const { return int64_t{geometry().head_dim} * row_stride(); }
 
  private:
-  int64_t matrix_size() const { return int64_t{geometry().head_dim} * row_stride(); }
   int64_t projection_size() const {
     return int64_t{geometry().hidden_size} * geometry().num_heads * geometry().head_dim;
   }
@@ -54,6 +58,7 @@ class CpuPreparedModel final : public PreparedModel {
   int64_t blocks_;
   std::vector<float> factors_;
   std::vector<float> output_projection_;
+  std::vector<float> max_o_proj_;
 };
 
 }  // namespace laprox::kernels::cpu

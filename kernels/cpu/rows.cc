@@ -1,8 +1,10 @@
 #include "cpu/rows.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "common/half.h"
 #include "cpu/vector_ops.h"
 
@@ -48,6 +50,13 @@ absl::Status NonFiniteError(const float* data, int64_t ld, int64_t count, int64_
     for (int64_t c = 0; c < cols; ++c) {
       const float v = data[r * ld + c];
       if (!std::isfinite(v)) {
+        // o_proj [D, H*d] is read as one "head" of D rows; it is named like its field in the
+        // request (RegisterModel's o_proj[l]) and indexed in two dimensions.
+        if (absl::string_view(name.field) == "o_proj") {
+          return absl::InvalidArgumentError(absl::StrCat("o_proj[", name.layer,
+                                                         "] has a non-finite value (", v, ") at [",
+                                                         row0 + r, ", ", c, "]"));
+        }
         return absl::InvalidArgumentError(absl::StrCat("layers[", name.layer, "].", name.field,
                                                        " has a non-finite value (", v, ") at [",
                                                        head, ", ", row0 + r, ", ", c, "]"));
@@ -57,18 +66,21 @@ absl::Status NonFiniteError(const float* data, int64_t ld, int64_t count, int64_
   return absl::InternalError("non-finite value vanished");
 }
 
-bool BlockFinite(const float* data, int64_t ld, int64_t count, int64_t cols) {
-  if (ld == cols) return AllFinite(data, count * cols);
+// The largest |value| of the block: NaN or +inf when a value is not finite (vector_ops.h).
+float BlockMaxAbs(const float* data, int64_t ld, int64_t count, int64_t cols) {
+  if (ld == cols) return MaxAbs(data, count * cols);
+  float max = 0.f;
   for (int64_t r = 0; r < count; ++r) {
-    if (!AllFinite(data + r * ld, cols)) return false;
+    const float row = MaxAbs(data + r * ld, cols);
+    if (!(row <= max)) max = row;  // NaN sticks
   }
-  return true;
+  return max;
 }
 
 }  // namespace
 
 absl::Status LoadRows(const TensorView& view, int64_t head, int64_t row0, int64_t count,
-                      TensorName name, std::vector<float>& scratch, RowBlock* out) {
+                      TensorName name, std::vector<float>& scratch, RowBlock* out, float* max_abs) {
   const int64_t cols = view.dim(2);
   if (view.dtype() == DType::kF32 && view.stride(2) == 1 && view.stride(1) >= cols) {
     out->data =
@@ -80,19 +92,19 @@ absl::Status LoadRows(const TensorView& view, int64_t head, int64_t row0, int64_
     out->data = scratch.data();
     out->ld = cols;
   }
-  if (!BlockFinite(out->data, out->ld, count, cols)) {
-    return NonFiniteError(out->data, out->ld, count, cols, head, row0, name);
-  }
+  const float max = BlockMaxAbs(out->data, out->ld, count, cols);
+  if (!std::isfinite(max)) return NonFiniteError(out->data, out->ld, count, cols, head, row0, name);
+  if (max_abs != nullptr) *max_abs = std::max(*max_abs, max);
   return absl::OkStatus();
 }
 
 absl::Status CheckRowsFinite(const TensorView& view, int64_t head, int64_t row0, int64_t count,
-                             TensorName name, std::vector<float>& scratch) {
+                             TensorName name, std::vector<float>& scratch, float* max_abs) {
   constexpr int64_t kChunk = 512;
   RowBlock block;
   for (int64_t r = row0; r < row0 + count; r += kChunk) {
     const int64_t rows = std::min(kChunk, row0 + count - r);
-    if (auto s = LoadRows(view, head, r, rows, name, scratch, &block); !s.ok()) return s;
+    if (auto s = LoadRows(view, head, r, rows, name, scratch, &block, max_abs); !s.ok()) return s;
   }
   return absl::OkStatus();
 }

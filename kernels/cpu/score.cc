@@ -8,6 +8,7 @@
 #include "common/status_macros.h"
 #include "cpu/rows.h"
 #include "cpu/vector_ops.h"
+#include "policy/magnitude.h"
 
 namespace laprox::kernels::cpu {
 namespace {
@@ -62,12 +63,29 @@ Modes ChooseModes(const PolicySpec& policy, int64_t group) {
   return {AttentionStat::kGroupMean, ValueStat::kNone, 0, 0};
 }
 
-// Per-token attention statistics over the prefix [0, prefix) into ws.attention.
-void AttentionStatistics(const PlanShape& shape, AttentionStat stat, int64_t prefix,
+// The exponent k of the scale 2^k that AttentionStatistics multiplies the probabilities by.
+// Unscaled, a window row's attention below ~1e-19 has a square below fp32's smallest normal
+// (1.2e-38) and flushes towards 0, and tokens whose every row is that small tie at 0 and are
+// picked by position (SEMANTICS.md, "Precision limits"). Scaled, the squares stay normal for
+// attention down to 2^(-63-k) (2^-121 = 4e-37 at G = 4, we = 32), while the largest possible sum,
+// we rows of the square of a group sum of G probabilities of at most 1.01, stays below 2^126.
+// Scaling costs nothing in the loops (it is folded into the row scales) and keeps them fp32.
+int AttentionScaleExponent(int64_t we, int64_t G) {
+  const double top = std::log2(1.03 * static_cast<double>(std::max<int64_t>(we, 1)) *
+                               static_cast<double>(G) * static_cast<double>(G));
+  return static_cast<int>(std::floor((126.0 - top) / 2.0));
+}
+
+// Per-token attention statistics over the prefix [0, prefix) into ws.attention, times 2^(2k)
+// with k = AttentionScaleExponent (fp32: at most 2^126).
+void AttentionStatistics(const PlanShape& shape, AttentionStat stat, int64_t prefix, int k,
                          ScoreWorkspace& ws) {
   const int64_t n = shape.n, we = shape.window, G = shape.group_size;
   const float* probs = ws.probs.data();
-  const float* scale = ws.row_scale.data();
+  const float* row_scale = ws.row_scale.data();
+  // The row scales times 2^k (exact: a power of two; at most 2^k, as a row scale is at most 1).
+  float* scale = Sized(ws.scaled_row_scale, G * we);
+  for (int64_t r = 0; r < G * we; ++r) scale[r] = std::ldexp(row_scale[r], k);
   switch (stat) {
     case AttentionStat::kGroupMean: {
       float* acc = Zeroed(ws.attention, prefix);
@@ -113,21 +131,24 @@ void AttentionStatistics(const PlanShape& shape, AttentionStat stat, int64_t pre
 }
 
 // Per-token value statistics over the prefix into ws.value ([F, prefix]); checks every value
-// row of the head, window rows included.
-absl::Status ValueStatistics(const PlanShape& shape, const HeadTask& task, const Modes& modes,
-                             int64_t prefix, ScoreWorkspace& ws) {
+// row of the head, window rows included, and that the values cannot overflow the scores
+// (policy::CheckValueMagnitude; the statistics are then discarded).
+absl::Status ValueStatistics(const PlanShape& shape, const PolicySpec& policy, const HeadTask& task,
+                             const Modes& modes, int64_t prefix, ScoreWorkspace& ws) {
   const TensorView& values = task.inputs->values;
   const TensorName name{task.layer, "values"};
   const int64_t d = shape.head_dim, F = modes.blocks;
   if (modes.value == ValueStat::kNone) {
     return CheckRowsFinite(values, task.kv_head, 0, shape.n, name, ws.rows);
   }
+  float max_values = 0.f;
   float* out = Sized(ws.value, std::max<int64_t>(F, 1) * prefix);
   float* projected = Sized(ws.projected, kValueChunk * F * d);
   for (int64_t i0 = 0; i0 < prefix; i0 += kValueChunk) {
     const int64_t count = std::min(kValueChunk, prefix - i0);
     RowBlock v;
-    LAPROX_RETURN_IF_ERROR(LoadRows(values, task.kv_head, i0, count, name, ws.rows, &v));
+    LAPROX_RETURN_IF_ERROR(
+        LoadRows(values, task.kv_head, i0, count, name, ws.rows, &v, &max_values));
     if (modes.value == ValueStat::kNorm) {
       for (int64_t j = 0; j < count; ++j) {
         const float* row = v.data + j * v.ld;
@@ -149,7 +170,10 @@ absl::Status ValueStatistics(const PlanShape& shape, const HeadTask& task, const
       }
     }
   }
-  return CheckRowsFinite(values, task.kv_head, prefix, shape.n - prefix, name, ws.rows);
+  LAPROX_RETURN_IF_ERROR(
+      CheckRowsFinite(values, task.kv_head, prefix, shape.n - prefix, name, ws.rows, &max_values));
+  return policy::CheckValueMagnitude(shape, policy, task.hidden_size, task.layer, task.kv_head,
+                                     max_values, task.max_o_proj);
 }
 
 }  // namespace
@@ -161,20 +185,27 @@ absl::Status ScoreHead(const PlanShape& shape, const PolicySpec& policy, const H
   const Modes modes = ChooseModes(policy, G);
 
   LAPROX_RETURN_IF_ERROR(WindowAttention(shape, task, ws));
-  LAPROX_RETURN_IF_ERROR(ValueStatistics(shape, task, modes, prefix, ws));
+  LAPROX_RETURN_IF_ERROR(ValueStatistics(shape, policy, task, modes, prefix, ws));
   if (prefix == 0) return absl::OkStatus();
-  AttentionStatistics(shape, modes.attention, prefix, ws);
+  const int k = AttentionScaleExponent(shape.window, G);
+  AttentionStatistics(shape, modes.attention, prefix, k, ws);
 
+  // The statistics are 2^(2k) times their value: combined in fp64 (a scaled statistic times a
+  // value factor may exceed fp32) and unscaled by 2^-k after the square root.
   const float* att = ws.attention.data();
   const float* val = ws.value.data();
   float* x = Sized(ws.pre_pool, prefix);
   const int64_t begin = shape.sinks;
   const float inv_group = 1.f / static_cast<float>(G);
+  const double unscale = std::ldexp(1.0, -k);
+  const double group = static_cast<double>(G);
   switch (modes.attention) {
     case AttentionStat::kGroupMean:
       // Pool the attention factor c, then multiply by the value factor.
-      for (int64_t i = 0; i < prefix; ++i) x[i] = std::sqrt(att[i]) * inv_group;
-      Pool(policy.pooling, policy.pool_kernel, x, prefix, begin, raw, ws.prefix_sum);
+      for (int64_t i = 0; i < prefix; ++i) {
+        x[i] = static_cast<float>(std::sqrt(double{att[i]}) * unscale / group);
+      }
+      Pool(policy.pooling, policy.pool_kernel, x, prefix, begin, raw, ws.pool_sums);
       if (modes.value == ValueStat::kPerHead) {
         for (int64_t i = begin; i < prefix; ++i) {
           float r = 0.f;
@@ -188,26 +219,26 @@ absl::Status ScoreHead(const PlanShape& shape, const PolicySpec& policy, const H
     case AttentionStat::kPerHead:
       // mean_h ||A^h col|| * ||v W_O^h||, then pool.
       for (int64_t i = 0; i < prefix; ++i) {
-        float sum = 0.f;
+        double sum = 0.0;
         for (int64_t h = 0; h < G; ++h) {
-          sum += std::sqrt(att[h * prefix + i]) * val[h * prefix + i];
+          sum += std::sqrt(double{att[h * prefix + i]}) * val[h * prefix + i];
         }
-        x[i] = sum * inv_group;
+        x[i] = static_cast<float>(sum * unscale / group);
       }
       break;
     case AttentionStat::kHeadGram:
       // ||sum_h A^h col (outer) v W_O^h||_F^2 = sum_{h,h'} <A^h col, A^h' col> v C_hh' v^T.
       for (int64_t i = 0; i < prefix; ++i) {
-        float sum = 0.f;
-        for (int64_t h = 0; h < G; ++h) sum += att[h * prefix + i] * val[h * prefix + i];
+        double sum = 0.0;
+        for (int64_t h = 0; h < G; ++h) sum += double{att[h * prefix + i]} * val[h * prefix + i];
         for (int64_t p = G; p < modes.blocks; ++p) {
-          sum += 2.f * att[p * prefix + i] * val[p * prefix + i];
+          sum += 2.0 * att[p * prefix + i] * val[p * prefix + i];
         }
-        x[i] = std::sqrt(std::max(sum, 0.f));
+        x[i] = static_cast<float>(std::sqrt(std::max(sum, 0.0)) * unscale);
       }
       break;
   }
-  Pool(policy.pooling, policy.pool_kernel, x, prefix, begin, raw, ws.prefix_sum);
+  Pool(policy.pooling, policy.pool_kernel, x, prefix, begin, raw, ws.pool_sums);
   return absl::OkStatus();
 }
 

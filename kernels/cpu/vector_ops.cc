@@ -57,6 +57,19 @@ bool AllFiniteScalar(const float* values, int64_t count) {
   return bad == 0;
 }
 
+// The largest |x| as a bit pattern (sign cleared): for non-negative floats the bit patterns
+// order like the values, +inf above every finite value and NaN above +inf.
+uint32_t MaxAbsBitsScalar(const float* values, int64_t begin, int64_t count) {
+  uint32_t max = 0;
+  for (int64_t i = begin; i < count; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, values + i, 4);
+    bits &= 0x7fffffffu;
+    max = bits > max ? bits : max;
+  }
+  return max;
+}
+
 float MaxScalar(const float* x, int64_t count) {
   float max = x[0];
   for (int64_t i = 1; i < count; ++i) max = x[i] > max ? x[i] : max;
@@ -64,7 +77,10 @@ float MaxScalar(const float* x, int64_t count) {
 }
 
 void ExpInPlaceScalar(float* x, int64_t count, float shift) {
-  for (int64_t i = 0; i < count; ++i) x[i] = ExpScalar(x[i] - shift);
+  for (int64_t i = 0; i < count; ++i) {
+    const float y = x[i] - shift;
+    x[i] = ExpScalar(y < 0.f ? y : 0.f);
+  }
 }
 
 // Sum in blocks of 256 floats combined in double: accurate without a double per element.
@@ -90,7 +106,7 @@ void AccumulateSquaredSumScalar(const float* const* rows, const float* scales, i
 
 void AccumulateProductScalar(const float* a, const float* b, float scale, int64_t begin,
                              int64_t count, float* acc) {
-  for (int64_t i = begin; i < count; ++i) acc[i] += a[i] * b[i] * scale;
+  for (int64_t i = begin; i < count; ++i) acc[i] += a[i] * scale * b[i];
 }
 
 float DotScalar(const float* a, const float* b, int64_t begin, int64_t d) {
@@ -163,6 +179,27 @@ LAPROX_AVX2 bool AllFiniteAvx2(const float* values, int64_t count) {
   return _mm256_testz_si256(bad, bad) && AllFiniteScalar(values + i, count - i);
 }
 
+LAPROX_AVX2 float MaxAbsAvx2(const float* values, int64_t count) {
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+  __m256i max0 = _mm256_setzero_si256(), max1 = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i + 8));
+    max0 = _mm256_max_epu32(max0, _mm256_and_si256(a, magnitude));
+    max1 = _mm256_max_epu32(max1, _mm256_and_si256(b, magnitude));
+  }
+  for (; i + 8 <= count; i += 8) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i));
+    max0 = _mm256_max_epu32(max0, _mm256_and_si256(a, magnitude));
+  }
+  alignas(32) uint32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_max_epu32(max0, max1));
+  uint32_t max = MaxAbsBitsScalar(values, i, count);
+  for (uint32_t lane : lanes) max = lane > max ? lane : max;
+  return std::bit_cast<float>(max);
+}
+
 LAPROX_AVX2 float MaxAvx2(const float* x, int64_t count) {
   if (count < 8) return MaxScalar(x, count);
   __m256 max = _mm256_loadu_ps(x);
@@ -176,10 +213,12 @@ LAPROX_AVX2 float MaxAvx2(const float* x, int64_t count) {
 LAPROX_AVX2 void ExpInPlaceAvx2(float* x, int64_t count, float shift) {
   const __m256 s = _mm256_set1_ps(shift);
   int64_t i = 0;
+  const __m256 zero = _mm256_setzero_ps();
   for (; i + 8 <= count; i += 8) {
-    _mm256_storeu_ps(x + i, Exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), s)));
+    const __m256 y = _mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), s), zero);
+    _mm256_storeu_ps(x + i, Exp8(y));
   }
-  for (; i < count; ++i) x[i] = ExpScalar(x[i] - shift);
+  ExpInPlaceScalar(x + i, count - i, shift);
 }
 
 LAPROX_AVX2 double SumAvx2(const float* x, int64_t count) {
@@ -213,8 +252,9 @@ LAPROX_AVX2 void AccumulateProductAvx2(const float* a, const float* b, float sca
   const __m256 s = _mm256_set1_ps(scale);
   int64_t i = 0;
   for (; i + 8 <= count; i += 8) {
-    const __m256 ab = _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i));
-    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(ab, s, _mm256_loadu_ps(acc + i)));
+    const __m256 as = _mm256_mul_ps(_mm256_loadu_ps(a + i), s);
+    _mm256_storeu_ps(acc + i,
+                     _mm256_fmadd_ps(as, _mm256_loadu_ps(b + i), _mm256_loadu_ps(acc + i)));
   }
   AccumulateProductScalar(a, b, scale, i, count, acc);
 }
@@ -306,6 +346,11 @@ void ForcePortableVectorOps(bool portable) { force_portable.store(portable); }
 
 bool AllFinite(const float* values, int64_t count) {
   LAPROX_DISPATCH(AllFiniteAvx2(values, count), AllFiniteScalar(values, count));
+}
+
+float MaxAbs(const float* values, int64_t count) {
+  LAPROX_DISPATCH(MaxAbsAvx2(values, count),
+                  std::bit_cast<float>(MaxAbsBitsScalar(values, 0, count)));
 }
 
 static float Max(const float* x, int64_t count) {

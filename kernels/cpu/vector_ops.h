@@ -12,18 +12,26 @@ namespace laprox::kernels::cpu {
 // True when every one of `count` fp32 values is finite.
 bool AllFinite(const float* values, int64_t count);
 
+// max_i |values[i]| for i < count (0 when count is 0); +inf when a value is infinite and none is
+// NaN, NaN when one is NaN (the largest magnitude bit pattern wins). So the result is finite
+// exactly when every value is.
+float MaxAbs(const float* values, int64_t count);
+
 // x[i] = exp(x[i] - max(x)) in place for i < count; returns the sum of the new values (float64
 // accumulation). Relative error of each exp below 2e-7.
 double ExpShiftedInPlace(float* x, int64_t count);
 
-// x[i] = exp(x[i] - shift) in place.
+// x[i] = exp(min(x[i] - shift, 0)) in place: at most 1, so a shift below some x[i] (an engine's
+// window LSE that does not match the logits) cannot overflow what is computed from it.
 void ExpInPlace(float* x, int64_t count, float shift);
 
-// acc[i] += (sum_r rows[r][i] * scales[r])^2 for r < num_rows, i < count.
+// acc[i] += (sum_r rows[r][i] * scales[r])^2 for r < num_rows, i < count (fp32; callers scale
+// to keep the squares of small values normal: kernels/cpu/score.cc).
 void AccumulateSquaredSum(const float* const* rows, const float* scales, int num_rows,
                           int64_t count, float* acc);
 
-// acc[i] += a[i] * b[i] * scale.
+// acc[i] += (a[i] * scale) * b[i]: scaled first, so that a scale above 1 keeps the product of two
+// small factors from underflowing.
 void AccumulateProduct(const float* a, const float* b, float scale, int64_t count, float* acc);
 
 // Dot product of two length-d vectors in fp32.

@@ -9,6 +9,7 @@
 #include "common/status_macros.h"
 #include "cpu/rows.h"
 #include "cpu/vector_ops.h"
+#include "policy/magnitude.h"
 
 namespace laprox::kernels::cpu {
 namespace {
@@ -57,6 +58,23 @@ absl::Status LoadGivenAttention(const PlanShape& shape, const HeadTask& task, in
   return absl::OkStatus();
 }
 
+// KVPRESS_COMPAT rounds the logits q . k to the model dtype, where finite inputs may overflow
+// (fp16 ends at 65504): INVALID_ARGUMENT naming the first infinite logit of window row r.
+absl::Status CompatLogitOverflow(const PlanShape& shape, const HeadTask& task, int64_t r,
+                                 const float* row, int64_t visible) {
+  const int64_t we = shape.window;
+  const int64_t h = task.kv_head * shape.group_size + r / we;
+  const int64_t query_row = shape.window_rows - we + r % we;
+  int64_t j = 0;
+  while (j + 1 < visible && std::isfinite(row[j])) ++j;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "layers[", task.layer, "].keys: the logit q . k of window_queries [", h, ", ", query_row,
+      "] and keys [", task.kv_head, ", ", j, "] is beyond the range of ",
+      DTypeName(task.compat_dtype),
+      " (KVPRESS_COMPAT computes the logits in the keys' dtype): keys and window_queries are "
+      "finite but too large"));
+}
+
 // Computes the group's window attention from queries and keys into ws.probs (unnormalised,
 // columns [0, prefix) valid) and ws.row_scale.
 absl::Status ComputeAttention(const PlanShape& shape, const HeadTask& task, int64_t prefix,
@@ -65,11 +83,12 @@ absl::Status ComputeAttention(const PlanShape& shape, const HeadTask& task, int6
   const int64_t n = shape.n, d = shape.head_dim, we = shape.window, wq = shape.window_rows,
                 G = shape.group_size, rows = G * we;
   float* queries = Sized(ws.queries, rows * d);
+  float max_queries = 0.f, max_keys = 0.f;  // for the logit bound
   for (int64_t hi = 0; hi < G; ++hi) {
     const int64_t h = task.kv_head * G + hi;
     RowBlock block;
-    LAPROX_RETURN_IF_ERROR(
-        LoadRows(in.window_queries, h, 0, wq, {task.layer, "window_queries"}, ws.rows, &block));
+    LAPROX_RETURN_IF_ERROR(LoadRows(in.window_queries, h, 0, wq, {task.layer, "window_queries"},
+                                    ws.rows, &block, &max_queries));
     for (int64_t t = 0; t < we; ++t) {
       const float* src = block.data + (wq - we + t) * block.ld;
       float* dst = queries + (hi * we + t) * d;
@@ -108,8 +127,8 @@ absl::Status ComputeAttention(const PlanShape& shape, const HeadTask& task, int6
   for (int64_t j0 = 0; j0 < key_end; j0 += kKeyChunk) {
     const int64_t count = std::min(kKeyChunk, key_end - j0);
     RowBlock keys;
-    LAPROX_RETURN_IF_ERROR(
-        LoadRows(in.keys, task.kv_head, j0, count, {task.layer, "keys"}, ws.rows, &keys));
+    LAPROX_RETURN_IF_ERROR(LoadRows(in.keys, task.kv_head, j0, count, {task.layer, "keys"}, ws.rows,
+                                    &keys, &max_keys));
     if (rows == 0) continue;  // no window (STREAMING_LLM): the keys are only checked
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows),
                 static_cast<int>(count), static_cast<int>(d), 1.f, queries, static_cast<int>(d),
@@ -117,8 +136,14 @@ absl::Status ComputeAttention(const PlanShape& shape, const HeadTask& task, int6
   }
   if (key_end < n) {
     LAPROX_RETURN_IF_ERROR(CheckRowsFinite(in.keys, task.kv_head, key_end, n - key_end,
-                                           {task.layer, "keys"}, ws.rows));
+                                           {task.layer, "keys"}, ws.rows, &max_keys));
   }
+  if (rows == 0) return absl::OkStatus();
+  // Finite queries and keys can still give infinite logits: refuse before the softmax reads them.
+  const double logit_scale =
+      task.kvpress_compat ? 1.0 / std::sqrt(static_cast<double>(d)) : double{task.scale};
+  LAPROX_RETURN_IF_ERROR(
+      policy::CheckLogitMagnitude(task.layer, task.kv_head, d, logit_scale, max_queries, max_keys));
 
   float* row_scale = Sized(ws.row_scale, rows);
   // kvpress: matmul(q, k^T) / math.sqrt(head_dim), each op's output in the model dtype.
@@ -134,6 +159,7 @@ absl::Status ComputeAttention(const PlanShape& shape, const HeadTask& task, int6
       const int64_t visible = n - we + t + 1;
       if (task.kvpress_compat) {
         RoundTo(task.compat_dtype, row, visible);
+        if (!AllFinite(row, visible)) return CompatLogitOverflow(shape, task, r, row, visible);
         for (int64_t j = 0; j < visible; ++j) row[j] /= sqrt_d;
         RoundTo(task.compat_dtype, row, visible);
       }
@@ -163,7 +189,7 @@ void RoundTo(DType dtype, float* x, int64_t count) {
 
 // out[i] for i in [begin, len) = pool(x)_i over x[0, len) (SEMANTICS.md, "pool").
 void Pool(Pooling kind, int64_t kernel, const float* x, int64_t len, int64_t begin, float* out,
-          std::vector<double>& prefix_sum) {
+          std::vector<double>& sums) {
   const int64_t half = kernel / 2;
   switch (kind) {
     case Pooling::kNone:
@@ -179,12 +205,30 @@ void Pool(Pooling kind, int64_t kernel, const float* x, int64_t len, int64_t beg
       }
       break;
     case Pooling::kAvg: {
-      double* sums = Sized(prefix_sum, len + 1);
-      sums[0] = 0.0;
-      for (int64_t i = 0; i < len; ++i) sums[i + 1] = sums[i] + x[i];
+      // Window sums without a subtraction (van Herk / Gil-Werman blocks, as for a running max):
+      // cut the zero-padded array y[p] = x[p - half] into blocks of `kernel` positions. The window
+      // of output i is y[i, i + kernel): it starts in some block and, unless it is that block,
+      // ends in the next one, so its sum is the sum of y from i to the end of i's block plus the
+      // sum of y from the start of the next block to i + kernel - 1. Both come from running sums
+      // inside one block, so every window adds only its own terms.
+      const int64_t padded = len + 2 * half;
+      double* y = Sized(sums, 3 * padded);
+      double* prefix = y + padded;
+      double* suffix = prefix + padded;
+      std::fill(y, y + half, 0.0);
+      for (int64_t i = 0; i < len; ++i) y[half + i] = x[i];
+      std::fill(y + half + len, y + padded, 0.0);
+      for (int64_t b0 = 0; b0 < padded; b0 += kernel) {
+        const int64_t b1 = std::min(padded, b0 + kernel);
+        double run = 0.0;
+        for (int64_t p = b0; p < b1; ++p) prefix[p] = run += y[p];
+        run = 0.0;
+        for (int64_t p = b1 - 1; p >= b0; --p) suffix[p] = run += y[p];
+      }
+      const double k = static_cast<double>(kernel);
       for (int64_t i = begin; i < len; ++i) {
-        const int64_t lo = std::max<int64_t>(0, i - half), hi = std::min(len, i + half + 1);
-        out[i] = static_cast<float>((sums[hi] - sums[lo]) / static_cast<double>(kernel));
+        const double sum = suffix[i] + (i % kernel == 0 ? 0.0 : prefix[i + kernel - 1]);
+        out[i] = static_cast<float>(sum / k);
       }
       break;
     }

@@ -18,10 +18,12 @@ struct ScoreWorkspace {
   std::vector<float> row_scale;  // [G * we], 1 / row sum
   std::vector<float> rows;       // converted key / value / attention rows
   std::vector<float> projected;  // [chunk, F * d] V times factor blocks, or [chunk, D] V W_O^h
-  std::vector<float> attention;  // attention statistics [S, n - we]
-  std::vector<float> value;      // value statistics [F, n - we]
-  std::vector<float> pre_pool;   // [n - we]
-  std::vector<double> prefix_sum;
+  std::vector<float> scaled_row_scale;  // [G * we], row_scale times 2^k (score.cc)
+  std::vector<float> attention;   // attention statistics [S, n - we], scaled by 2^(2k) (score.cc)
+  std::vector<float> value;       // value statistics [F, n - we]
+  std::vector<float> pre_pool;    // [n - we]
+  std::vector<float> pooled;      // baselines: one query head's pooled score [n - we]
+  std::vector<double> pool_sums;  // Pool's scratch: 3 * (n - we + kernel - 1)
 };
 
 // One (layer, KV head) of a request.
@@ -33,6 +35,7 @@ struct HeadTask {
   int64_t factor_ld = 0;           // CpuPreparedModel::row_stride()
   const float* o_proj = nullptr;   // CpuPreparedModel::output_projection(layer), [D, H*d] fp32
   int64_t hidden_size = 0;         // D
+  float max_o_proj = 0.f;          // CpuPreparedModel::max_o_proj(layer): largest |o_proj[l]|
   float scale = 0.f;               // softmax scale
   // KVPRESS_COMPAT arithmetic of the SnapKV kinds (kvpress's SnapKVPress in the model dtype T =
   // compat_dtype, kF32: no rounding): WindowAttention rounds the logits q.k to T, divides them
@@ -65,14 +68,18 @@ T* Zeroed(std::vector<T>& v, int64_t size) {
 // engine's window_attention rows, or from queries and keys (fp32 sgemm, causal softmax, or the
 // engine's window_lse; KVPRESS_COMPAT: see HeadTask::kvpress_compat). Afterwards row r = hi * we +
 // t of ws.probs ([G * we, n]) times ws.row_scale[r] is A^h[t, :] for query head h = kv_head * G +
-// hi, valid in columns [0, n - we). Checks every input element it reads (the group's keys, queries
-// or attention rows, LSE) and answers INVALID_ARGUMENT naming the tensor and element on bad data.
+// hi, valid in columns [0, n - we); every entry is at most 1 (softmax rows; with the engine's
+// window_lse, exp(logit - lse) capped at 1; given rows are checked to sum to at most 1.01). Checks
+// every input element it reads (the group's keys, queries or attention rows, LSE) and answers
+// INVALID_ARGUMENT naming the tensor and element on bad data, and naming the keys when the logits
+// could overflow (policy::CheckLogitMagnitude) or, in KVPRESS_COMPAT, overflow the model dtype.
 absl::Status WindowAttention(const PlanShape& shape, const HeadTask& task, ScoreWorkspace& ws);
 
-// out[i] for i in [begin, len) = pool(x)_i over x[0, len) (SEMANTICS.md, "pool"); `prefix_sum`
-// is scratch.
+// out[i] for i in [begin, len) = pool(x)_i over x[0, len) (SEMANTICS.md, "pool"); `sums` is
+// scratch. AVG adds each window's own terms in fp64 (no difference of prefix sums, which would
+// lose values far below an earlier large one): relative error below kernel * 2^-53 for x >= 0.
 void Pool(Pooling kind, int64_t kernel, const float* x, int64_t len, int64_t begin, float* out,
-          std::vector<double>& prefix_sum);
+          std::vector<double>& sums);
 
 }  // namespace laprox::kernels::cpu
 

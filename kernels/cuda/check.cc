@@ -2,6 +2,7 @@
 
 #include <array>
 #include <cstdint>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -77,7 +78,8 @@ absl::Status AttentionError(int64_t layer, const TensorView& view, unsigned long
 }  // namespace
 
 absl::Status InputChecker::Check(const DeviceContext& context,
-                                 const std::vector<LayerInputs>& layers, const PlanShape& shape) {
+                                 const std::vector<LayerInputs>& layers, const PlanShape& shape,
+                                 InputMagnitudes* magnitudes) {
   const auto L = static_cast<int64_t>(layers.size());
   if (L == 0) return absl::OkStatus();
   const int64_t H = int64_t{shape.num_kv_heads} * shape.group_size, wq = shape.window_rows;
@@ -91,33 +93,47 @@ absl::Status InputChecker::Check(const DeviceContext& context,
     }
   }
   const int64_t row_sums = shape.attention_given ? L * H * wq : 0;
+  const int64_t Hkv = shape.num_kv_heads;
+  // Largest |x| bits per head: keys [L][Hkv], values [L][Hkv], queries [L][H], one array.
+  const int64_t maxima = L * (2 * Hkv + H);
   WorkspaceLayout layout;
   const size_t bad_at = layout.Add<unsigned long long>(static_cast<size_t>(L * kSlots));
   const size_t sums_at = layout.Add<double>(static_cast<size_t>(row_sums));
+  const size_t maxima_at = layout.Add<unsigned int>(static_cast<size_t>(maxima));
   LAPROX_RETURN_IF_ERROR(
       CudaStatus(scratch_.Reserve(layout.total()), "allocating the input check scratch"));
   auto* bad = reinterpret_cast<unsigned long long*>(scratch_.as<std::byte>() + bad_at);
   auto* sums = reinterpret_cast<double*>(scratch_.as<std::byte>() + sums_at);
+  auto* max_bits = reinterpret_cast<unsigned int*>(scratch_.as<std::byte>() + maxima_at);
+  unsigned int* key_max = max_bits;
+  unsigned int* value_max = max_bits + L * Hkv;
+  unsigned int* query_max = max_bits + 2 * L * Hkv;
   cudaStream_t stream = context.stream;
   LAPROX_RETURN_IF_ERROR(
       CudaStatus(cudaMemsetAsync(bad, 0xff, L * kSlots * sizeof(unsigned long long), stream),
                  "clearing the input check"));
+  LAPROX_RETURN_IF_ERROR(CudaStatus(
+      cudaMemsetAsync(max_bits, 0, static_cast<size_t>(maxima) * sizeof(unsigned int), stream),
+      "clearing the input maxima"));
 
   for (int64_t l = 0; l < L; ++l) {
     const LayerInputs& in = layers[l];
     unsigned long long* slot = bad + l * kSlots;
     if (!in.keys.empty()) {
       LAPROX_RETURN_IF_ERROR(CudaStatus(
-          LaunchFindNonFinite(ToKernelTensor(in.keys), slot + kKeys, stream), "checking keys"));
+          LaunchFindNonFinite(ToKernelTensor(in.keys), slot + kKeys, key_max + l * Hkv, stream),
+          "checking keys"));
     }
     if (!in.values.empty()) {
       LAPROX_RETURN_IF_ERROR(
-          CudaStatus(LaunchFindNonFinite(ToKernelTensor(in.values), slot + kValues, stream),
+          CudaStatus(LaunchFindNonFinite(ToKernelTensor(in.values), slot + kValues,
+                                         value_max + l * Hkv, stream),
                      "checking values"));
     }
     if (!in.window_queries.empty()) {
       LAPROX_RETURN_IF_ERROR(
-          CudaStatus(LaunchFindNonFinite(ToKernelTensor(in.window_queries), slot + kWindow, stream),
+          CudaStatus(LaunchFindNonFinite(ToKernelTensor(in.window_queries), slot + kWindow,
+                                         query_max + l * H, stream),
                      "checking window_queries"));
     }
     if (!in.window_attention.empty()) {
@@ -127,9 +143,9 @@ absl::Status InputChecker::Check(const DeviceContext& context,
                      "checking window_attention"));
     }
     if (!in.window_lse.empty()) {
-      LAPROX_RETURN_IF_ERROR(
-          CudaStatus(LaunchFindNonFinite(ToKernelTensor(in.window_lse), slot + kLse, stream),
-                     "checking window_lse"));
+      LAPROX_RETURN_IF_ERROR(CudaStatus(
+          LaunchFindNonFinite(ToKernelTensor(in.window_lse), slot + kLse, nullptr, stream),
+          "checking window_lse"));
     }
   }
 
@@ -138,6 +154,11 @@ absl::Status InputChecker::Check(const DeviceContext& context,
       CudaStatus(cudaMemcpyAsync(h_bad.data(), bad, h_bad.size() * sizeof(h_bad[0]),
                                  cudaMemcpyDeviceToHost, stream),
                  "reading the input check"));
+  std::vector<unsigned int> h_max(static_cast<size_t>(maxima));
+  LAPROX_RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(h_max.data(), max_bits, h_max.size() * sizeof(h_max[0]),
+                                 cudaMemcpyDeviceToHost, stream),
+                 "reading the input maxima"));
   LAPROX_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "checking the inputs"));
   for (int64_t l = 0; l < L; ++l) {
     const LayerInputs& in = layers[l];
@@ -155,6 +176,17 @@ absl::Status InputChecker::Check(const DeviceContext& context,
     if (slot[kLse] != kNothingFound) {
       return NonFiniteError(l, "window_lse", in.window_lse, slot[kLse]);
     }
+  }
+  if (magnitudes != nullptr) {
+    const auto as_floats = [&](size_t begin, size_t count) {
+      std::vector<float> out(count);
+      std::memcpy(out.data(), h_max.data() + begin, count * sizeof(float));
+      return out;
+    };
+    const auto kv = static_cast<size_t>(L * Hkv);
+    magnitudes->keys = as_floats(0, kv);
+    magnitudes->values = as_floats(kv, kv);
+    magnitudes->queries = as_floats(2 * kv, static_cast<size_t>(L * H));
   }
   return absl::OkStatus();
 }

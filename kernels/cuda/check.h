@@ -12,6 +12,13 @@
 
 namespace laprox::kernels::cuda {
 
+// The largest finite |x| of every head's inputs, as the CPU backend's magnitude checks take them
+// (policy/magnitude.h): keys and values per (layer, KV head), window queries per (layer, query
+// head), row-major [L][Hkv] and [L][H]; 0 where a tensor is not given.
+struct InputMagnitudes {
+  std::vector<float> keys, values, queries;
+};
+
 class InputChecker {
  public:
   // Checks every element of every given view of every layer (keys, values, window_queries or
@@ -21,9 +28,9 @@ class InputChecker {
   //   "layers[l].window_attention has a negative value (x) at [h, t, j]";
   //   "layers[l].window_attention row [h, t] sums to s, not 1 (tolerance 0.01)" (sum in fp64).
   // The same cases, in the same words, as the CPU backend (kernels/cpu/rows.cc, window.cc).
-  // INTERNAL on a CUDA error.
+  // INTERNAL on a CUDA error. When OK, `magnitudes` (if not null) holds the inputs' maxima.
   absl::Status Check(const DeviceContext& context, const std::vector<LayerInputs>& layers,
-                     const PlanShape& shape);
+                     const PlanShape& shape, InputMagnitudes* magnitudes = nullptr);
 
  private:
   DeviceBuffer scratch_;

@@ -10,22 +10,49 @@ constexpr int kThreads = 256;  // a power of two (BlockSum)
 constexpr int kWarpsPerBlock = kThreads / 32;
 constexpr unsigned long long kNone = ~0ull;
 
-// One warp per row (a, b), lanes along c.
-__global__ void FindNonFiniteKernel(DeviceView v, unsigned long long* first_bad) {
+// The warp's largest value of `bits` (every lane gets it).
+__device__ __forceinline__ unsigned int WarpMax(unsigned int bits) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, offset));
+  }
+  return bits;
+}
+
+// One warp per row (a, b), lanes along c. A warp's rows are uniform across its lanes, so the
+// per-slice maxima are reduced over the warp whenever its slice a changes (rarely: a slice is
+// dims[1] consecutive rows) and once at the end.
+__global__ void FindNonFiniteKernel(DeviceView v, unsigned long long* first_bad,
+                                    unsigned int* max_abs_bits) {
   const int64_t rows = v.shape[0] * v.shape[1], cols = v.shape[2];
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t warps = int64_t{gridDim.x} * kWarpsPerBlock;
   unsigned long long bad = kNone;
+  int64_t slice = -1;
+  unsigned int slice_max = 0;
+  const auto flush = [&] {
+    if (max_abs_bits == nullptr || slice < 0) return;
+    const unsigned int m = WarpMax(slice_max);
+    if (lane == 0 && m != 0) atomicMax(max_abs_bits + slice, m);
+  };
   for (int64_t row = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32; row < rows;
        row += warps) {
     const int64_t a = row / v.shape[1], b = row % v.shape[1];
+    if (a != slice) {
+      flush();
+      slice = a;
+      slice_max = 0;
+    }
     for (int64_t c = lane; c < cols; c += 32) {
-      // Visited in increasing key order per thread: the first bad one is this thread's minimum.
-      if (bad == kNone && !isfinite(LoadAt(v, a, b, c))) {
+      const float x = LoadAt(v, a, b, c);
+      if (isfinite(x)) {
+        slice_max = max(slice_max, __float_as_uint(x) & 0x7fffffffu);
+      } else if (bad == kNone) {
+        // Visited in increasing key order per thread: the first bad one is this thread's minimum.
         bad = static_cast<unsigned long long>(row * cols + c);
       }
     }
   }
+  flush();
   if (bad != kNone) atomicMin(first_bad, bad);
 }
 
@@ -98,11 +125,11 @@ __global__ void CheckAttentionRowsKernel(DeviceView v, double tolerance,
 }  // namespace
 
 cudaError_t LaunchFindNonFinite(const KernelTensor& tensor, unsigned long long* first_bad,
-                                cudaStream_t stream) {
+                                unsigned int* max_abs_bits, cudaStream_t stream) {
   const int64_t rows = tensor.dims[0] * tensor.dims[1];
   if (rows <= 0 || tensor.dims[2] <= 0) return cudaSuccess;
   FindNonFiniteKernel<<<GridBlocks(rows, kWarpsPerBlock), kThreads, 0, stream>>>(
-      ToDeviceView(tensor), first_bad);
+      ToDeviceView(tensor), first_bad, max_abs_bits);
   return cudaGetLastError();
 }
 

@@ -17,9 +17,13 @@
 namespace laprox::kernels::cuda {
 
 // *first_bad = min(*first_bad, (a * dims[1] + b) * dims[2] + c) over the elements (a, b, c) that
-// are NaN or infinite: the lowest bad element in row-major order of the logical shape.
+// are NaN or infinite: the lowest bad element in row-major order of the logical shape. With
+// max_abs_bits set (dims[0] entries, initialised by the caller, e.g. to 0), also
+// max_abs_bits[a] = max(max_abs_bits[a], bits of |x|) over the finite elements of each a: for
+// non-negative floats the bit patterns order like the values, so after the launch
+// max_abs_bits[a] holds the largest finite |x| of slice a (an integer atomicMax: exact).
 cudaError_t LaunchFindNonFinite(const KernelTensor& tensor, unsigned long long* first_bad,
-                                cudaStream_t stream);
+                                unsigned int* max_abs_bits, cudaStream_t stream);
 
 // Window attention rows [H, wq, n] = dims. For every row (h, t) (all wq of them):
 // row_sums[h * wq + t] = the fp64 sum of the row (fixed reduction order), and

@@ -1,5 +1,6 @@
 #include "cuda/cuda_backend.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -10,6 +11,7 @@
 #include "cuda/cuda_status.h"
 #include "cuda/ipc.h"
 #include "cuda/prepare.h"
+#include "policy/magnitude.h"
 
 namespace laprox::kernels::cuda {
 namespace {
@@ -46,6 +48,31 @@ absl::Status CheckAligned(const TensorView& view, absl::string_view name) {
   return absl::InvalidArgumentError(absl::StrCat(name, " starts at a device address that is not a ",
                                                  "multiple of its ", size, "-byte element size (",
                                                  "address % ", size, " = ", address % size, ")"));
+}
+
+// The CPU backend's magnitude checks (policy/magnitude.h) on the maxima the input check found,
+// in its order: per (layer, KV head), the logits, then the values.
+absl::Status CheckMagnitudes(const CudaPreparedModel& model, const PolicySpec& policy,
+                             const PlanShape& shape, const InputMagnitudes& m) {
+  const int64_t Hkv = shape.num_kv_heads, G = shape.group_size;
+  const bool logits = !shape.attention_given && shape.window > 0;
+  const double scale = model.geometry().EffectiveScale();
+  for (int64_t l = 0; l < shape.num_layers; ++l) {
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const int64_t lg = l * Hkv + g;
+      if (logits) {
+        float max_queries = 0.f;
+        for (int64_t h = g * G; h < (g + 1) * G; ++h) {
+          max_queries = std::max(max_queries, m.queries[l * Hkv * G + h]);
+        }
+        LAPROX_RETURN_IF_ERROR(
+            policy::CheckLogitMagnitude(l, g, shape.head_dim, scale, max_queries, m.keys[lg]));
+      }
+      LAPROX_RETURN_IF_ERROR(policy::CheckValueMagnitude(
+          shape, policy, model.geometry().hidden_size, l, g, m.values[lg], model.max_o_proj(l)));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -172,7 +199,9 @@ absl::StatusOr<KeepPlan> CudaBackend::ComputeKeepPlanImpl(const PreparedModel& m
     }
   }
   LAPROX_RETURN_IF_ERROR(Track(StageToDevice(views)));
-  LAPROX_RETURN_IF_ERROR(Track(checker_.Check(context_, layers, shape)));
+  InputMagnitudes magnitudes;
+  LAPROX_RETURN_IF_ERROR(Track(checker_.Check(context_, layers, shape, &magnitudes)));
+  LAPROX_RETURN_IF_ERROR(CheckMagnitudes(prepared, request.policy, shape, magnitudes));
 
   const size_t raw_bytes =
       static_cast<size_t>(shape.num_layers) * shape.num_kv_heads * shape.n * sizeof(float);

@@ -3,7 +3,8 @@
 // Reads keys, values and window queries straight from device memory (cuda_ipc regions the
 // service imported through ImportCudaIpc), or stages host views (shm regions, inline bytes) to
 // the device first. Every stage runs on one stream of the chosen device:
-//   InputChecker (check.h)   NaN/Inf and probability-row checks, the CPU backend's messages
+//   InputChecker (check.h)   NaN/Inf and probability-row checks, the CPU backend's messages,
+//                            and the inputs' maxima for the magnitude checks (policy/magnitude.h)
 //   Scorer (scorer.h)        raw scores p: v0 (cuBLAS + simple kernels) or v1 (fused kernel)
 //   DeviceSelector (select.h) normalisation, allocation, selection, compaction
 // Implements LAPROX only; the baseline policies are UNIMPLEMENTED here (the CPU backend has

@@ -256,7 +256,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     {
       uint32_t kb[kD / 16][4];
       LoadKeyFragments<kD>(kb, kts, warp, lane);
-      float att[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+      // Squares in fp64: a group sum below ~1e-19 would square to 0 in fp32 (score.cc).
+      double att[2][2] = {{0.0, 0.0}, {0.0, 0.0}};
       for (int rt = 0; rt < rp / 16; ++rt) {
         float acc[2][4];
         RowTileLogits<T, kD>(acc, qs, rt, lane, kb);
@@ -265,21 +266,22 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
-            float p_lo = expf(acc[nt][j] * a.scale - lse_lo);
-            float p_hi = expf(acc[nt][2 + j] * a.scale - lse_hi);
-            float sq;
+            // Capped at 1: an engine LSE below a logit cannot overflow (the CPU's rule).
+            float p_lo = expf(fminf(acc[nt][j] * a.scale - lse_lo, 0.f));
+            float p_hi = expf(fminf(acc[nt][2 + j] * a.scale - lse_hi, 0.f));
+            double sq;
             if (gp == 16) {
               float s = p_lo + p_hi;
               s += __shfl_xor_sync(0xffffffffu, s, 4);
               s += __shfl_xor_sync(0xffffffffu, s, 8);
               s += __shfl_xor_sync(0xffffffffu, s, 16);
-              sq = gid == 0 ? s * s : 0.f;
+              sq = gid == 0 ? double{s} * s : 0.0;
             } else {
               for (int m = 4; m < 4 * gp; m <<= 1) {
                 p_lo += __shfl_xor_sync(0xffffffffu, p_lo, m);
                 p_hi += __shfl_xor_sync(0xffffffffu, p_hi, m);
               }
-              sq = (gid & (gp - 1)) == 0 ? p_lo * p_lo + p_hi * p_hi : 0.f;
+              sq = (gid & (gp - 1)) == 0 ? double{p_lo} * p_lo + double{p_hi} * p_hi : 0.0;
             }
             att[nt][j] += sq;
           }
@@ -289,12 +291,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          float s = att[nt][j];
+          double s = att[nt][j];
           s += __shfl_xor_sync(0xffffffffu, s, 4);
           s += __shfl_xor_sync(0xffffffffu, s, 8);
           s += __shfl_xor_sync(0xffffffffu, s, 16);
           const int64_t token = tok0 + warp * 16 + nt * 8 + 2 * tq + j;
-          if (gid == 0 && token < prefix) c_out[int64_t{g} * a.n + token] = sqrtf(s) * inv_group;
+          if (gid == 0 && token < prefix) {
+            c_out[int64_t{g} * a.n + token] = static_cast<float>(sqrt(s) / a.group);
+          }
         }
       }
     }
@@ -579,10 +583,12 @@ __global__ void LoadLseKernel(const void* data, DeviceDType dtype, int64_t head_
   lse[idx] = value;
 }
 
-// Outputs per thread in the sliding average.
+// Outputs per thread.
 constexpr int kPoolRun = 32;
 
-// One thread per run of kPoolRun outputs of one head: raw[g*n + i] = pool(c)_i (* r_i).
+// One thread per run of kPoolRun outputs of one head: raw[g*n + i] = pool(c)_i (* r_i). AVG adds
+// each window's own terms in fp64 (a sliding sum's subtraction would lose values far below a
+// large one that left the window; the CPU backend adds only the window's terms too).
 __global__ void PoolScoreKernel(const float* __restrict__ c, const float* __restrict__ r,
                                 FusedValueMode mode, int pooling, int kernel, int64_t n,
                                 int64_t begin, int64_t len, int64_t runs_per_head, int num_kv_heads,
@@ -594,20 +600,13 @@ __global__ void PoolScoreKernel(const float* __restrict__ c, const float* __rest
   const int64_t last = first + kPoolRun < len ? first + kPoolRun : len;
   const float* x = c + g * n;
   const int64_t half = kernel / 2;
-  double window_sum = 0.0;
-  if (pooling == 2 && first < last) {
-    const int64_t lo = first - half > 0 ? first - half : 0;
-    const int64_t hi = first + half + 1 < len ? first + half + 1 : len;
-    for (int64_t j = lo; j < hi; ++j) window_sum += x[j];
-  }
   for (int64_t i = first; i < last; ++i) {
     float pooled;
     if (pooling == 2) {
-      if (i > first) {
-        // Slide the in-range window [i - half, i + half] by one.
-        if (i - half - 1 >= 0) window_sum -= x[i - half - 1];
-        if (i + half < len) window_sum += x[i + half];
-      }
+      const int64_t lo = i - half > 0 ? i - half : 0;
+      const int64_t hi = i + half < len - 1 ? i + half : len - 1;
+      double window_sum = 0.0;
+      for (int64_t j = lo; j <= hi; ++j) window_sum += x[j];
       pooled = static_cast<float>(window_sum / static_cast<double>(kernel));
     } else if (pooling == 1) {
       const int64_t lo = i - half > 0 ? i - half : 0;

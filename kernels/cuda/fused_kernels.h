@@ -23,17 +23,18 @@
 // [2^14, 2^15) (fp16, whose narrow exponent range would otherwise push the second and third
 // terms into subnormals), and split into three 16-bit terms U1 + U2 + U3 (relative
 // representation error < 2^-24 for bf16); all products accumulate
-// in fp32. Softmax, sums of squares, square roots and pooling are fp32 (pool sums in fp64), as on
-// the CPU. Why tensor cores and not fp32 CUDA cores for v M v^T: at Llama-3.1-8B geometry
-// (L32 Hkv8 G4 d128, n = 128K, w = 64) K and V are 2 * 32 * 8 * 128K * 128 * 2 B = 17.2 GB
-// (3.6 ms at 4.8 TB/s), Q.K^T is 2.2 TFLOP and the G quadratic forms 4.4 TFLOP dense, 2.5 TFLOP
-// triangular; fp32 CUDA cores (~67 TFLOP/s) would need > 35 ms, bf16 tensor cores with the
-// 3-term split ~7.4 TFLOP + 2.2 = 9.6 TFLOP, ~10 ms at the 990 TFLOP/s peak (mma.sync reaches
-// less; pass 1 adds another 2.2 TFLOP without window_lse). So this scorer is compute bound at that
-// geometry, not bandwidth bound. A 2-term split (element error < 2^-17; in a numpy emulation at
-// d = 128, D = 4096 the worst relative error of sqrt(v M v^T) over 2000 rows was 5e-7 with 2 terms,
-// 2e-15 with 3, 1.2e-7 for fp32 sgemm-like arithmetic) would cut the V.M work by a third: set
-// kFactorTerms = 2 once the GPU comparison confirms it.
+// in fp32. Softmax and square roots are fp32, the squares of the group sums and their sums over
+// the window rows fp64 (no underflow down to fp32's smallest normal probability), pool sums fp64
+// (each window's own terms), as on the CPU. Why tensor cores and not fp32 CUDA cores for v M v^T:
+// at Llama-3.1-8B geometry (L32 Hkv8 G4 d128, n = 128K, w = 64) K and V are 2 * 32 * 8 * 128K * 128
+// * 2 B = 17.2 GB (3.6 ms at 4.8 TB/s), Q.K^T is 2.2 TFLOP and the G quadratic forms 4.4 TFLOP
+// dense, 2.5 TFLOP triangular; fp32 CUDA cores (~67 TFLOP/s) would need > 35 ms, bf16 tensor cores
+// with the 3-term split ~7.4 TFLOP + 2.2 = 9.6 TFLOP, ~10 ms at the 990 TFLOP/s peak (mma.sync
+// reaches less; pass 1 adds another 2.2 TFLOP without window_lse). So this scorer is compute bound
+// at that geometry, not bandwidth bound. A 2-term split (element error < 2^-17; in a numpy
+// emulation at d = 128, D = 4096 the worst relative error of sqrt(v M v^T) over 2000 rows was 5e-7
+// with 2 terms, 2e-15 with 3, 1.2e-7 for fp32 sgemm-like arithmetic) would cut the V.M work by a
+// third: set kFactorTerms = 2 once the GPU comparison confirms it.
 //
 // Memory traffic (HBM): K read twice without window_lse (pass 1 over [0, n), pass 2 over the
 // candidates [0, n - we)), once with it; V once; everything else is small: Q once per CTA, c and
@@ -154,9 +155,10 @@ cudaError_t LaunchWindowLse(const FusedLayerArgs& args, int ctas_per_head, float
                             float* lse, cudaStream_t stream);
 
 // Pass 2: for every KV head g and token i in [0, n - we): c[g * n + i] = sqrt(sum_t (sum_h
-// p[h, t, i])^2) / G with p = exp(scale * q.k - lse), and (mode != kNone) r[g * n + i] as
-// FusedValueMode says. factors / inv_scale: LaunchSplitFactors' output for the mode's blocks
-// (kMeanHead: G blocks, kSummed: 1 block; ignored otherwise). c, r: device [Hkv, n] floats.
+// p[h, t, i])^2) / G with p = exp(min(scale * q.k - lse, 0)) (squares summed in fp64), and
+// (mode != kNone) r[g * n + i] as FusedValueMode says. factors / inv_scale: LaunchSplitFactors'
+// output for the mode's blocks (kMeanHead: G blocks, kSummed: 1 block; ignored otherwise). c, r:
+// device [Hkv, n] floats.
 cudaError_t LaunchFusedScore(const FusedLayerArgs& args, FusedValueMode mode, const float* lse,
                              const void* factors, const float* inv_scale, int ctas_per_head,
                              float* c, float* r, cudaStream_t stream);

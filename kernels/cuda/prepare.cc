@@ -6,9 +6,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "cuda/check_kernels.h"
 #include "cuda/cuda_status.h"
 #include "cuda/device_util.h"
 #include "cuda/prepare_kernels.h"
+#include "policy/magnitude.h"
 
 namespace laprox::kernels::cuda {
 namespace {
@@ -57,27 +59,31 @@ absl::StatusOr<std::shared_ptr<CudaPreparedModel>> PrepareFactors(
   WorkspaceLayout layout;
   const size_t dense_at = layout.Add<float>(static_cast<size_t>(D * Hd));
   const size_t summed_at = layout.Add<float>(static_cast<size_t>(Hkv * D * d));
-  const size_t bad_at = layout.Add<unsigned long long>(static_cast<size_t>(L));
+  const size_t bad_at = layout.Add<unsigned long long>(static_cast<size_t>(L + 1));
+  const size_t max_at = layout.Add<unsigned int>(static_cast<size_t>(L));
   DeviceBuffer scratch;
   LAPROX_RETURN_IF_ERROR(
       CudaStatus(scratch.Reserve(layout.total()), "allocating the factor scratch memory"));
   auto* base = scratch.as<std::byte>();
   auto* dense = reinterpret_cast<float*>(base + dense_at);
   auto* summed = reinterpret_cast<float*>(base + summed_at);
-  auto* bad = reinterpret_cast<unsigned long long*>(base + bad_at);
+  auto* bad = reinterpret_cast<unsigned long long*>(base + bad_at);  // [L] o_proj, [1] factors
+  auto* max_bits = reinterpret_cast<unsigned int*>(base + max_at);
   cudaStream_t stream = context.stream;
   LAPROX_RETURN_IF_ERROR(
-      CudaStatus(cudaMemsetAsync(bad, 0xff, L * sizeof(unsigned long long), stream),
+      CudaStatus(cudaMemsetAsync(bad, 0xff, (L + 1) * sizeof(unsigned long long), stream),
                  "clearing the o_proj check"));
+  LAPROX_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(max_bits, 0, L * sizeof(unsigned int), stream),
+                                    "clearing the o_proj maxima"));
 
   // Layers with a bad element get garbage factors; the model is discarded below, so there is no
   // synchronisation per layer.
   for (int64_t l = 0; l < L; ++l) {
     const TensorView& w = o_proj[l];
-    LAPROX_RETURN_IF_ERROR(
-        CudaStatus(LaunchConvertProjection(w.data(), static_cast<int>(w.dtype()), D, Hd,
-                                           w.stride(0), w.stride(1), dense, bad + l, stream),
-                   "converting o_proj"));
+    LAPROX_RETURN_IF_ERROR(CudaStatus(
+        LaunchConvertProjection(w.data(), static_cast<int>(w.dtype()), D, Hd, w.stride(0),
+                                w.stride(1), dense, bad + l, max_bits + l, stream),
+        "converting o_proj"));
     LAPROX_RETURN_IF_ERROR(
         CudaStatus(LaunchGroupSum(dense, D, Hkv, G, d, summed, stream), "summing o_proj heads"));
     float* f = model->mutable_buffer().as<float>() + l * Hkv * matrix;
@@ -98,23 +104,53 @@ absl::StatusOr<std::shared_ptr<CudaPreparedModel>> PrepareFactors(
     }
   }
 
-  std::vector<unsigned long long> h_bad(static_cast<size_t>(L));
+  // The factors must be finite (the magnitude check below guarantees it; this is the defence).
+  KernelTensor factors;
+  factors.data = model->mutable_buffer().as<float>();
+  factors.dtype = static_cast<int>(DType::kF32);
+  factors.dims[0] = L * Hkv;
+  factors.dims[1] = d;
+  factors.dims[2] = ld;
+  factors.strides[0] = matrix;
+  factors.strides[1] = ld;
+  factors.strides[2] = 1;
+  LAPROX_RETURN_IF_ERROR(CudaStatus(LaunchFindNonFinite(factors, bad + L, nullptr, stream),
+                                    "checking the factor matrices"));
+
+  std::vector<unsigned long long> h_bad(static_cast<size_t>(L + 1));
+  std::vector<float> h_max(static_cast<size_t>(L));
+  LAPROX_RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(h_bad.data(), bad, (L + 1) * sizeof(h_bad[0]),
+                                                    cudaMemcpyDeviceToHost, stream),
+                                    "reading the o_proj check"));
+  static_assert(sizeof(float) == sizeof(unsigned int));
   LAPROX_RETURN_IF_ERROR(CudaStatus(
-      cudaMemcpyAsync(h_bad.data(), bad, L * sizeof(h_bad[0]), cudaMemcpyDeviceToHost, stream),
-      "reading the o_proj check"));
+      cudaMemcpyAsync(h_max.data(), max_bits, L * sizeof(float), cudaMemcpyDeviceToHost, stream),
+      "reading the o_proj maxima"));
   LAPROX_RETURN_IF_ERROR(
       CudaStatus(cudaStreamSynchronize(stream), "computing the factor matrices"));
   for (int64_t l = 0; l < L; ++l) {
-    if (h_bad[l] == kNoBadElement) continue;
+    model->set_max_o_proj(l, h_max[l]);
+    if (h_bad[l] == kNoBadElement) {
+      // The CPU backend's order: a layer's NaN/Inf check, then its magnitude check.
+      LAPROX_RETURN_IF_ERROR(policy::CheckFactorMagnitude(geometry, l, h_max[l]));
+      continue;
+    }
     const auto flat = static_cast<int64_t>(h_bad[l]);
     const int64_t r = flat / Hd, c = flat % Hd;
     const TensorView& w = o_proj[l];
     LAPROX_ASSIGN_OR_RETURN(
         const float value, ReadDeviceElement(w.data(), w.dtype(), r * w.stride(0) + c * w.stride(1),
                                              "reading a bad o_proj element"));
-    // The CPU backend's words (it reads o_proj as one "head" of D rows, cpu_backend.cc).
+    // The CPU backend's words (kernels/cpu/rows.cc).
+    return absl::InvalidArgumentError(
+        absl::StrCat("o_proj[", l, "] has a non-finite value (", value, ") at [", r, ", ", c, "]"));
+  }
+  if (h_bad[L] != kNoBadElement) {
+    const auto flat = static_cast<int64_t>(h_bad[L]);
+    const int64_t layer = flat / (Hkv * d * ld);
     return absl::InvalidArgumentError(absl::StrCat(
-        "layers[", l, "].o_proj has a non-finite value (", value, ") at [0, ", r, ", ", c, "]"));
+        "o_proj[", layer, "]: the factor matrices computed from it are not finite (max |o_proj[",
+        layer, "]| = ", h_max[layer], ")"));
   }
   return model;
 }

@@ -12,19 +12,28 @@ constexpr unsigned long long kNone = ~0ull;
 
 // One warp per row, lanes along the row (coalesced when col_stride == 1).
 __global__ void ConvertProjectionKernel(DeviceView w, int64_t rows, int64_t cols, float* dense,
-                                        unsigned long long* first_bad) {
+                                        unsigned long long* first_bad, unsigned int* max_abs_bits) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t warps = int64_t{gridDim.x} * kWarpsPerBlock;
   unsigned long long bad = kNone;
+  unsigned int max_bits = 0;  // bits of the largest finite |v| (they order like the values)
   for (int64_t r = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32; r < rows; r += warps) {
     for (int64_t c = lane; c < cols; c += 32) {
       const float v = LoadAt(w, 0, r, c);
       dense[r * cols + c] = v;
-      if (!isfinite(v) && bad == kNone) bad = static_cast<unsigned long long>(r * cols + c);
+      if (isfinite(v)) {
+        max_bits = max(max_bits, __float_as_uint(v) & 0x7fffffffu);
+      } else if (bad == kNone) {
+        bad = static_cast<unsigned long long>(r * cols + c);
+      }
     }
   }
   // Each thread visits its elements in increasing order, so its first bad one is its minimum.
   if (bad != kNone) atomicMin(first_bad, bad);
+  for (int offset = 16; offset > 0; offset /= 2) {
+    max_bits = max(max_bits, __shfl_xor_sync(0xffffffffu, max_bits, offset));
+  }
+  if (lane == 0 && max_bits != 0) atomicMax(max_abs_bits, max_bits);
 }
 
 __global__ void GroupSumKernel(const float* dense, int64_t rows, int64_t kv_heads, int64_t group,
@@ -47,7 +56,8 @@ __global__ void GroupSumKernel(const float* dense, int64_t rows, int64_t kv_head
 
 cudaError_t LaunchConvertProjection(const void* w, int dtype, int64_t rows, int64_t cols,
                                     int64_t row_stride, int64_t col_stride, float* dense,
-                                    unsigned long long* first_bad, cudaStream_t stream) {
+                                    unsigned long long* first_bad, unsigned int* max_abs_bits,
+                                    cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return cudaSuccess;
   DeviceView view;
   view.data = w;
@@ -59,7 +69,7 @@ cudaError_t LaunchConvertProjection(const void* w, int dtype, int64_t rows, int6
   view.strides[1] = row_stride;
   view.strides[2] = col_stride;
   ConvertProjectionKernel<<<GridBlocks(rows, kWarpsPerBlock), kThreads, 0, stream>>>(
-      view, rows, cols, dense, first_bad);
+      view, rows, cols, dense, first_bad, max_abs_bits);
   return cudaGetLastError();
 }
 

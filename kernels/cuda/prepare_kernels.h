@@ -18,10 +18,14 @@ namespace laprox::kernels::cuda {
 // `w` holds elements of `dtype` (static_cast<int>(laprox::kernels::DType): 0 fp32, 1 fp16,
 // 2 bf16) and strides are in elements. *first_bad = min(*first_bad, r * cols + c) over the
 // elements that are NaN or infinite (an integer atomicMin: the result does not depend on the
-// schedule); the caller initialises *first_bad, e.g. to all ones (no bad element).
+// schedule); the caller initialises *first_bad, e.g. to all ones (no bad element). Also
+// *max_abs_bits = max(*max_abs_bits, bits of |x|) over the finite elements (integer atomicMax;
+// the bits of non-negative floats order like the values): the largest finite |x| once the
+// caller has initialised it to 0.
 cudaError_t LaunchConvertProjection(const void* w, int dtype, int64_t rows, int64_t cols,
                                     int64_t row_stride, int64_t col_stride, float* dense,
-                                    unsigned long long* first_bad, cudaStream_t stream);
+                                    unsigned long long* first_bad, unsigned int* max_abs_bits,
+                                    cudaStream_t stream);
 
 // summed[(g * rows + r) * head_dim + k] = sum_{a < group} dense[r * cols + (g * group + a) *
 // head_dim + k] for g < kv_heads, r < rows, k < head_dim, with cols = kv_heads * group *

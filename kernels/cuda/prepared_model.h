@@ -13,6 +13,7 @@
 #define LAPROX_KERNELS_CUDA_PREPARED_MODEL_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "cuda/device_buffer.h"
 #include "laprox/kernels/backend.h"
@@ -26,7 +27,8 @@ class CudaPreparedModel final : public PreparedModel {
         blocks_(1 + geometry.group_size() +
                 (options.cross_grams
                      ? int64_t{geometry.group_size()} * (geometry.group_size() - 1) / 2
-                     : 0)) {}
+                     : 0)),
+        max_o_proj_(static_cast<size_t>(geometry.num_layers), 0.f) {}
 
   int64_t ByteSize() const override { return static_cast<int64_t>(factors_.capacity()); }
 
@@ -45,12 +47,18 @@ class CudaPreparedModel final : public PreparedModel {
     return factors_.as<float>() + (layer * geometry().num_kv_heads + kv_head) * matrix_size();
   }
   const float* factors_base() const { return factors_.as<float>(); }
+  // The largest |o_proj[layer]| element (host value; policy/magnitude.h bounds the scores by it).
+  float max_o_proj(int64_t layer) const { return max_o_proj_[static_cast<size_t>(layer)]; }
   // For PrepareFactors only.
   DeviceBuffer& mutable_buffer() { return factors_; }
+  void set_max_o_proj(int64_t layer, float value) {
+    max_o_proj_[static_cast<size_t>(layer)] = value;
+  }
 
  private:
   int64_t blocks_;
   DeviceBuffer factors_;
+  std::vector<float> max_o_proj_;
 };
 
 }  // namespace laprox::kernels::cuda

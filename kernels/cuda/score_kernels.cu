@@ -104,14 +104,16 @@ __global__ void ExpRowsKernel(float* x, int64_t rows, int64_t ld, int64_t count,
   for (int64_t e = GlobalThread(); e < total; e += ThreadCount()) {
     const int64_t r = e / count, j = e % count;
     float* p = x + r * ld + j;
-    *p = expf(*p - shift[r]) * (scale != nullptr ? scale[r] : 1.f);
+    // At most 1 before the scale: an engine LSE below a logit cannot overflow (the CPU's rule).
+    *p = expf(fminf(*p - shift[r], 0.f)) * (scale != nullptr ? scale[r] : 1.f);
   }
 }
 
-// One thread per (group, token); window rows and heads in a fixed order.
+// One thread per (group, token); window rows and heads in a fixed order. Squares and products
+// in fp64 (attention below ~1e-19 would square to 0 in fp32), as the CPU backend.
 __global__ void AttentionStatisticsKernel(const float* probs, int64_t ld, int64_t kv_heads,
                                           int64_t group, int64_t window, int64_t col0,
-                                          int64_t count, AttentionStatKind kind, float* att,
+                                          int64_t count, AttentionStatKind kind, double* att,
                                           int64_t att_ld) {
   const int64_t stats = kind == AttentionStatKind::kGroupMean ? 1
                         : kind == AttentionStatKind::kPerHead ? group
@@ -121,11 +123,11 @@ __global__ void AttentionStatisticsKernel(const float* probs, int64_t ld, int64_
     const int64_t g = e / count, j = e % count;
     // Row (h * window + t) of the group, column j.
     const float* p = probs + g * group * window * ld + j;
-    float* out = att + g * stats * att_ld + col0 + j;
+    double* out = att + g * stats * att_ld + col0 + j;
     if (kind == AttentionStatKind::kGroupMean) {
-      float acc = 0.f;
+      double acc = 0.0;
       for (int64_t t = 0; t < window; ++t) {
-        float s = 0.f;
+        double s = 0.0;
         for (int64_t h = 0; h < group; ++h) s += p[(h * window + t) * ld];
         acc += s * s;
       }
@@ -134,9 +136,9 @@ __global__ void AttentionStatisticsKernel(const float* probs, int64_t ld, int64_
     }
     for (int64_t h = 0; h < group; ++h) {
       const float* ph = p + h * window * ld;
-      float acc = 0.f;
+      double acc = 0.0;
       for (int64_t t = 0; t < window; ++t) {
-        const float v = ph[t * ld];
+        const double v = ph[t * ld];
         acc += v * v;
       }
       out[h * att_ld] = acc;
@@ -147,8 +149,8 @@ __global__ void AttentionStatisticsKernel(const float* probs, int64_t ld, int64_
       const float* pa = p + a * window * ld;
       for (int64_t b = a + 1; b < group; ++b, ++pair) {
         const float* pb = p + b * window * ld;
-        float acc = 0.f;
-        for (int64_t t = 0; t < window; ++t) acc += pa[t * ld] * pb[t * ld];
+        double acc = 0.0;
+        for (int64_t t = 0; t < window; ++t) acc += double{pa[t * ld]} * pb[t * ld];
         out[pair * att_ld] = acc;
       }
     }
@@ -190,30 +192,31 @@ __global__ void QuadraticFormsKernel(const float* projected, int64_t projected_h
   }
 }
 
-__global__ void PrePoolKernel(const float* att, const float* val, int64_t kv_heads, int64_t group,
+// In fp64 from the fp64 attention statistics, as the CPU backend (score.cc).
+__global__ void PrePoolKernel(const double* att, const float* val, int64_t kv_heads, int64_t group,
                               int64_t stats, int64_t forms, int64_t prefix, AttentionStatKind kind,
                               float* x) {
-  const float inv_group = 1.f / static_cast<float>(group);
+  const double groups = static_cast<double>(group);
   for (int64_t e = GlobalThread(); e < kv_heads * prefix; e += ThreadCount()) {
     const int64_t g = e / prefix, i = e % prefix;
-    const float* a = att + g * stats * prefix + i;
+    const double* a = att + g * stats * prefix + i;
     const float* v = val + g * forms * prefix + i;
     switch (kind) {
       case AttentionStatKind::kGroupMean:
-        x[e] = sqrtf(a[0]) * inv_group;
+        x[e] = static_cast<float>(sqrt(a[0]) / groups);
         break;
       case AttentionStatKind::kPerHead: {
-        float sum = 0.f;
-        for (int64_t h = 0; h < group; ++h) sum += sqrtf(a[h * prefix]) * v[h * prefix];
-        x[e] = sum * inv_group;
+        double sum = 0.0;
+        for (int64_t h = 0; h < group; ++h) sum += sqrt(a[h * prefix]) * v[h * prefix];
+        x[e] = static_cast<float>(sum / groups);
         break;
       }
       case AttentionStatKind::kHeadGram: {
         // ||sum_h A^h col (outer) v W_O^h||_F^2 = sum_{h,h'} <A^h col, A^h' col> v C_hh' v^T.
-        float sum = 0.f;
+        double sum = 0.0;
         for (int64_t h = 0; h < group; ++h) sum += a[h * prefix] * v[h * prefix];
-        for (int64_t p = group; p < stats; ++p) sum += 2.f * a[p * prefix] * v[p * prefix];
-        x[e] = sqrtf(fmaxf(sum, 0.f));
+        for (int64_t p = group; p < stats; ++p) sum += 2.0 * a[p * prefix] * v[p * prefix];
+        x[e] = static_cast<float>(sqrt(fmax(sum, 0.0)));
         break;
       }
     }
@@ -296,7 +299,7 @@ cudaError_t LaunchExpRows(float* x, int64_t rows, int64_t ld, int64_t count, con
 
 cudaError_t LaunchAttentionStatistics(const float* probs, int64_t ld, int64_t kv_heads,
                                       int64_t group, int64_t window, int64_t col0, int64_t count,
-                                      AttentionStatKind kind, float* att, int64_t att_ld,
+                                      AttentionStatKind kind, double* att, int64_t att_ld,
                                       cudaStream_t stream) {
   if (kv_heads <= 0 || count <= 0) return cudaSuccess;
   AttentionStatisticsKernel<<<GridBlocks(kv_heads * count, kThreads), kThreads, 0, stream>>>(
@@ -324,7 +327,7 @@ cudaError_t LaunchQuadraticForms(const float* projected, int64_t projected_head_
   return cudaGetLastError();
 }
 
-cudaError_t LaunchPrePool(const float* att, const float* val, int64_t kv_heads, int64_t group,
+cudaError_t LaunchPrePool(const double* att, const float* val, int64_t kv_heads, int64_t group,
                           int64_t stats, int64_t forms, int64_t prefix, AttentionStatKind kind,
                           float* x, cudaStream_t stream) {
   if (kv_heads <= 0 || prefix <= 0) return cudaSuccess;

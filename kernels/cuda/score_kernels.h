@@ -2,7 +2,7 @@
 // softmax normaliser of the window rows, per-token attention statistics, quadratic forms of the
 // value factors, and pooling into raw scores. The GEMMs (Q.K^T, V.[factor blocks]) are cuBLAS
 // calls issued by scorer_v0.cc. Each kernel computes what kernels/cpu/score.cc and window.cc
-// compute, in fp32 (normaliser sums and average pooling in fp64).
+// compute, in fp32 (normaliser sums, attention statistics and average pooling in fp64).
 //
 // Launchers enqueue on `stream`, never synchronise, and return the launch error
 // (cudaGetLastError); cudaSuccess without launching when there is nothing to do. All pointers are
@@ -52,17 +52,18 @@ cudaError_t LaunchRowSoftmaxStats(const float* logits, int64_t rows, int64_t ld,
                                   float* row_max, double* row_sum, float* row_scale,
                                   cudaStream_t stream);
 
-// x[r * ld + j] = expf(x[r * ld + j] - shift[r]) * scale[r] for r < rows, j < count; scale
-// null means 1 (shift = the window LSE).
+// x[r * ld + j] = expf(min(x[r * ld + j] - shift[r], 0)) * scale[r] for r < rows, j < count;
+// scale null means 1 (shift = the window LSE, so a probability is capped at 1 as on the CPU).
 cudaError_t LaunchExpRows(float* x, int64_t rows, int64_t ld, int64_t count, const float* shift,
                           const float* scale, cudaStream_t stream);
 
 // Attention statistics (AttentionStatKind) of tokens [col0, col0 + count). `probs` row
 // (g * group + h) * window + t, column j (leading dimension ld) is A^{g*group+h}[t, col0 + j];
-// writes att[(g * S + s) * att_ld + col0 + j] for g < kv_heads, j < count.
+// writes att[(g * S + s) * att_ld + col0 + j] for g < kv_heads, j < count. Sums, squares and
+// products in fp64 (no underflow for probabilities down to fp32's smallest normal).
 cudaError_t LaunchAttentionStatistics(const float* probs, int64_t ld, int64_t kv_heads,
                                       int64_t group, int64_t window, int64_t col0, int64_t count,
-                                      AttentionStatKind kind, float* att, int64_t att_ld,
+                                      AttentionStatKind kind, double* att, int64_t att_ld,
                                       cudaStream_t stream);
 
 // out[g * out_ld + i] = ||v(g, i, :)||_2 (fp32) for g < kv_heads, i < count; v is [Hkv, n, d].
@@ -79,12 +80,13 @@ cudaError_t LaunchQuadraticForms(const float* projected, int64_t projected_head_
                                  int64_t d, bool raw, float* out, int64_t out_ld,
                                  cudaStream_t stream);
 
-// The array the pool runs over, x[g * prefix + i] for i < prefix (score.cc ScoreHead):
-//   kGroupMean  sqrtf(att[g][0][i]) / G
-//   kPerHead    (sum_h sqrtf(att[g][h][i]) * val[g][h][i]) / G
-//   kHeadGram   sqrtf(max(sum_h att*val [diagonal] + sum_p 2 * att*val [pairs], 0))
-// att is [Hkv][stats][prefix], val [Hkv][forms][prefix].
-cudaError_t LaunchPrePool(const float* att, const float* val, int64_t kv_heads, int64_t group,
+// The array the pool runs over, x[g * prefix + i] for i < prefix (score.cc ScoreHead), in fp64
+// and rounded to fp32 once:
+//   kGroupMean  sqrt(att[g][0][i]) / G
+//   kPerHead    (sum_h sqrt(att[g][h][i]) * val[g][h][i]) / G
+//   kHeadGram   sqrt(max(sum_h att*val [diagonal] + sum_p 2 * att*val [pairs], 0))
+// att is [Hkv][stats][prefix] (fp64), val [Hkv][forms][prefix].
+cudaError_t LaunchPrePool(const double* att, const float* val, int64_t kv_heads, int64_t group,
                           int64_t stats, int64_t forms, int64_t prefix, AttentionStatKind kind,
                           float* x, cudaStream_t stream);
 

@@ -145,7 +145,7 @@ class ScorerV0 final : public Scorer {
     float* keys;       // [Hkv, key_chunk, d]
     float* values;     // [Hkv, value_chunk, d]
     float* projected;  // [Hkv, value_chunk, F * d]
-    float* att;        // [Hkv, S, prefix]
+    double* att;       // [Hkv, S, prefix]
     float* val;        // [Hkv, max(F, 1), prefix]
     float* x;          // [Hkv, prefix]
   };
@@ -195,7 +195,7 @@ absl::Status ScorerV0::AttentionStatistics(const DeviceContext& context, const P
   if (p.window == 0) {
     return CudaStatus(
         cudaMemsetAsync(a.att, 0,
-                        static_cast<size_t>(p.kv_heads * p.modes.stats * p.prefix) * sizeof(float),
+                        static_cast<size_t>(p.kv_heads * p.modes.stats * p.prefix) * sizeof(double),
                         stream),
         "clearing attention statistics");
   }
@@ -349,7 +349,7 @@ absl::Status ScorerV0::Score(const DeviceContext& context, const CudaPreparedMod
   const size_t values_at =
       layout.Add<float>(count(gather_values ? p.kv_heads * p.value_chunk * p.d : 0));
   const size_t projected_at = layout.Add<float>(count(p.kv_heads * p.value_chunk * F * p.d));
-  const size_t att_at = layout.Add<float>(count(p.kv_heads * p.modes.stats * p.prefix));
+  const size_t att_at = layout.Add<double>(count(p.kv_heads * p.modes.stats * p.prefix));
   const size_t val_at = layout.Add<float>(count(p.kv_heads * std::max<int64_t>(F, 1) * p.prefix));
   const size_t x_at = layout.Add<float>(count(p.kv_heads * p.prefix));
   LAPROX_RETURN_IF_ERROR(
@@ -364,7 +364,7 @@ absl::Status ScorerV0::Score(const DeviceContext& context, const CudaPreparedMod
                  .keys = floats(keys_at),
                  .values = floats(values_at),
                  .projected = floats(projected_at),
-                 .att = floats(att_at),
+                 .att = reinterpret_cast<double*>(base + att_at),
                  .val = floats(val_at),
                  .x = floats(x_at)};
 

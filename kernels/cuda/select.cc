@@ -130,6 +130,7 @@ absl::StatusOr<KeepPlan> DeviceSelector::Select(const DeviceContext& context,
   const size_t at_segment_offsets = layout.Add<int>(radix ? rows + 1 : 0);
   const size_t at_histograms = layout.Add<uint32_t>(radix ? 0 : rows * 256);
   const size_t at_states = layout.Add<RadixSelectState>(radix ? 0 : rows);
+  const size_t at_non_finite = layout.Add<unsigned long long>(1);
 
   size_t temp_bytes = 0;
   LAPROX_RETURN_IF_ERROR(CudaStatus(RowOffsetsTempBytes(geometry, &temp_bytes),
@@ -165,15 +166,19 @@ absl::StatusOr<KeepPlan> DeviceSelector::Select(const DeviceContext& context,
   auto* const d_segment_offsets = reinterpret_cast<int*>(base + at_segment_offsets);
   auto* const d_histograms = reinterpret_cast<uint32_t*>(base + at_histograms);
   auto* const d_states = reinterpret_cast<RadixSelectState*>(base + at_states);
+  auto* const d_non_finite = reinterpret_cast<unsigned long long*>(base + at_non_finite);
   void* const d_temp = sort_temp_.data();
   const size_t temp_capacity = sort_temp_.capacity();
   cudaStream_t stream = context.stream;
 
+  LAPROX_RETURN_IF_ERROR(
+      CudaStatus(cudaMemsetAsync(d_non_finite, 0xff, sizeof(unsigned long long), stream),
+                 "DeviceSelector: clearing the raw score check"));
   LAPROX_RETURN_IF_ERROR(CudaStatus(LaunchLayerSums(geometry, d_raw, d_partials, d_sums, stream),
                                     "DeviceSelector: layer sums"));
   LAPROX_RETURN_IF_ERROR(CudaStatus(
       LaunchNormalizeScores(geometry, d_raw, d_sums, policy.allocation == Allocation::kGlobalRaw,
-                            d_scores, d_kept, stream),
+                            d_scores, d_kept, d_non_finite, stream),
       "DeviceSelector: normalising scores"));
 
   auto select = [&](uint64_t segment_size) -> cudaError_t {
@@ -225,6 +230,9 @@ absl::StatusOr<KeepPlan> DeviceSelector::Select(const DeviceContext& context,
     return bytes == 0 ? cudaSuccess
                       : cudaMemcpyAsync(h_dst, d_src, bytes, cudaMemcpyDeviceToHost, stream);
   };
+  unsigned long long non_finite = 0;
+  LAPROX_RETURN_IF_ERROR(CudaStatus(copy(&non_finite, d_non_finite, sizeof(non_finite)),
+                                    "DeviceSelector: copying the raw score check"));
   LAPROX_RETURN_IF_ERROR(CudaStatus(copy(selected.data(), d_selected, rows * sizeof(uint32_t)),
                                     "DeviceSelector: copying counts"));
   LAPROX_RETURN_IF_ERROR(
@@ -248,6 +256,15 @@ absl::StatusOr<KeepPlan> DeviceSelector::Select(const DeviceContext& context,
   }
   LAPROX_RETURN_IF_ERROR(
       CudaStatus(cudaStreamSynchronize(stream), "DeviceSelector: synchronising the stream"));
+  // A non-finite raw score (the scorers' inputs were checked, so a broken invariant) made the
+  // selection meaningless, though memory-safe: report it as SelectKeepPlan does.
+  if (non_finite != ~0ull) {
+    float value = 0.f;
+    LAPROX_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpy(&value, d_raw + non_finite, sizeof(value), cudaMemcpyDeviceToHost),
+                   "DeviceSelector: reading a non-finite raw score"));
+    return policy::NonFiniteScoreError(shape, non_finite, value, "raw score");
+  }
 
   uint64_t selected_sum = 0;
   for (uint64_t row = 0; row < rows; ++row) {

@@ -28,7 +28,8 @@ class DeviceSelector {
   // selected_total, window, sinks), in host memory, and synchronises the stream. Every
   // allocation, min_per_head and head_uniform_layers are handled. Layer sums are fp64,
   // reduced in a fixed order (no float atomics): the same input gives the same plan.
-  // RESOURCE_EXHAUSTED when the device is full; INTERNAL for CUDA errors.
+  // RESOURCE_EXHAUSTED when the device is full; INTERNAL for CUDA errors, and (in
+  // SelectKeepPlan's words) when a candidate's raw score is NaN or infinite.
   // Not thread-safe: the selector keeps its workspace between calls.
   absl::StatusOr<KeepPlan> Select(const DeviceContext& context, const PlanShape& shape,
                                   const PolicySpec& policy, const float* d_raw,

@@ -126,8 +126,10 @@ __global__ void LayerSumsKernel(uint32_t num_layers, const double* __restrict__ 
 __global__ void __launch_bounds__(kThreads)
     NormalizeScoresKernel(SelectGeometry g, const float* __restrict__ raw,
                           const double* __restrict__ layer_sums, bool raw_scores,
-                          float* __restrict__ scores, uint8_t* __restrict__ kept) {
+                          float* __restrict__ scores, uint8_t* __restrict__ kept,
+                          unsigned long long* __restrict__ first_non_finite) {
   const uint64_t total = uint64_t{g.num_layers} * g.num_kv_heads * g.n;
+  unsigned long long bad = ~0ull;  // this thread's lowest non-finite candidate (visited in order)
   const double uniform_score =
       g.candidates > 0 ? 1.0 / static_cast<double>(uint64_t{g.num_kv_heads} * g.candidates) : 0.0;
   for (uint64_t f64 = blockIdx.x * uint64_t{kThreads} + threadIdx.x; f64 < total;
@@ -142,6 +144,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     kept[f] = 0;
     const float r = raw[f];
+    if (!isfinite(r) && bad == ~0ull) bad = f;
     float s;
     if (raw_scores) {
       s = r;
@@ -153,6 +156,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     scores[f] = s;
   }
+  if (bad != ~0ull) atomicMin(first_non_finite, bad);
 }
 
 // ---- Small helpers ------------------------------------------------------------------------
@@ -444,10 +448,11 @@ cudaError_t LaunchLayerSums(const SelectGeometry& geometry, const float* d_raw, 
 
 cudaError_t LaunchNormalizeScores(const SelectGeometry& geometry, const float* d_raw,
                                   const double* d_layer_sums, bool raw_scores, float* d_scores,
-                                  uint8_t* d_kept, cudaStream_t stream) {
+                                  uint8_t* d_kept, unsigned long long* d_first_non_finite,
+                                  cudaStream_t stream) {
   if (geometry.total() == 0) return cudaSuccess;
   NormalizeScoresKernel<<<BlocksFor(geometry.total()), kThreads, 0, stream>>>(
-      geometry, d_raw, d_layer_sums, raw_scores, d_scores, d_kept);
+      geometry, d_raw, d_layer_sums, raw_scores, d_scores, d_kept, d_first_non_finite);
   return cudaGetLastError();
 }
 

@@ -54,10 +54,13 @@ cudaError_t LaunchLayerSums(const SelectGeometry& geometry, const float* d_raw, 
 // float(1.0 / (Hkv * m)) when S_l is not > 0 or not finite (uniform layer); d_kept = 0.
 // Sinks and window positions get s = +inf and d_kept = 1. Exactly SelectKeepPlan's arithmetic
 // (IEEE double division, round-to-nearest conversion to float).
-// d_scores: [N] fp32 output; d_kept: [N] bytes output (0/1).
+// d_scores: [N] fp32 output; d_kept: [N] bytes output (0/1). *d_first_non_finite = min(itself,
+// flat index) over the candidates whose raw score is NaN or infinite (integer atomicMin; the
+// caller initialises it, e.g. to all ones): SelectKeepPlan's INTERNAL check.
 cudaError_t LaunchNormalizeScores(const SelectGeometry& geometry, const float* d_raw,
                                   const double* d_layer_sums, bool raw_scores, float* d_scores,
-                                  uint8_t* d_kept, cudaStream_t stream);
+                                  uint8_t* d_kept, unsigned long long* d_first_non_finite,
+                                  cudaStream_t stream);
 
 // d_values[0, count) = value.
 cudaError_t LaunchFillU32(uint32_t* d_values, uint64_t count, uint32_t value, cudaStream_t stream);

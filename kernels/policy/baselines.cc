@@ -7,6 +7,7 @@
 
 #include "common/half.h"
 #include "policy/budget.h"
+#include "policy/magnitude.h"
 #include "policy/select.h"
 
 namespace laprox::kernels::policy {
@@ -19,7 +20,8 @@ namespace {
 class Plan {
  public:
   explicit Plan(const PlanShape& shape)
-      : n_(shape.n),
+      : shape_(shape),
+        n_(shape.n),
         heads_(shape.num_kv_heads),
         scores_(int64_t{shape.num_layers} * shape.num_kv_heads * shape.n, 0.0),
         kept_(scores_.size(), 0) {}
@@ -29,14 +31,24 @@ class Plan {
 
   // Marks in `mark` the best k of positions [begin, end) by `scores`, skipping positions whose
   // `skip` entry is set (skip may be null).
+  // A NaN score never enters the pool (it has no place in the strict order PartitionBest needs);
+  // the first one is remembered for status().
   void MarkBest(const double* scores, int64_t begin, int64_t end, int64_t k, const uint8_t* skip,
                 uint8_t* mark) {
     pool_.clear();
     for (int64_t i = begin; i < end; ++i) {
-      if (skip == nullptr || skip[i] == 0) pool_.push_back({scores[i], static_cast<uint32_t>(i)});
+      if (skip != nullptr && skip[i] != 0) continue;
+      if (std::isnan(scores[i])) {
+        NoteNaN(&scores[i]);
+        continue;
+      }
+      pool_.push_back({scores[i], static_cast<uint32_t>(i)});
     }
     Mark(k, mark);
   }
+
+  // OK unless a ranking score was NaN.
+  const absl::Status& status() const { return status_; }
 
   // Marks the best k of all positions of the layer's heads (ties to the lower head, then
   // position) in the layer's part of `mark` ([Hkv, n]).
@@ -51,16 +63,24 @@ class Plan {
  private:
   int64_t Offset(int64_t layer, int64_t g) const { return (layer * heads_ + g) * n_; }
 
+  void NoteNaN(const double* score) {
+    if (!status_.ok()) return;
+    const auto flat = static_cast<uint64_t>(score - scores_.data());
+    status_ = NonFiniteScoreError(shape_, flat, *score, "ranking score");
+  }
+
   void Mark(int64_t k, uint8_t* mark) {
     k = std::clamp<int64_t>(k, 0, static_cast<int64_t>(pool_.size()));
     PartitionBest(absl::MakeSpan(pool_), k);
     for (int64_t j = 0; j < k; ++j) mark[pool_[j].index] = 1;
   }
 
+  const PlanShape& shape_;
   int64_t n_, heads_;
   std::vector<double> scores_;
   std::vector<uint8_t> kept_;
   std::vector<Ranked<double>> pool_;
+  absl::Status status_;
 };
 
 // kvpress's round(): half to even (the default floating-point rounding mode).
@@ -134,10 +154,15 @@ void CriticalStages(const PlanShape& shape, const PolicySpec& policy, const Base
     // kvpress: (scores + epsilon) * norm on model-dtype tensors, two roundings; a safeguarded
     // score times a norm above ~1 overflows to +inf there.
     const DType T = st.compat_dtype[layer];
-    const float epsilon = static_cast<float>(policy.baseline.epsilon);
+    const float epsilon = SaturatedFloat(policy.baseline.epsilon);
     for (int64_t i = 0; i < n; ++i) {
-      s[i] = stage1[i] != 0 ? st.safeguard[layer]
-                            : RoundTo(T, RoundTo(T, static_cast<float>(s[i]) + epsilon) * u[i]);
+      if (stage1[i] != 0) {
+        s[i] = st.safeguard[layer];
+        continue;
+      }
+      // A norm that rounds to T's +inf times a zero shifted score is 0, not NaN.
+      const float shifted = RoundTo(T, static_cast<float>(s[i]) + epsilon);
+      s[i] = shifted == 0.f || u[i] == 0.f ? 0.f : RoundTo(T, shifted * u[i]);
     }
   }
   uint8_t* kept = plan.kept(layer, g);
@@ -158,8 +183,11 @@ std::vector<double> Cake(const PlanShape& shape, const PolicySpec& policy,
       entropy += st.entropy[l * Hkv + g];
       variance += st.variance[l * Hkv + g];
     }
-    preferences[l] = std::pow(std::max(entropy, 0.0), 1.0 / policy.baseline.cake_tau1) *
-                     std::pow(variance, 1.0 / policy.baseline.cake_tau2);
+    // Each power is in [0, +inf]; a zero factor makes P_l zero even when the other overflowed
+    // (inf * 0 would be NaN).
+    const double h = std::pow(std::max(entropy, 0.0), 1.0 / policy.baseline.cake_tau1);
+    const double v = std::pow(std::max(variance, 0.0), 1.0 / policy.baseline.cake_tau2);
+    preferences[l] = h == 0.0 || v == 0.0 ? 0.0 : h * v;
   }
   // No compression when the window and n_kept more tokens cover the sequence (then n > w, so
   // we = w below).
@@ -257,8 +285,9 @@ std::vector<int64_t> CakeLayerBudgets(absl::Span<const double> preferences, int6
   return b;
 }
 
-KeepPlan SelectBaselinePlan(const PlanShape& shape, const PolicySpec& policy,
-                            const BaselineStatistics& st, const OutputOptions& outputs) {
+absl::StatusOr<KeepPlan> SelectBaselinePlan(const PlanShape& shape, const PolicySpec& policy,
+                                            const BaselineStatistics& st,
+                                            const OutputOptions& outputs) {
   const int64_t L = shape.num_layers, Hkv = shape.num_kv_heads, n = shape.n;
   const int64_t kept = shape.kept_per_head;
   Plan plan(shape);
@@ -335,6 +364,7 @@ KeepPlan SelectBaselinePlan(const PlanShape& shape, const PolicySpec& policy,
       layer_sums = Cake(shape, policy, st, plan);
       break;
   }
+  if (!plan.status().ok()) return plan.status();
   KeepPlan result = BuildKeepPlan(shape, plan.all_kept(), plan.OutputScores(), outputs);
   result.layer_sums = std::move(layer_sums);
   return result;

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "laprox/kernels/backend.h"
 #include "laprox/kernels/keep_plan.h"
@@ -45,9 +46,13 @@ struct BaselineStatistics {
 };
 
 // The plan of a baseline policy. Preconditions: shape from ValidateKeepPlanRequest for
-// `policy`, policy.kind != LAPROX, statistics sized as above.
-KeepPlan SelectBaselinePlan(const PlanShape& shape, const PolicySpec& policy,
-                            const BaselineStatistics& statistics, const OutputOptions& outputs);
+// `policy`, policy.kind != LAPROX, statistics sized as above. Ranking scores may be +inf (the
+// sentinels above, products beyond fp64 or a 16-bit dtype); a NaN ranking score would break the
+// strict order of the selection and cannot come from checked inputs, so it is never selected and
+// the result is INTERNAL naming its (layer, KV head, position).
+absl::StatusOr<KeepPlan> SelectBaselinePlan(const PlanShape& shape, const PolicySpec& policy,
+                                            const BaselineStatistics& statistics,
+                                            const OutputOptions& outputs);
 
 // PYRAMIDKV's kept tokens (window included) of each of `layers` layers, for n tokens, the
 // policy window `window` (not clamped to n), budget `budget` = min(B, n) or (1 - cr) * n before

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <limits>
 
+#include "absl/strings/str_cat.h"
+
 namespace laprox::kernels::policy {
 namespace {
 
@@ -59,8 +61,19 @@ class Selector {
 
 }  // namespace
 
-KeepPlan SelectKeepPlan(const PlanShape& shape, const PolicySpec& policy,
-                        absl::Span<const float> raw, const OutputOptions& outputs) {
+absl::Status NonFiniteScoreError(const PlanShape& shape, uint64_t flat_index, double score,
+                                 absl::string_view what) {
+  const uint64_t n = static_cast<uint64_t>(shape.n);
+  const uint64_t heads = static_cast<uint64_t>(std::max(shape.num_kv_heads, 1));
+  const uint64_t row = flat_index / n;
+  return absl::InternalError(absl::StrCat(
+      "layers[", row / heads, "], KV head ", row % heads, ", position ", flat_index % n, ": the ",
+      what, " is ", score,
+      ", not finite, although every input was checked (a broken invariant of the backend)"));
+}
+
+absl::StatusOr<KeepPlan> SelectKeepPlan(const PlanShape& shape, const PolicySpec& policy,
+                                        absl::Span<const float> raw, const OutputOptions& outputs) {
   const int64_t L = shape.num_layers, Hkv = shape.num_kv_heads, n = shape.n;
   const int64_t se = shape.sinks, m = shape.candidates, q = shape.quota;
   const int64_t candidates_end = se + m;
@@ -72,7 +85,13 @@ KeepPlan SelectKeepPlan(const PlanShape& shape, const PolicySpec& policy,
     double sum = 0.0;
     for (int64_t g = 0; g < Hkv; ++g) {
       const float* p = raw.data() + (l * Hkv + g) * n;
-      for (int64_t i = se; i < candidates_end; ++i) sum += p[i];
+      for (int64_t i = se; i < candidates_end; ++i) {
+        if (!std::isfinite(p[i])) {
+          return NonFiniteScoreError(shape, static_cast<uint64_t>((l * Hkv + g) * n + i), p[i],
+                                     "raw score");
+        }
+        sum += p[i];
+      }
     }
     layer_sums[l] = sum;
     const bool uniform = !(sum > 0.0) || !std::isfinite(sum);

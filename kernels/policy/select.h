@@ -8,6 +8,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "laprox/kernels/backend.h"
 #include "laprox/kernels/keep_plan.h"
@@ -54,9 +57,17 @@ KeepPlan BuildKeepPlan(const PlanShape& shape, absl::Span<const uint8_t> kept,
 
 // Builds the keep-plan from raw scores `raw` ([L, Hkv, n], read only at candidate positions).
 // Layer sums are accumulated in double in a fixed order, so the plan does not depend on how the
-// raw scores were computed in parallel.
-KeepPlan SelectKeepPlan(const PlanShape& shape, const PolicySpec& policy,
-                        absl::Span<const float> raw, const OutputOptions& outputs);
+// raw scores were computed in parallel. A backend rejects inputs that could make a raw score
+// non-finite (policy/magnitude.h), so a NaN or infinite raw score is a broken invariant: INTERNAL
+// naming the first one in (layer, KV head, position) order, and nothing is selected (a NaN would
+// break the strict order the selection sorts by).
+absl::StatusOr<KeepPlan> SelectKeepPlan(const PlanShape& shape, const PolicySpec& policy,
+                                        absl::Span<const float> raw, const OutputOptions& outputs);
+
+// The INTERNAL status for a non-finite score a backend produced: "layers[l], KV head g, position
+// i: the <what> is <score>, not finite: ..." (the device selection reports the same words).
+absl::Status NonFiniteScoreError(const PlanShape& shape, uint64_t flat_index, double score,
+                                 absl::string_view what);
 
 }  // namespace laprox::kernels::policy
 

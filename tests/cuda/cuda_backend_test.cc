@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <random>
@@ -48,16 +49,23 @@ struct Case {
   PolicySpec policy;
   bool cross_grams = false;
   bool lse = false;
+  // Window LSE replaced by this value (far below the logits: every probability is capped at 1).
+  float lse_value = std::numeric_limits<float>::quiet_NaN();
+  // Logits ~ 15 * z_j in every window row and head (z_j random, rising or falling along the
+  // positions), so that most attention lies between 1e-38 and 1e-19 (TinyAttentionCases).
+  enum class Tiny { kNone, kRandom, kRise, kFall } tiny = Tiny::kNone;
   uint32_t seed = 1;
 
   std::string Name() const {
-    return absl::StrCat("L", L, " H", H, " Hkv", Hkv, " d", d, " D", D, " n", n, " wq", wq, " w",
-                        policy.window, " ", DTypeName(dtype), " layout ", static_cast<int>(layout),
-                        " ", AllocationName(policy.allocation), " ",
-                        IndicatorName(policy.indicator), " ", GqaValueName(policy.gqa_value), " ",
-                        PoolingName(policy.pooling), policy.pool_kernel, " sinks ", policy.sinks,
-                        " min ", policy.min_per_head, policy.head_uniform_layers ? " uniform" : "",
-                        " B ", policy.budget.tokens_per_head, lse ? " lse" : "", " seed ", seed);
+    return absl::StrCat(
+        "L", L, " H", H, " Hkv", Hkv, " d", d, " D", D, " n", n, " wq", wq, " w", policy.window,
+        " ", DTypeName(dtype), " layout ", static_cast<int>(layout), " ",
+        AllocationName(policy.allocation), " ", IndicatorName(policy.indicator), " ",
+        GqaValueName(policy.gqa_value), " ", PoolingName(policy.pooling), policy.pool_kernel,
+        " sinks ", policy.sinks, " min ", policy.min_per_head,
+        policy.head_uniform_layers ? " uniform" : "", " B ", policy.budget.tokens_per_head,
+        lse ? " lse" : "", std::isnan(lse_value) ? "" : absl::StrCat(" lse_value ", lse_value),
+        tiny == Tiny::kNone ? "" : absl::StrCat(" tiny ", static_cast<int>(tiny)), " seed ", seed);
   }
 };
 
@@ -70,13 +78,41 @@ class Inputs {
     const int64_t kv_rows = int64_t{c.Hkv} * c.n, pad = c.layout == Layout::kPadded ? 8 : 0;
     kv_ld_ = c.d + pad;
     for (int l = 0; l < c.L; ++l) {
-      keys_.push_back(Fill(kv_rows * kv_ld_, 1.f, rng, normal));
+      if (c.tiny == Case::Tiny::kNone) {
+        keys_.push_back(Fill(kv_rows * kv_ld_, 1.f, rng, normal));
+      } else {
+        keys_.push_back(TinyKeys(rng, normal));
+      }
       values_.push_back(Fill(kv_rows * kv_ld_, 1.f, rng, normal));
-      queries_.push_back(Fill(int64_t{c.H} * c.wq * c.d, 1.f, rng, normal));
+      if (c.tiny == Case::Tiny::kNone) {
+        queries_.push_back(Fill(int64_t{c.H} * c.wq * c.d, 1.f, rng, normal));
+      } else {
+        queries_.push_back(TinyQueries(rng, normal));
+      }
       o_proj_.push_back(Fill(int64_t{c.D} * c.H * c.d, 0.05f, rng, normal));
       if (c.lse) lse_.push_back(std::vector<float>(int64_t{c.H} * c.wq));
     }
     if (c.lse) ComputeLse();
+    if (c.lse && !std::isnan(c.lse_value)) {
+      for (auto& lse : lse_) std::fill(lse.begin(), lse.end(), c.lse_value);
+    }
+  }
+
+  // Element i of the host tensor (kind 0 keys, 1 values, 2 queries, 4 o_proj) of layer l set to
+  // x (rounded to the dtype), for the magnitude tests.
+  void Set(int kind, int l, int64_t i, float x) {
+    std::vector<uint8_t>& t = kind == 0   ? keys_[l]
+                              : kind == 1 ? values_[l]
+                              : kind == 2 ? queries_[l]
+                                          : o_proj_[l];
+    Store(t, i, x);
+  }
+  int64_t Elements(int kind, int l) const {
+    const auto& t = kind == 0   ? keys_[l]
+                    : kind == 1 ? values_[l]
+                    : kind == 2 ? queries_[l]
+                                : o_proj_[l];
+    return static_cast<int64_t>(t.size() / DTypeSize(c_.dtype));
   }
 
   std::vector<TensorView> OProj(const std::vector<const void*>& data, MemorySpace space) const {
@@ -133,19 +169,54 @@ class Inputs {
   }
 
  private:
+  void Store(std::vector<uint8_t>& bytes, int64_t i, float x) const {
+    if (c_.dtype == DType::kF32) {
+      std::memcpy(bytes.data() + i * 4, &x, 4);
+    } else {
+      const uint16_t h = c_.dtype == DType::kBF16 ? FloatToBf16(x) : FloatToF16(x);
+      std::memcpy(bytes.data() + i * 2, &h, 2);
+    }
+  }
+
   // Seeded normal values times `scale`, stored in the case's dtype (bytes).
   std::vector<uint8_t> Fill(int64_t count, float scale, std::mt19937& rng,
                             std::normal_distribution<float>& normal) const {
     std::vector<uint8_t> bytes(count * DTypeSize(c_.dtype));
-    for (int64_t i = 0; i < count; ++i) {
-      const float x = normal(rng) * scale;
-      if (c_.dtype == DType::kF32) {
-        std::memcpy(bytes.data() + i * 4, &x, 4);
-      } else {
-        const uint16_t h = c_.dtype == DType::kBF16 ? FloatToBf16(x) : FloatToF16(x);
-        std::memcpy(bytes.data() + i * 2, &h, 2);
+    for (int64_t i = 0; i < count; ++i) Store(bytes, i, normal(rng) * scale);
+    return bytes;
+  }
+
+  // Case::tiny: every key is z_j * u plus noise orthogonal to u (u = (1, .., 1) / sqrt(d)), every
+  // query 15 * sqrt(d) * u plus a little noise: logits ~ 15 * z_j / (scale * sqrt(d)) in every
+  // row and head (scale 1/sqrt(d) here).
+  std::vector<uint8_t> TinyKeys(std::mt19937& rng, std::normal_distribution<float>& normal) const {
+    const int64_t rows = int64_t{c_.Hkv} * c_.n;
+    std::vector<uint8_t> bytes(rows * kv_ld_ * DTypeSize(c_.dtype), 0);
+    const float u = 1.f / std::sqrt(static_cast<float>(c_.d));
+    for (int64_t row = 0; row < rows; ++row) {
+      // Row `row` of the [Hkv, n] (or [n, Hkv]) layout: its position j.
+      const int64_t j = c_.layout == Layout::kTokenMajor ? row / c_.Hkv : row % c_.n;
+      const float ramp =
+          4.f * static_cast<float>(j) / static_cast<float>(std::max<int64_t>(c_.n - 1, 1)) - 2.f;
+      const float z = c_.tiny == Case::Tiny::kRandom ? normal(rng)
+                      : c_.tiny == Case::Tiny::kRise ? ramp + 0.3f * normal(rng)
+                                                     : -ramp + 0.3f * normal(rng);
+      std::vector<float> k(c_.d);
+      float along = 0.f;
+      for (int x = 0; x < c_.d; ++x) {
+        k[x] = normal(rng);
+        along += k[x] * u;
       }
+      for (int x = 0; x < c_.d; ++x) Store(bytes, row * kv_ld_ + x, k[x] + (z - along) * u);
     }
+    return bytes;
+  }
+  std::vector<uint8_t> TinyQueries(std::mt19937& rng,
+                                   std::normal_distribution<float>& normal) const {
+    const int64_t count = int64_t{c_.H} * c_.wq * c_.d;
+    std::vector<uint8_t> bytes(count * DTypeSize(c_.dtype));
+    // 15 * sqrt(d) * u has every component 15.
+    for (int64_t i = 0; i < count; ++i) Store(bytes, i, 15.f + 0.05f * normal(rng));
     return bytes;
   }
 
@@ -467,6 +538,48 @@ std::vector<Case> Cases() {
   return cases;
 }
 
+// Window attention far below 1e-19 (tests/reference/compare_test.py, build_tiny_attention_grid):
+// the selection threshold among tokens whose attention is 1e-24 to 1e-29 in every row. In fp32
+// their squares flush to 0 and they tie; both backends must follow the true order (fp64 squares,
+// AVG windows summed from their own terms).
+std::vector<Case> TinyAttentionCases() {
+  std::vector<Case> cases;
+  uint32_t seed = 5000;
+  const GqaValue gqas[] = {GqaValue::kMeanHeadNorm, GqaValue::kMeanHeadProduct,
+                           GqaValue::kExactBlock};
+  struct Variant {
+    Case::Tiny tiny;
+    Pooling pooling;
+    double share;
+  } variants[] = {{Case::Tiny::kRandom, Pooling::kNone, 0.85},
+                  {Case::Tiny::kRise, Pooling::kMax, 0.95},
+                  {Case::Tiny::kFall, Pooling::kAvg, 0.85}};
+  int i = 0;
+  for (const Variant& v : variants) {
+    for (int w : {1, 8}) {
+      for (bool lse : {false, true}) {
+        Case c;
+        c.seed = ++seed;
+        c.tiny = v.tiny;
+        c.Hkv = 2;
+        c.H = 4;
+        c.n = 300;
+        c.wq = w;
+        c.lse = lse;
+        c.dtype = i % 2 == 0 ? DType::kBF16 : DType::kF32;
+        c.policy.window = w;
+        c.policy.pooling = v.pooling;
+        c.policy.gqa_value = gqas[i % 3];
+        c.cross_grams = c.policy.gqa_value == GqaValue::kExactBlock;
+        c.policy.budget = Budget::TokensPerHead(w + static_cast<int64_t>(v.share * (300 - w)));
+        cases.push_back(c);
+        ++i;
+      }
+    }
+  }
+  return cases;
+}
+
 class CudaBackendTest : public ::testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
@@ -515,6 +628,25 @@ TEST_P(CudaBackendTest, MatchesCpuWithHostInputs) {
   for (const Case& c : Cases()) Compare(c, /*device_inputs=*/false);
 }
 
+TEST_P(CudaBackendTest, MatchesCpuOnTinyAttention) {
+  for (const Case& c : TinyAttentionCases()) Compare(c, /*device_inputs=*/false);
+}
+
+// An engine LSE far below the logits caps every probability at 1 on both backends (fp32 expf
+// of the difference would be +inf on the device).
+TEST_P(CudaBackendTest, MatchesCpuWithAnLseBelowTheLogits) {
+  for (GqaValue gqa : {GqaValue::kMeanHeadNorm, GqaValue::kExactBlock}) {
+    Case c;
+    c.lse = true;
+    c.lse_value = -1e30f;
+    c.n = 500;
+    c.policy.gqa_value = gqa;
+    c.cross_grams = gqa == GqaValue::kExactBlock;
+    c.policy.budget = Budget::TokensPerHead(100);
+    Compare(c, /*device_inputs=*/false);
+  }
+}
+
 TEST_P(CudaBackendTest, MatchesCpuWithDeviceInputs) {
   const std::vector<Case> cases = Cases();
   for (size_t i = 0; i < cases.size(); i += 3) Compare(cases[i], /*device_inputs=*/true);
@@ -542,6 +674,68 @@ TEST_P(CudaBackendTest, RejectsNonFiniteValuesAndStaysHealthy) {
   EXPECT_EQ(plan.status().message(), cpu_plan.status().message());
   EXPECT_TRUE(cuda_->Health().ok());
   EXPECT_TRUE(cuda_->ComputeKeepPlan(**model, inputs.Request(host, MemorySpace::kHost)).ok());
+}
+
+// Finite inputs too large to score: the CUDA backend rejects exactly what the CPU rejects, in
+// the same words (policy/magnitude.h), stays healthy, and gives the same plan as before to the
+// next valid request.
+TEST_P(CudaBackendTest, RejectsOverflowingInputsLikeTheCpu) {
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    Case c;
+    c.dtype = dtype;
+    c.Hkv = 2;
+    c.H = 8;
+    c.policy.budget = Budget::TokensPerHead(64);
+    // The CPU's and the CUDA backend's answers to the same request.
+    const auto plans = [&](const Inputs& inputs) {
+      const auto host = inputs.HostPointers();
+      std::vector<absl::StatusOr<KeepPlan>> out;
+      for (Backend* backend : {cpu_.get(), cuda_.get()}) {
+        auto model = backend->PrepareModel(*Geometry(c), inputs.OProj(host[4], MemorySpace::kHost),
+                                           {.output_projection = false});
+        if (!model.ok()) {
+          out.push_back(model.status());
+          continue;
+        }
+        out.push_back(backend->ComputeKeepPlan(**model, inputs.Request(host, MemorySpace::kHost)));
+      }
+      return out;
+    };
+    Inputs good(c);
+    const auto want = plans(good);
+    ASSERT_TRUE(want[0].ok()) << want[0].status();
+    ASSERT_TRUE(want[1].ok()) << want[1].status();
+    struct Bad {
+      const char* what;
+      std::function<void(Inputs&)> poison;
+      const char* message;
+    } bad_cases[] = {
+        {"keys = queries = 3e38",
+         [&](Inputs& in) {
+           for (int kind : {0, 2}) {
+             for (int64_t i = 0; i < in.Elements(kind, 1); ++i) in.Set(kind, 1, i, 3e38f);
+           }
+         },
+         "layers[1].keys: the logits scale * q . k of KV head 0 may reach"},
+        {"values 1e20", [&](Inputs& in) { in.Set(1, 0, (c.n + 5) * c.d + 3, 1e20f); },
+         "layers[0].values: the squared scores of KV head 1 may reach"},
+        {"o_proj 1e20", [&](Inputs& in) { in.Set(4, 1, 17, 1e20f); },
+         "o_proj[1]: the factors W_O^h W_O^h'^T may reach"},
+    };
+    for (Bad& b : bad_cases) {
+      SCOPED_TRACE(absl::StrCat(DTypeName(dtype), ", ", b.what));
+      Inputs poisoned(c);
+      b.poison(poisoned);
+      const auto got = plans(poisoned);
+      EXPECT_EQ(got[0].status().code(), absl::StatusCode::kInvalidArgument) << got[0].status();
+      EXPECT_NE(got[0].status().message().find(b.message), std::string::npos) << got[0].status();
+      EXPECT_EQ(got[1].status(), got[0].status());
+      EXPECT_TRUE(cuda_->Health().ok()) << cuda_->Health();
+      const auto again = plans(good);
+      ASSERT_TRUE(again[1].ok()) << again[1].status();
+      ExpectSamePlan(c, *want[0], *again[1]);
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Kernels, CudaBackendTest, ::testing::Values("v0", "v1"),

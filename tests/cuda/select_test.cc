@@ -216,7 +216,9 @@ class DeviceSelectTest : public ::testing::Test {
   void CheckBothAlgorithms(const Case& c) {
     const PlanShape shape = ShapeOf(c);
     const std::vector<float> raw = MakeRaw(c, shape);
-    const KeepPlan expected = policy::SelectKeepPlan(shape, c.policy, raw, c.outputs);
+    const absl::StatusOr<KeepPlan> host = policy::SelectKeepPlan(shape, c.policy, raw, c.outputs);
+    ASSERT_TRUE(host.ok()) << host.status();
+    const KeepPlan& expected = *host;
     const float* d_raw = Upload(raw);
     for (SelectAlgorithm algorithm : kAlgorithms) {
       SCOPED_TRACE(absl::StrCat(AlgorithmName(algorithm), ", ", c.Describe(shape)));
@@ -406,7 +408,9 @@ TEST_F(DeviceSelectTest, GeneralFloatsAgreeUpToNearTies) {
       c.policy.head_uniform_layers = i % 4 >= 2;
       const PlanShape shape = ShapeOf(c);
       const std::vector<float> raw = MakeRaw(c, shape);
-      const KeepPlan expected = policy::SelectKeepPlan(shape, c.policy, raw, c.outputs);
+      const absl::StatusOr<KeepPlan> host = policy::SelectKeepPlan(shape, c.policy, raw, c.outputs);
+      ASSERT_TRUE(host.ok()) << host.status();
+      const KeepPlan& expected = *host;
       const float* d_raw = Upload(raw);
       for (SelectAlgorithm algorithm : kAlgorithms) {
         SCOPED_TRACE(absl::StrCat(AlgorithmName(algorithm), ", ", c.Describe(shape)));
@@ -451,6 +455,49 @@ TEST_F(DeviceSelectTest, GeneralFloatsAgreeUpToNearTies) {
           EXPECT_TRUE(near_tie_partner(b, only_cpu)) << "device-only " << b << " is not a near-tie";
         }
       }
+    }
+  }
+}
+
+// A NaN or infinite raw score at a candidate is a broken invariant (the scorers' inputs were
+// checked): both selections answer INTERNAL in the same words, naming the first one; NaN at
+// non-candidate positions (MakeRaw's filler) is never read.
+TEST_F(DeviceSelectTest, NonFiniteRawScoreIsInternal) {
+  Case c = RandomCase(BaseSeed() + 77);
+  c.layers = 2;
+  c.heads = 3;
+  c.n = 500;
+  c.policy.window = 8;
+  c.policy.sinks = 2;
+  c.policy.budget = Budget::TokensPerHead(100);
+  c.kinds.assign(2, LayerKind::kDyadic);  // exact layer sums: the plans must be equal
+  c.outputs = AllOutputs();
+  const PlanShape shape = ShapeOf(c);
+  ASSERT_GT(shape.candidates, 300);
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                    -std::numeric_limits<float>::infinity()}) {
+    std::vector<float> raw = MakeRaw(c, shape);
+    raw[(1 * c.heads + 2) * c.n + 300] = bad;  // layer 1, KV head 2, position 300
+    raw[(1 * c.heads + 2) * c.n + 301] = bad;
+    const absl::StatusOr<KeepPlan> host = policy::SelectKeepPlan(shape, c.policy, raw, c.outputs);
+    ASSERT_EQ(host.status().code(), absl::StatusCode::kInternal) << host.status();
+    EXPECT_NE(host.status().message().find("layers[1], KV head 2, position 300: the raw score"),
+              std::string::npos)
+        << host.status();
+    const float* d_raw = Upload(raw);
+    for (SelectAlgorithm algorithm : kAlgorithms) {
+      SCOPED_TRACE(absl::StrCat(AlgorithmName(algorithm), ", raw score ", bad));
+      const absl::StatusOr<KeepPlan> device =
+          selector_.Select(context_, shape, c.policy, d_raw, c.outputs, algorithm);
+      EXPECT_EQ(device.status(), host.status());
+    }
+    raw[(1 * c.heads + 2) * c.n + 300] = 0.5f;  // fixed: both select again, the same plan
+    raw[(1 * c.heads + 2) * c.n + 301] = 0.5f;
+    const absl::StatusOr<KeepPlan> fixed = policy::SelectKeepPlan(shape, c.policy, raw, c.outputs);
+    ASSERT_TRUE(fixed.ok()) << fixed.status();
+    d_raw = Upload(raw);
+    for (SelectAlgorithm algorithm : kAlgorithms) {
+      ExpectSamePlan(*fixed, DeviceSelect(shape, c.policy, d_raw, c.outputs, algorithm));
     }
   }
 }

@@ -11,6 +11,7 @@
 
 #include "common/half.h"
 #include "cpu/vector_ops.h"
+#include "cpu/window.h"
 #include "laprox/kernels/tensor_view.h"
 #include "policy/budget.h"
 #include "policy/select.h"
@@ -180,6 +181,62 @@ TEST_P(VectorOpsTest, SumsAndDotsMatchDouble) {
   }
 }
 
+TEST_P(VectorOpsTest, MaxAbsFindsTheLargestMagnitudeAndNonFinite) {
+  std::mt19937 rng(21);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (int64_t len : {0, 1, 7, 8, 15, 16, 17, 100}) {
+    for (int64_t at = 0; at < len; at += 5) {
+      std::vector<float> x(len);
+      for (float& v : x) v = normal(rng);
+      x[at] = -1e30f;
+      EXPECT_EQ(cpu::MaxAbs(x.data(), len), 1e30f) << len << " " << at;
+      x[at] = std::numeric_limits<float>::infinity();
+      EXPECT_EQ(cpu::MaxAbs(x.data(), len), std::numeric_limits<float>::infinity());
+      x[at] = -std::nanf("");
+      EXPECT_TRUE(std::isnan(cpu::MaxAbs(x.data(), len)));
+    }
+  }
+  EXPECT_EQ(cpu::MaxAbs(nullptr, 0), 0.f);
+}
+
+// exp(x - shift) is capped at 1: an engine LSE below a logit gives probability 1, not e^88.
+TEST_P(VectorOpsTest, ExpInPlaceIsAtMostOne) {
+  std::vector<float> x = {-3.f, 0.f, 2.f, 50.f, 3e38f, -3e38f, 1.f, 0.5f, 100.f};
+  cpu::ExpInPlace(x.data(), static_cast<int64_t>(x.size()), 1.f);
+  const std::vector<float> want = {
+      std::exp(-4.f), std::exp(-1.f), 1.f, 1.f, 1.f, 0.f, 1.f, std::exp(-0.5f), 1.f};
+  for (size_t i = 0; i < x.size(); ++i) {
+    EXPECT_NEAR(x[i], want[i], 3e-7f * want[i] + 2e-38f) << i;  // -3e38: e^-87 at most
+    EXPECT_LE(x[i], 1.f) << i;
+  }
+}
+
+// AVG pooling adds each window's own terms: windows of tiny values after huge ones keep their
+// full relative precision (a difference of prefix sums would leave rounding noise of ~1e-16
+// times the huge values, far above the tiny ones, and reorder them).
+TEST(PoolTest, AveragePoolKeepsTinyWindowsAfterHugeValues) {
+  for (int64_t kernel : {1, 3, 7, 31}) {
+    const int64_t len = 300;
+    std::vector<float> x(len);
+    for (int64_t i = 0; i < len; ++i) {
+      x[i] = i < 100 ? 1e30f : std::ldexp(1.f + static_cast<float>(i % 7), -100 - (i % 23));
+    }
+    std::vector<float> out(len, -1.f);
+    std::vector<double> scratch;
+    cpu::Pool(Pooling::kAvg, kernel, x.data(), len, 2, out.data(), scratch);
+    EXPECT_EQ(out[1], -1.f);  // before `begin`: untouched
+    for (int64_t i = 2; i < len; ++i) {
+      double want = 0.0;  // zero padding counted, always divided by the kernel
+      for (int64_t j = std::max<int64_t>(0, i - kernel / 2); j <= std::min(len - 1, i + kernel / 2);
+           ++j) {
+        want += x[j];
+      }
+      want /= static_cast<double>(kernel);
+      EXPECT_NEAR(out[i], want, 1e-6 * want) << "kernel " << kernel << " i " << i;
+    }
+  }
+}
+
 TEST_P(VectorOpsTest, AllFiniteFindsNaNAndInfAnywhere) {
   std::vector<float> x(37, 1.f);
   EXPECT_TRUE(cpu::AllFinite(x.data(), 37));
@@ -236,6 +293,20 @@ TEST_P(VectorOpsTest, RoundTripsMatchTheScalarConversions) {
   EXPECT_EQ(t[3], 1.f);
   EXPECT_EQ(t[4], 65504.f);
   EXPECT_EQ(t[5], std::numeric_limits<float>::infinity());
+}
+
+// Shapes from the wire may be huge: contiguous strides and element counts saturate instead of
+// overflowing (signed overflow is undefined), and the extent check then refuses the view.
+TEST(TensorViewTest, ContiguousStridesOfHugeShapesSaturate) {
+  const Dims shape = {4, int64_t{1} << 40, int64_t{1} << 30};  // strides 2^70, 2^30, 1
+  const Dims strides = ContiguousStrides(shape);
+  EXPECT_EQ(strides[2], 1);
+  EXPECT_EQ(strides[1], int64_t{1} << 30);
+  EXPECT_EQ(strides[0], std::numeric_limits<int64_t>::max());
+  const TensorView view(nullptr, DType::kF32, shape);
+  EXPECT_EQ(view.num_elements(), std::numeric_limits<int64_t>::max());
+  int64_t extent = 0;
+  EXPECT_EQ(view.ElementExtent(&extent).code(), absl::StatusCode::kOutOfRange);
 }
 
 }  // namespace

@@ -158,7 +158,36 @@ def build_grid():
                                                       gqa_value="EXACT_BLOCK"),
                      expect_error=True))
     grid.append(case("bad-even-kernel", policy=dict(pool_kernel=4), expect_error=True))
-    return grid + build_baseline_grid()
+    return grid + build_baseline_grid() + build_tiny_attention_grid()
+
+
+def build_tiny_attention_grid():
+    """Window attention far below 1e-19 (issue 20, item 5). The logits of a window row are
+    ~15 * z_j with the same z_j in every row and head, so most prefix tokens get attention
+    between 1e-38 and 1e-19 in every row, and the budget (85% of the candidates, 95% for "rise")
+    puts the selection threshold among them, at attention ~1e-24 to 1e-29, with w <= 8. In fp32
+    the squares of such attention flush to 0 (below ~4e-23) or keep a few bits (subnormals), and
+    an AVG pool taken as a difference of prefix sums drowns them in the rounding of the large
+    values before them, so the tokens tie at 0 and are picked by position; the oracle orders
+    them. "random": z_j in random order (pooling NONE); "rise": z_j rising along the positions
+    (-2 up to 2, plus noise; MAX pooling), so that the lowest positions, which win ties, have the
+    smallest attention; "fall": z_j falling from 2 to -2 (AVG pooling), so that AVG windows lie
+    wholly among tiny tokens after large ones. Every
+    (w, inputs) pair and every attention summary (MEAN_HEAD_NORM: the group mean, MEAN_HEAD_PRODUCT:
+    per head, EXACT_BLOCK: per head pair) appears for each variant."""
+    grid = []
+    gqas = ("MEAN_HEAD_NORM", "MEAN_HEAD_PRODUCT", "EXACT_BLOCK")
+    for tiny, pooling, share in (("random", "NONE", 0.85), ("rise", "MAX", 0.95),
+                                 ("fall", "AVG", 0.85)):
+        for i, w in enumerate((1, 4, 8)):
+            for j, inputs in enumerate(("queries", "lse", "attention")):
+                gqa = gqas[(i + j) % 3]
+                n = 300
+                grid.append(case(f"tiny-{tiny}-{pooling}-w{w}-{inputs}-{gqa}", n=n, H=4, Hkv=2,
+                                 inputs=inputs, tiny=tiny, wq=w,
+                                 policy=dict(window=w, pooling=pooling, gqa_value=gqa,
+                                             tokens_per_head=w + int(share * (n - w)))))
+    return grid
 
 
 def build_baseline_grid():
@@ -297,6 +326,18 @@ def write_case(case_dir, c, rng, plant_bug):
         if c.get("special") == "equal":
             keys[:] = keys[:, :1, :]
             values[:] = values[:, :1, :]
+        if c.get("tiny"):  # build_tiny_attention_grid(): logits ~ 15 * z_j in every row and head
+            u = rng.standard_normal(d)
+            u /= np.linalg.norm(u)
+            if c["tiny"] in ("rise", "fall"):
+                z = 4.0 * np.arange(n) / max(n - 1, 1) - 2.0
+                z = (z if c["tiny"] == "rise" else -z) + 0.3 * rng.standard_normal((Hkv, n))
+            else:
+                z = rng.standard_normal((Hkv, n))
+            along = np.einsum("hnd,d->hn", keys, u)
+            keys = (keys + (z - along)[..., None] * u).astype(np.float32)
+            queries = (15.0 * np.sqrt(d) * u + 0.05 * rng.standard_normal((H, wq, d))).astype(
+                np.float32)
         dtype, layout = c["dtype"], c["layout"]
         spec = {
             "keys": store(case_dir, f"keys_{layer}", keys, dtype, layout),

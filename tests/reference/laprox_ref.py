@@ -280,7 +280,8 @@ def window_attention(queries, keys, scale, n, we, G, lse=None):
 
     queries [H, wq, d] (the last we rows are used), keys [Hkv, n, d], lse [H, wq] or None.
     Row t is the query at position n - we + t and sees keys j <= n - we + t (causal); masked
-    keys get probability 0.  Softmax with max subtraction, or exp(logit - lse) with an lse.
+    keys get probability 0.  Softmax with max subtraction, or min(1, exp(logit - lse)) with an
+    lse (SEMANTICS.md: an lse below a logit does not give a probability above 1).
     """
     H, wq, _ = queries.shape
     q = queries[:, wq - we:, :]                                  # [H, we, d]
@@ -293,7 +294,46 @@ def window_attention(queries, keys, scale, n, we, G, lse=None):
         m = logits.max(axis=-1, keepdims=True)                   # finite: key 0 always allowed
         e = np.exp(logits - m)
         return e / e.sum(axis=-1, keepdims=True)
-    return np.exp(logits - lse[:, wq - we:, None])               # exp(-inf) = 0 when masked
+    # exp(-inf) = 0 when masked; capped at 1
+    return np.exp(np.minimum(logits - lse[:, wq - we:, None], 0.0))
+
+
+MAGNITUDE_LIMIT = 2.0 ** 120
+
+
+def _amax(t):
+    return float(np.max(np.abs(t))) if t is not None and t.size else 0.0
+
+
+def check_magnitudes(l, gt, pol, we, q, keys, values, o_proj, logit_scale):
+    """SEMANTICS.md, "Finite inputs too large to score": raises ValueError when a bound on the
+    fp32 intermediates of layer l exceeds 2^120.  q: window queries when the attention is
+    computed from them (else None); logit_scale: the scale the logits use; values / o_proj: None
+    when not given.  Maxima are taken per KV head (queries: over the group's heads, every row).
+    """
+    L, H, Hkv, d, D, scale, G = gt
+    w = _amax(o_proj)
+    if D * G * G * w * w > MAGNITUDE_LIMIT:
+        raise ValueError(f"o_proj[{l}]: the factors may overflow fp32 (max |o_proj| {w})")
+    kind, indicator = pol["kind"], pol["indicator"]
+    for g in range(Hkv):
+        if q is not None and we > 0:
+            mq, mk = _amax(q[g * G:(g + 1) * G]), _amax(keys[g])
+            if d * mq * max(1.0, mk) * max(1.0, logit_scale) > MAGNITUDE_LIMIT:
+                raise ValueError(f"layers[{l}].keys: logits of KV head {g} may overflow fp32")
+        if values is None:
+            continue
+        mv = _amax(values[g])
+        if kind == "LAPROX" and indicator != "ATTENTION":
+            V = d * mv * mv if indicator == "ATTENTION_X_VALUE" else \
+                d * d * mv * mv * D * G * G * w * w
+            bound = G * G * 1.03 * max(we, 1) * V
+        elif kind in ("CRITICALKV", "CRITICAL_ADAKV"):
+            bound = D * d * mv * w
+        else:
+            continue
+        if bound > MAGNITUDE_LIMIT:
+            raise ValueError(f"layers[{l}].values: scores of KV head {g} may overflow fp32")
 
 
 def pool1d(x, pooling, k):
@@ -522,6 +562,7 @@ def keep_plan(geometry, policy, layers, n):
         q, att, lse, keys, values, o_proj, _ = _layer_inputs(l, layer, gt, n, w, need_values,
                                                              need_oproj)
         wq = (q if q is not None else att).shape[1]
+        check_magnitudes(l, gt, pol, we, q, keys, values if need_values else None, o_proj, scale)
         if q is not None:
             A = window_attention(q, keys, scale, n, we, G, lse)
         else:
@@ -646,9 +687,11 @@ def compat_window_attention(queries, keys, n, we, G, dtype):
     q = queries[:, wq - we:, :]                                  # [H, we, d]
     k = np.repeat(keys, G, axis=0)                               # [H, n, d]; head h -> h // G
     logits = round_to_dtype(q @ k.transpose(0, 2, 1), dtype)     # (1) r(q . k)
-    logits = round_to_dtype(logits / math.sqrt(d), dtype)        # (2) r(logit / sqrt(d))
     pos = n - we + np.arange(we)
     allowed = np.arange(n)[None, :] <= pos[:, None]
+    if not np.all(np.isfinite(logits[:, allowed])):
+        raise ValueError(f"keys: a logit q . k is beyond the range of {dtype} (KVPRESS_COMPAT)")
+    logits = round_to_dtype(logits / math.sqrt(d), dtype)        # (2) r(logit / sqrt(d))
     logits = np.where(allowed[None], logits, -np.inf)
     m = logits.max(axis=-1, keepdims=True)
     e = np.exp(logits - m)
@@ -772,6 +815,23 @@ def cake_layer_budgets(P, T, cap):
     return B
 
 
+def cake_preference(H_l, V_l, tau1, tau2):
+    """P_l = H_l^(1/tau1) * V_l^(1/tau2), 0 when either power is 0 (even if the other is +inf
+    after overflow: SEMANTICS.md, CAKE)."""
+    with np.errstate(over="ignore", under="ignore"):
+        h = float(np.power(np.float64(H_l), 1.0 / tau1))
+        v = float(np.power(np.float64(V_l), 1.0 / tau2))
+    return 0.0 if h == 0.0 or v == 0.0 else h * v
+
+
+def stage_two(s, eps, u, rd):
+    """CriticalKV's stage-2 score rd(rd(s + eps) * u), 0 where rd(s + eps) or u is 0 (also
+    when the other is +inf in KVPRESS_COMPAT: SEMANTICS.md)."""
+    x = rd(s + eps)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return rd(np.where((x == 0) | (u == 0), 0.0, x * u))
+
+
 def _value_factor(values, o_proj, Hkv, G, d, dtype):
     """value_l1_factor (dtype None: EXACT) or compat_value_l1_factor (KVPRESS_COMPAT)."""
     if dtype is None:
@@ -805,7 +865,8 @@ def baseline_plan(gt, pol, layers, n):
 
     if kind == "STREAMING_LLM":
         for l, layer in enumerate(layers):
-            _layer_inputs(l, layer, gt, n, w, False, False, need_window=False)
+            o_proj = _layer_inputs(l, layer, gt, n, w, False, False, need_window=False)[5]
+            check_magnitudes(l, gt, pol, 0, None, None, None, o_proj, scale)
         sinks = pol["sinks"]
         s = np.ones(n)
         s[sinks:sinks + (n - n_kept)] = 0.0       # kvpress: ones, zeros on [sinks, sinks+pruned)
@@ -833,6 +894,9 @@ def baseline_plan(gt, pol, layers, n):
             q, att, lse, keys, values, o_proj, kdt = _layer_inputs(l, layer, gt, n, w, need_vo,
                                                                    need_vo)
             dt = (kdt or "f32") if compat else None      # KVPRESS_COMPAT rounding dtype
+            snap_compat = compat and kind != "CAKE" and q is not None
+            check_magnitudes(l, gt, pol, we, q, keys, values, o_proj,
+                             1.0 / math.sqrt(d) if snap_compat else scale)
             if att is not None:
                 A_exact = A = att[:, att.shape[1] - we:, :]             # used as given
             elif kind == "CAKE":                           # softmax output rounded only
@@ -852,7 +916,7 @@ def baseline_plan(gt, pol, layers, n):
                 ent = max(0.0, -_fsum(a * np.log(a + 1e-10)))
                 var_rows = a.var(axis=1, ddof=1) if we > 1 else np.zeros((H, nx))
                 V = _fsum(var_rows)
-                layer_sums[l] = ent ** (1.0 / pol["cake_tau1"]) * V ** (1.0 / pol["cake_tau2"])
+                layer_sums[l] = cake_preference(ent, V, pol["cake_tau1"], pol["cake_tau2"])
                 x = A[:, :, :nx]                                        # eviction score
                 ev = x.mean(axis=1) + pol["cake_gamma"] * (
                     x.var(axis=1, ddof=1) if we > 1 else np.zeros((H, nx)))
@@ -877,7 +941,7 @@ def baseline_plan(gt, pol, layers, n):
             elif kind == "CRITICALKV":
                 u = _value_factor(values, o_proj, Hkv, G, d, dt)
                 first = np.stack([_top_mask(s[g], stage1) for g in range(Hkv)])
-                s2 = np.where(first, vmax, rd(rd(s + eps) * u))
+                s2 = np.where(first, vmax, stage_two(s, eps, u, rd))
                 scores[l] = s2
                 for g in range(Hkv):
                     kept[l, g] = _top_mask(s2[g], n_kept, forced=first[g])
@@ -886,7 +950,7 @@ def baseline_plan(gt, pol, layers, n):
                 safe = np.stack([_top_mask(s[g], n_safe) for g in range(Hkv)])
                 s1 = np.where(safe, vmax, s)
                 budget = _top_mask(s1, Hkv * n_kept, forced=safe).sum(axis=1)
-                s2 = rd(rd(s1 + eps) * u)             # COMPAT: vmax * u may round to +inf
+                s2 = stage_two(s1, eps, u, rd)        # COMPAT: vmax * u may round to +inf
                 for g in range(Hkv):
                     first = _top_mask(s1[g], int(int(budget[g]) * r_ratio))
                     s2[g] = np.where(first, vmax, s2[g])

@@ -583,6 +583,77 @@ class Validation(unittest.TestCase):
         self.assertEqual(kept_sets(p), [[[0, 1, 4]]])
 
 
+class TooLargeToScore(unittest.TestCase):
+    """SEMANTICS.md, "Finite inputs too large to score": the bounds reject what could overflow
+    fp32 in the C++ backends, and nothing below them (inputs scaled by powers of two give the
+    same plan); an LSE below the logits caps probabilities at 1."""
+
+    def setUp(self):
+        rng = np.random.default_rng(21)
+        self.g = geo(L=2, H=4, Hkv=2, d=4, D=8, scale=0.5)
+        self.layers = random_layers(rng, 2, 4, 2, 4, 8, 30, 4)
+        self.P = pol(window=4, tokens_per_head=12, pooling="AVG", pool_kernel=3)
+
+    def plan(self, layers, **kw):
+        return ref.keep_plan(self.g, dict(self.P, **kw), layers, 30)
+
+    def with_layer(self, l, **tensors):
+        layers = [dict(layer) for layer in self.layers]
+        layers[l].update(tensors)
+        return layers
+
+    def test_logits_that_may_overflow_are_rejected(self):
+        huge = np.full((2, 30, 4), 3e38)
+        layers = self.with_layer(1, keys=huge, queries=np.full((4, 4, 4), 3e38))
+        for kind in ("LAPROX", "SNAPKV", "CAKE"):
+            with self.assertRaisesRegex(ValueError, r"layers\[1\]\.keys"):
+                self.plan(layers, kind=kind)
+        base = self.plan(self.layers, kind="STREAMING_LLM")      # computes nothing from keys
+        self.assertEqual(kept_sets(self.plan(layers, kind="STREAMING_LLM")), kept_sets(base))
+
+    def test_scaled_keys_with_small_logits_are_accepted(self):
+        layers = [dict(layer, keys=layer["keys"] * 2.0 ** 60, queries=layer["queries"] * 2.0 ** -60)
+                  for layer in self.layers]
+        np.testing.assert_allclose(self.plan(layers)["scores"], self.plan(self.layers)["scores"],
+                                   rtol=1e-12)
+
+    def test_values_and_o_proj_that_may_overflow_are_rejected(self):
+        values = self.layers[0]["values"].copy()
+        values[1, 5, 2] = 1e20
+        with self.assertRaisesRegex(ValueError, r"layers\[0\]\.values"):
+            self.plan(self.with_layer(0, values=values))
+        self.plan(self.with_layer(0, values=values), kind="CRITICALKV")   # L1: linear, fine
+        self.plan(self.with_layer(0, values=values), indicator="ATTENTION")
+        values[1, 5, 2] = 1e35
+        with self.assertRaisesRegex(ValueError, r"layers\[0\]\.values"):
+            self.plan(self.with_layer(0, values=values), kind="CRITICALKV")
+        o_proj = self.layers[1]["o_proj"].copy()
+        o_proj[3, 3] = 1e20
+        for kind in ("LAPROX", "STREAMING_LLM", "SNAPKV"):
+            with self.assertRaisesRegex(ValueError, r"o_proj\[1\]"):
+                self.plan(self.with_layer(1, o_proj=o_proj), kind=kind)
+
+    def test_scaled_values_and_o_proj_give_the_same_plan(self):
+        base = self.plan(self.layers)
+        for name, factor in (("values", 2.0 ** 40), ("o_proj", 2.0 ** 40)):
+            layers = [dict(layer, **{name: layer[name] * factor}) for layer in self.layers]
+            np.testing.assert_allclose(self.plan(layers)["scores"], base["scores"], rtol=1e-12)
+
+    def test_lse_below_the_logits_caps_probabilities_at_one(self):
+        layers = [dict(layer, lse=np.full((4, 4), -1e30)) for layer in self.layers]
+        p = self.plan(layers, indicator="ATTENTION", pooling="NONE")
+        # Every probability is 1: Abar = 1 in each of the 4 rows, c = sqrt(4) for every token.
+        np.testing.assert_allclose(p["raw"][:, :, :26], 2.0, rtol=1e-15)
+
+    def test_zero_factors_win_over_overflow(self):
+        self.assertEqual(ref.cake_preference(0.0, 5.0, 1e-3, 0.6), 0.0)
+        self.assertEqual(ref.cake_preference(1e6, 0.0, 1e-3, 0.6), 0.0)       # inf * 0
+        self.assertEqual(ref.cake_preference(1e6, 2.0, 1e-3, 0.6), math.inf)
+        s2 = ref.stage_two(np.array([0.0, 1.0, 2.0]), 0.0, np.array([np.inf, 0.0, 3.0]),
+                           lambda x: x)
+        np.testing.assert_array_equal(s2, [0.0, 0.0, 6.0])
+
+
 class Cli(unittest.TestCase):
 
     def test_case_dir_roundtrip(self):

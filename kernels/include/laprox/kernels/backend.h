@@ -149,6 +149,17 @@ struct PlanShape {
   bool lse_given = false;
 };
 
+// What one keep-plan request or model preparation may allocate on the host (and, for a device
+// backend, device memory counts too), computed from shapes alone: nothing is read or allocated.
+// An upper bound, in 64-bit arithmetic that saturates at INT64_MAX, so that a caller can
+// reserve it against a memory budget before anything is allocated.
+struct MemoryEstimate {
+  int64_t workspace_bytes = 0;  // buffers freed before the call returns
+  int64_t output_bytes = 0;     // what the call returns (the KeepPlan's vectors, the model)
+
+  int64_t total() const;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -164,7 +175,9 @@ class Backend {
   // Precomputes the per-head factors from each layer's o_proj.weight [D, H*d] (any dtype,
   // strides, memory space the backend reads). Blocks until done; the views are not retained.
   // INVALID_ARGUMENT: bad geometry, wrong layer count, shape or non-finite weights (naming the
-  // layer); UNIMPLEMENTED: a memory space this backend cannot read; RESOURCE_EXHAUSTED: no memory.
+  // layer), or finite weights so large that the factors could overflow fp32 ("o_proj[l]: ...",
+  // tests/reference/SEMANTICS.md, "Finite inputs too large to score"); UNIMPLEMENTED: a memory
+  // space this backend cannot read; RESOURCE_EXHAUSTED: no memory.
   absl::StatusOr<std::shared_ptr<const PreparedModel>> PrepareModel(
       const ModelGeometry& geometry, absl::Span<const TensorView> o_proj,
       const PrepareOptions& options = {});
@@ -172,13 +185,25 @@ class Backend {
   // Computes the keep-plan of one sequence. Blocks until the plan is complete; reads the input
   // views only during the call. Deterministic: the same inputs give the same plan, whatever the
   // thread count. INVALID_ARGUMENT names the field and values for every malformed input
-  // (shape, stride, dtype, option, NaN/Inf, attention rows that are not probabilities);
+  // (shape, stride, dtype, option, NaN/Inf, attention rows that are not probabilities, finite
+  // keys, queries or values too large to score in fp32: SEMANTICS.md, "Finite inputs too large
+  // to score"); no plan holds a NaN, and a non-finite score reaching the selection despite the
+  // checks is INTERNAL (a broken invariant);
   // FAILED_PRECONDITION when the model was prepared by another backend, without cross-Grams
   // for EXACT_BLOCK or without the output projection for CRITICALKV / CRITICAL_ADAKV;
   // OUT_OF_RANGE when a view's extent overflows int64; UNIMPLEMENTED for a memory space the
   // backend cannot read or a policy kind it does not implement (see Supports).
   absl::StatusOr<KeepPlan> ComputeKeepPlan(const PreparedModel& model,
                                            const KeepPlanRequest& request);
+
+  // The most ComputeKeepPlan(model, request) allocates, after the same checks it runs before
+  // reading data (and with the same errors). output_bytes bounds the KeepPlan's vectors.
+  absl::StatusOr<MemoryEstimate> EstimateKeepPlanMemory(const PreparedModel& model,
+                                                        const KeepPlanRequest& request) const;
+  // The most PrepareModel(geometry, ..., options) allocates; output_bytes is the prepared
+  // model's ByteSize(). INVALID_ARGUMENT for a bad geometry.
+  absl::StatusOr<MemoryEstimate> EstimatePrepareMemory(const ModelGeometry& geometry,
+                                                       const PrepareOptions& options = {}) const;
 
   // Opens a CUDA IPC allocation of another process on this backend's device, once; the region
   // stays open until the returned object is destroyed. INVALID_ARGUMENT: handle not exactly
@@ -217,6 +242,20 @@ class Backend {
   // UNIMPLEMENTED (no device memory).
   virtual absl::StatusOr<std::unique_ptr<ImportedRegion>> ImportCudaIpcImpl(
       const CudaIpcRegionSpec& spec);
+
+  // The scratch ComputeKeepPlanImpl allocates at most for `shape`, beyond the plan it returns
+  // (saturating). The default counts what a device backend keeps on the host: the raw scores
+  // read back and the selection's marks.
+  virtual int64_t KeepPlanWorkspaceBytes(const ModelGeometry& geometry, const PlanShape& shape,
+                                         const PolicySpec& policy) const;
+  // The scratch PrepareModelImpl allocates at most, beyond the prepared model (saturating).
+  virtual int64_t PrepareWorkspaceBytes(const ModelGeometry& geometry,
+                                        const PrepareOptions& options) const;
+
+ private:
+  // Everything ComputeKeepPlan checks before it reads any tensor data.
+  absl::StatusOr<PlanShape> CheckKeepPlanRequest(const PreparedModel& model,
+                                                 const KeepPlanRequest& request) const;
 };
 
 // The checks ComputeKeepPlan runs before any data is read, exposed for callers (the service)

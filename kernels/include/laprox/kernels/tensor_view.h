@@ -51,7 +51,7 @@ class TensorView {
   const Dims& strides() const { return strides_; }
   int64_t dim(int i) const { return shape_[i]; }
   int64_t stride(int i) const { return strides_[i]; }
-  // Number of logical elements (product of the shape).
+  // Number of logical elements (product of the shape); INT64_MAX when it overflows.
   int64_t num_elements() const;
   // One past the largest element offset the view touches (0 for an empty shape), or an
   // OUT_OF_RANGE error when that number does not fit in int64. Callers that own the buffer
@@ -72,7 +72,8 @@ class TensorView {
   MemorySpace space_ = MemorySpace::kHost;
 };
 
-// Row-major strides for `shape`.
+// Row-major strides for `shape` (shapes from the wire: a stride that overflows saturates at
+// INT64_MAX, so that TensorView::ElementExtent then reports OUT_OF_RANGE).
 Dims ContiguousStrides(const Dims& shape);
 
 }  // namespace laprox::kernels
