@@ -22,3 +22,12 @@ if(LAPROX_SANITIZE)
                       $<$<COMPILE_LANGUAGE:CXX>:-fno-sanitize-recover=undefined>)
   add_link_options(-fsanitize=address,undefined)
 endif()
+
+if(LAPROX_TSAN)
+  if(LAPROX_SANITIZE)
+    message(FATAL_ERROR "LAPROX_TSAN and LAPROX_SANITIZE cannot be combined")
+  endif()
+  add_compile_options($<$<COMPILE_LANGUAGE:CXX>:-fsanitize=thread>
+                      $<$<COMPILE_LANGUAGE:CXX>:-fno-omit-frame-pointer>)
+  add_link_options(-fsanitize=thread)
+endif()

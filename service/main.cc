@@ -14,8 +14,10 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -35,6 +37,7 @@
 #include "absl/synchronization/mutex.h"
 #include "laprox/kernels/registry.h"
 #include "service/core/core.h"
+#include "service/core/fault_guard.h"
 #include "service/core/work_queue.h"
 #include "service/grpc/laprox_service.h"
 #include "service/metrics/http_exposer.h"
@@ -67,6 +70,17 @@ ABSL_FLAG(int64_t, max_models, 64, "registered models at most");
 ABSL_FLAG(int64_t, max_tokens, int64_t{1} << 20, "n (prompt tokens) per request at most");
 ABSL_FLAG(int64_t, max_request_bytes, int64_t{256} << 20,
           "largest request message in bytes (inline tensors count)");
+ABSL_FLAG(int64_t, max_response_bytes, (int64_t{1} << 31) - 1,
+          "largest ComputeKeepMask response in bytes (at most 2^31 - 1, protobuf's limit); a "
+          "larger one is RESOURCE_EXHAUSTED: write outputs into a region instead");
+ABSL_FLAG(int64_t, max_request_memory, 0,
+          "bytes that the requests computing at once may reserve together for their workspace "
+          "and plans, each sized before anything is allocated (RESOURCE_EXHAUSTED beyond); 0: "
+          "half of the memory this process may use (the cgroup limit inside a container, "
+          "RLIMIT_AS, or the host's memory)");
+ABSL_FLAG(int64_t, max_model_memory, 0,
+          "bytes that the registered models' prepared factors may hold together (RegisterModel "
+          "beyond it is RESOURCE_EXHAUSTED); 0: a quarter of the memory this process may use");
 
 namespace {
 
@@ -142,9 +156,32 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "laproxd: %s\n", backend.status().ToString().c_str());
     return 1;
   }
-  laprox::service::Core core(*std::move(backend), {.max_regions = absl::GetFlag(FLAGS_max_regions),
-                                                   .max_models = absl::GetFlag(FLAGS_max_models),
-                                                   .max_tokens = absl::GetFlag(FLAGS_max_tokens)});
+  const int64_t max_response_bytes = absl::GetFlag(FLAGS_max_response_bytes);
+  if (max_response_bytes < 1 || max_response_bytes > (int64_t{1} << 31) - 1) {
+    std::fprintf(stderr, "laproxd: --max_response_bytes=%lld is outside [1, 2^31 - 1]\n",
+                 static_cast<long long>(max_response_bytes));
+    return 1;
+  }
+  for (const auto& [name, value] : {std::pair{"max_request_memory", &FLAGS_max_request_memory},
+                                    std::pair{"max_model_memory", &FLAGS_max_model_memory}}) {
+    if (absl::GetFlag(*value) < 0) {
+      std::fprintf(stderr, "laproxd: --%s must be >= 0 (0: derived from the memory limit)\n", name);
+      return 1;
+    }
+  }
+  // Every shm region keeps its object open (to see a shrink at every lease): allow as many
+  // descriptors as the hard limit does.
+  if (struct rlimit files{};
+      getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
+    files.rlim_cur = files.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &files);
+  }
+  laprox::service::Core core(*std::move(backend),
+                             {.max_regions = absl::GetFlag(FLAGS_max_regions),
+                              .max_models = absl::GetFlag(FLAGS_max_models),
+                              .max_tokens = absl::GetFlag(FLAGS_max_tokens),
+                              .max_request_memory = absl::GetFlag(FLAGS_max_request_memory),
+                              .max_model_memory = absl::GetFlag(FLAGS_max_model_memory)});
   auto work = std::make_unique<laprox::service::WorkQueue>(absl::GetFlag(FLAGS_workers),
                                                            absl::GetFlag(FLAGS_max_pending));
 
@@ -168,7 +205,13 @@ int main(int argc, char** argv) {
                s.regions_by_kind[r.kind == laprox::service::RegionKind::kShm ? "shm" : "cuda_ipc"];
            ++totals.count;
            totals.bytes += r.byte_size;
+           s.shrunk_regions += r.shrunk ? 1 : 0;
          }
+         s.region_faults = laprox::service::GuardedFaultCount();
+         s.memory_budgets["request"] = {.reserved = core.request_memory().in_use(),
+                                        .limit = core.request_memory().limit()};
+         s.memory_budgets["model"] = {.reserved = core.model_memory().in_use(),
+                                      .limit = core.model_memory().limit()};
          const auto models = core.model_totals();
          s.models = models.count;
          s.prepared_bytes = models.prepared_bytes;
@@ -214,15 +257,13 @@ int main(int argc, char** argv) {
                  cause.ToString().c_str());
     publish();
   };
-  // Protobuf cannot serialise a message of 2 GiB or more, whatever gRPC allows.
-  constexpr int64_t kMaxResponseBytes = (int64_t{1} << 31) - 1;
   laprox::service::LaproxService service(
       core, *work, kVersion,
       {.metrics = &metrics,
        .models_changed = set_ready,
        .backend_unhealthy = backend_unhealthy,
        .max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes),
-       .max_response_bytes = kMaxResponseBytes});
+       .max_response_bytes = max_response_bytes});
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -2,9 +2,17 @@
 
 #include <chrono>
 #include <cstring>
+#include <limits>
+#include <map>
+#include <optional>
+#include <string>
 #include <utility>
+#include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace laprox::service {
 namespace {
@@ -12,9 +20,52 @@ namespace {
 using kernels::DTypeSize;
 using kernels::TensorView;
 
-// Turns references into views for one call, holding one lease per region it names.
+constexpr size_t kMaxModelName = 128;
+
+absl::Status CheckModelName(absl::string_view name) {
+  bool ok = name.size() <= kMaxModelName;
+  for (size_t i = 0; ok && i < name.size(); ++i) {
+    const auto c = static_cast<unsigned char>(name[i]);
+    ok = absl::ascii_isalnum(c) || c == '.' || c == '_' || c == '/' || c == ':' || c == '-';
+  }
+  if (ok) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("name \"", absl::CEscape(name.substr(0, kMaxModelName)), "\"",
+                   name.size() > kMaxModelName ? "..." : "", " must have at most ", kMaxModelName,
+                   " bytes of [A-Za-z0-9._/:-]"));
+}
+
+// Elements of `shape`, or -1 when the count overflows int64.
+int64_t ElementCount(const kernels::Dims& shape) {
+  int64_t count = 1;
+  for (int64_t d : shape) {
+    if (d < 0 || __builtin_mul_overflow(count, d, &count)) return -1;
+  }
+  return count;
+}
+
+// Whether the call should stop: CANCELLED / DEADLINE_EXCEEDED saying what was not done.
+absl::Status CheckCall(const CallContext& context, absl::string_view not_done) {
+  if (context.cancelled && context.cancelled()) {
+    return absl::CancelledError(absl::StrCat("the call was cancelled; ", not_done));
+  }
+  if (absl::Now() > context.deadline) {
+    return absl::DeadlineExceededError(absl::StrCat("the call's deadline passed; ", not_done));
+  }
+  return absl::OkStatus();
+}
+
+// Turns references into views for one call, holding one lease per region it names and
+// remembering the memory every input occupies (for the output overlap check).
 class Resolver {
  public:
+  struct Input {
+    MemoryRange range;
+    std::string field;
+    uint64_t region_id;
+    int64_t byte_offset, byte_count;
+  };
+
   explicit Resolver(RegionRegistry& regions) : regions_(regions) {}
 
   absl::StatusOr<TensorView> Resolve(const TensorRef& ref, const std::string& field) {
@@ -26,9 +77,9 @@ class Resolver {
           field, " has ", ref.shape.size(), " dimensions but ", strides.size(), " strides"));
     }
     // A view over nothing yet, only to compute the extent with the kernels' overflow checks.
+    const TensorView shape_only(nullptr, ref.dtype, ref.shape, strides);
     int64_t extent = 0;
-    if (absl::Status s = TensorView(nullptr, ref.dtype, ref.shape, strides).ElementExtent(&extent);
-        !s.ok()) {
+    if (absl::Status s = shape_only.ElementExtent(&extent); !s.ok()) {
       return absl::Status(s.code(), absl::StrCat(field, ": ", s.message()));
     }
     const int64_t element = static_cast<int64_t>(DTypeSize(ref.dtype));
@@ -40,6 +91,16 @@ class Resolver {
     const void* data = nullptr;
     kernels::MemorySpace space = kernels::MemorySpace::kHost;
     if (ref.source == TensorRef::Source::kInline) {
+      // Inline bytes must carry every element: zero or overlapping strides would let a few
+      // bytes stand for a tensor of any size, and the cost of a request must follow its size.
+      const int64_t elements = ElementCount(ref.shape);
+      if (elements < 0 || elements > extent) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ": an inline tensor must carry every element, but ",
+                         shape_only.DebugString(), " repeats elements (", extent, " distinct of ",
+                         elements < 0 ? "more than 2^63" : absl::StrCat(elements),
+                         "); zero or overlapping strides need a region"));
+      }
       if (static_cast<int64_t>(ref.inline_bytes.size()) != bytes) {
         return absl::InvalidArgumentError(
             absl::StrCat(field, ".inline_bytes has ", ref.inline_bytes.size(), " bytes, expected ",
@@ -53,9 +114,6 @@ class Resolver {
         data = copy.data();
       }
     } else {
-      if (ref.region_id == 0) {
-        return absl::InvalidArgumentError(absl::StrCat(field, ".region.region_id is 0"));
-      }
       auto lease = Lease(ref.region_id, field);
       if (!lease.ok()) return lease.status();
       auto slice = (*lease)->Slice(ref.byte_offset, bytes, field);
@@ -65,12 +123,15 @@ class Resolver {
             field, ".region.byte_offset = ", ref.byte_offset, " is not aligned to the ", element,
             "-byte ", kernels::DTypeName(ref.dtype), " elements"));
       }
+      inputs_.push_back(
+          {(*lease)->Range(ref.byte_offset, bytes), field, ref.region_id, ref.byte_offset, bytes});
       data = *slice;
       space = (*lease)->space();  // cuda_ipc regions are read in place on the device
     }
     return TensorView(data, ref.dtype, ref.shape, strides, space);
   }
 
+  // A lease on region `id`; `field` names it in errors ("layers[0].keys").
   absl::StatusOr<const MappedRegion*> Lease(uint64_t id, const std::string& field) {
     auto it = leases_.find(id);
     if (it == leases_.end()) {
@@ -84,30 +145,93 @@ class Resolver {
     return &it->second.region();
   }
 
+  // FAILED_PRECONDITION if the client shrank a region this call read or writes.
+  absl::Status CheckIntact() const {
+    for (const auto& [id, lease] : leases_) {
+      if (lease.region().shrunk()) return lease.region().ShrunkError();
+    }
+    return absl::OkStatus();
+  }
+
+  const std::vector<Input>& inputs() const { return inputs_; }
+
  private:
   RegionRegistry& regions_;
   std::map<uint64_t, RegionLease> leases_;
   std::vector<std::vector<uint64_t>> copies_;
+  std::vector<Input> inputs_;
 };
 
-// Copies `values` to `byte_offset` of `region` (checked bounds and alignment) through the
-// backend, which writes host and device regions alike.
+// One output area of a destination region.
+struct Area {
+  const char* name;
+  int64_t offset;
+  const void* data;
+  int64_t bytes;
+  int64_t alignment;
+  std::byte* target = nullptr;  // set by the checks
+};
+
+std::string AreaName(const Area& area) {
+  return absl::StrCat("outputs.destination.", area.name, " (bytes [", area.offset, ", +",
+                      area.bytes, "))");
+}
+
+// Checks every area against the region, the other areas and the inputs, then (unless the call
+// stopped) writes them all.
+absl::Status WriteOutputs(kernels::Backend& backend, const MappedRegion& region,
+                          std::vector<Area>& areas, const Resolver& resolver,
+                          const CallContext& context) {
+  for (Area& area : areas) {
+    const std::string field = absl::StrCat("outputs.destination.", area.name);
+    auto slice = region.Slice(area.offset, area.bytes, field);
+    if (!slice.ok()) return slice.status();
+    if (area.offset % area.alignment != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " offset ", area.offset, " is not aligned to ", area.alignment, " bytes"));
+    }
+    area.target = *slice;
+  }
+  for (size_t a = 0; a < areas.size(); ++a) {
+    const MemoryRange range = region.Range(areas[a].offset, areas[a].bytes);
+    for (size_t b = a + 1; b < areas.size(); ++b) {
+      if (range.Overlaps(region.Range(areas[b].offset, areas[b].bytes))) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(AreaName(areas[a]), " overlaps ", AreaName(areas[b])));
+      }
+    }
+    for (const Resolver::Input& input : resolver.inputs()) {
+      if (range.Overlaps(input.range)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            AreaName(areas[a]), " of region ", region.info().id, " overlaps the input ",
+            input.field, " (region ", input.region_id, ", bytes [", input.byte_offset, ", +",
+            input.byte_count, ")): outputs never overwrite inputs"));
+      }
+    }
+  }
+  if (absl::Status s = CheckCall(context, "nothing was written"); !s.ok()) return s;
+  if (absl::Status s = resolver.CheckIntact(); !s.ok()) return s;
+  for (const Area& area : areas) {
+    absl::Status s = backend.CopyToRegion(area.target, region.space(), area.data, area.bytes);
+    if (!s.ok()) {
+      return absl::Status(s.code(),
+                          absl::StrCat("outputs.destination.", area.name, ": ", s.message()));
+    }
+  }
+  // A shrink during the copies leaves the areas with any bytes: the call must fail.
+  return resolver.CheckIntact();
+}
+
 template <typename T>
-absl::Status WriteOutput(kernels::Backend& backend, const MappedRegion& region, int64_t byte_offset,
-                         const std::vector<T>& values, const char* field) {
-  const int64_t bytes = static_cast<int64_t>(values.size() * sizeof(T));
-  auto slice = region.Slice(byte_offset, bytes, absl::StrCat("outputs.destination.", field));
-  if (!slice.ok()) return slice.status();
-  if (reinterpret_cast<uintptr_t>(*slice) % alignof(T) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("outputs.destination.", field, " offset ",
-                                                   byte_offset, " is not aligned to ", alignof(T),
-                                                   " bytes"));
-  }
-  absl::Status s = backend.CopyToRegion(*slice, region.space(), values.data(), bytes);
-  if (!s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("outputs.destination.", field, ": ", s.message()));
-  }
-  return absl::OkStatus();
+void AddArea(std::vector<Area>& areas, const char* name, const std::optional<int64_t>& offset,
+             const std::vector<T>& values) {
+  if (!offset) return;
+  areas.push_back({name, *offset, values.data(), static_cast<int64_t>(values.size() * sizeof(T)),
+                   static_cast<int64_t>(alignof(T))});
+}
+
+int64_t LimitOrShare(int64_t limit, int64_t numerator, int64_t denominator) {
+  return limit > 0 ? limit : ProcessMemoryLimit() / denominator * numerator;
 }
 
 }  // namespace
@@ -115,7 +239,11 @@ absl::Status WriteOutput(kernels::Backend& backend, const MappedRegion& region, 
 Core::Core(std::unique_ptr<kernels::Backend> backend, const CoreLimits& limits)
     : backend_(std::move(backend)),
       limits_(limits),
-      regions_(RegionRegistry::Limits{.max_regions = limits.max_regions}) {}
+      regions_(RegionRegistry::Limits{.max_regions = limits.max_regions}),
+      request_memory_("request memory", "--max_request_memory",
+                      LimitOrShare(limits.max_request_memory, 1, 2)),
+      model_memory_("model memory", "--max_model_memory",
+                    LimitOrShare(limits.max_model_memory, 1, 4)) {}
 
 absl::StatusOr<uint64_t> Core::RegisterCudaIpcRegion(const kernels::CudaIpcRegionSpec& spec,
                                                      bool writable) {
@@ -123,6 +251,7 @@ absl::StatusOr<uint64_t> Core::RegisterCudaIpcRegion(const kernels::CudaIpcRegio
 }
 
 absl::StatusOr<ModelInfo> Core::RegisterModel(const ModelSpec& spec) {
+  if (absl::Status s = CheckModelName(spec.name); !s.ok()) return s;
   {
     absl::MutexLock lock(&mu_);
     if (static_cast<int64_t>(models_.size()) >= limits_.max_models) {
@@ -130,6 +259,18 @@ absl::StatusOr<ModelInfo> Core::RegisterModel(const ModelSpec& spec) {
           "already ", models_.size(), " models registered (limit ", limits_.max_models, ")"));
     }
   }
+  const kernels::PrepareOptions options = {.cross_grams = spec.cross_grams};
+  auto estimate = backend_->EstimatePrepareMemory(spec.geometry, options);
+  if (!estimate.ok()) return estimate.status();
+  auto model = std::make_shared<Model>();
+  auto held =
+      model_memory_.Reserve(estimate->output_bytes,
+                            absl::StrCat("the prepared factors of ", spec.geometry.DebugString()));
+  if (!held.ok()) return held.status();
+  model->memory = *std::move(held);
+  auto scratch = request_memory_.Reserve(estimate->workspace_bytes, "preparing the model");
+  if (!scratch.ok()) return scratch.status();
+
   Resolver resolver(regions_);
   std::vector<TensorView> o_proj;
   for (size_t l = 0; l < spec.o_proj.size(); ++l) {
@@ -137,10 +278,10 @@ absl::StatusOr<ModelInfo> Core::RegisterModel(const ModelSpec& spec) {
     if (!view.ok()) return view.status();
     o_proj.push_back(*view);
   }
-  auto prepared = backend_->PrepareModel(spec.geometry, o_proj, {.cross_grams = spec.cross_grams});
+  auto prepared = backend_->PrepareModel(spec.geometry, o_proj, options);
   if (!prepared.ok()) return prepared.status();
+  if (absl::Status s = resolver.CheckIntact(); !s.ok()) return s;
 
-  auto model = std::make_shared<Model>();
   model->prepared = *std::move(prepared);
   model->info.geometry = spec.geometry;
   model->info.prepared_bytes = model->prepared->ByteSize();
@@ -156,8 +297,13 @@ absl::StatusOr<ModelInfo> Core::RegisterModel(const ModelSpec& spec) {
 }
 
 absl::Status Core::UnregisterModel(uint64_t id) {
+  if (id == 0) return absl::InvalidArgumentError("model_id is 0 (ids start at 1)");
+  std::shared_ptr<const Model> model;  // freed outside the lock (when no request holds it)
   absl::MutexLock lock(&mu_);
-  if (models_.erase(id) == 0) return absl::NotFoundError(absl::StrCat("model ", id, " not found"));
+  auto it = models_.find(id);
+  if (it == models_.end()) return absl::NotFoundError(absl::StrCat("model ", id, " not found"));
+  model = std::move(it->second);
+  models_.erase(it);
   return absl::OkStatus();
 }
 
@@ -171,8 +317,10 @@ Core::ModelTotals Core::model_totals() const {
   return totals;
 }
 
-absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call) {
+absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call,
+                                                        const CallContext& context) {
   const auto started = std::chrono::steady_clock::now();
+  if (call.model_id == 0) return absl::InvalidArgumentError("model_id is 0 (ids start at 1)");
   std::shared_ptr<const Model> model;
   {
     absl::MutexLock lock(&mu_);
@@ -183,9 +331,10 @@ absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call
     model = it->second;
   }
   if (call.n > limits_.max_tokens) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "n = ", call.n, " exceeds this server's limit of ", limits_.max_tokens, " tokens"));
+    return absl::OutOfRangeError(absl::StrCat("n = ", call.n, " exceeds this server's limit of ",
+                                              limits_.max_tokens, " tokens (max_tokens)"));
   }
+  if (absl::Status s = CheckCall(context, "nothing was computed"); !s.ok()) return s;
   Resolver resolver(regions_);
   const MappedRegion* destination = nullptr;
   if (call.destination) {
@@ -227,32 +376,41 @@ absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call
     request.outputs.bitmask |= call.destination->bitmask.has_value();
     request.outputs.scores |= call.destination->scores.has_value();
   }
+  // The plan is held twice at most: by the backend's result and by the response built from it.
+  auto estimate = backend_->EstimateKeepPlanMemory(*model->prepared, request);
+  if (!estimate.ok()) return estimate.status();
+  int64_t bytes;
+  if (__builtin_add_overflow(estimate->total(), estimate->output_bytes, &bytes)) {
+    bytes = std::numeric_limits<int64_t>::max();
+  }
+  auto memory = request_memory_.Reserve(
+      bytes, absl::StrCat("this request's workspace and plan (n = ", call.n, ", ",
+                          model->info.geometry.num_layers, " layers x ",
+                          model->info.geometry.num_kv_heads, " KV heads)"));
+  if (!memory.ok()) return memory.status();
   const auto resolved = std::chrono::steady_clock::now();
   auto plan = backend_->ComputeKeepPlan(*model->prepared, request);
   if (!plan.ok()) return plan;
+  // Whatever was read from a region its client shrank meanwhile is garbage.
+  if (absl::Status s = resolver.CheckIntact(); !s.ok()) return s;
   plan->timing.validate_seconds += std::chrono::duration<double>(resolved - started).count();
-  if (destination == nullptr) return plan;
-  const OutputDestination& to = *call.destination;
-  absl::Status s;
-  if (to.counts) {
-    s.Update(WriteOutput(*backend_, *destination, *to.counts, plan->counts, "counts"));
+  if (destination != nullptr) {
+    const OutputDestination& to = *call.destination;
+    std::vector<Area> areas;
+    AddArea(areas, "counts", to.counts, plan->counts);
+    AddArea(areas, "offsets", to.offsets, plan->offsets);
+    AddArea(areas, "positions", to.positions, plan->positions);
+    AddArea(areas, "bitmask", to.bitmask, plan->bitmask);
+    AddArea(areas, "scores", to.scores, plan->scores);
+    if (absl::Status s = WriteOutputs(*backend_, *destination, areas, resolver, context); !s.ok()) {
+      return s;
+    }
+    // Written to the region instead of the response (counts and offsets stay in both).
+    if (to.positions) plan->positions.clear();
+    if (to.bitmask) plan->bitmask.clear();
+    if (to.scores) plan->scores.clear();
   }
-  if (to.offsets) {
-    s.Update(WriteOutput(*backend_, *destination, *to.offsets, plan->offsets, "offsets"));
-  }
-  if (to.positions) {
-    s.Update(WriteOutput(*backend_, *destination, *to.positions, plan->positions, "positions"));
-    plan->positions.clear();
-  }
-  if (to.bitmask) {
-    s.Update(WriteOutput(*backend_, *destination, *to.bitmask, plan->bitmask, "bitmask"));
-    plan->bitmask.clear();
-  }
-  if (to.scores) {
-    s.Update(WriteOutput(*backend_, *destination, *to.scores, plan->scores, "scores"));
-    plan->scores.clear();
-  }
-  if (!s.ok()) return s;
+  if (context.hold_memory != nullptr) *context.hold_memory = *std::move(memory);
   return plan;
 }
 

@@ -5,11 +5,18 @@
 // Core resolves every reference to a kernels::TensorView, checking it against its region without
 // integer overflow, before the backend reads anything.
 //
+// Nothing a request implies is allocated before it is sized and reserved: a keep-plan's
+// workspace and plan against the request memory budget (shared by concurrent requests), a
+// model's prepared factors against the model memory budget for as long as the model lives
+// (MemoryBudget). Outputs written into a client region never overlap the request's inputs or
+// each other, and nothing is written once the call is cancelled or past its deadline.
+//
 // Thread safety: every method may be called concurrently.
 #ifndef LAPROX_SERVICE_CORE_CORE_H_
 #define LAPROX_SERVICE_CORE_CORE_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -19,7 +26,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "laprox/kernels/backend.h"
+#include "service/core/memory_budget.h"
 #include "service/core/region_registry.h"
 
 namespace laprox::service {
@@ -41,7 +50,7 @@ struct LayerRefs {
 };
 
 struct ModelSpec {
-  std::string name;
+  std::string name;  // at most 128 bytes of [A-Za-z0-9._/:-]; empty: the decimal id
   kernels::ModelGeometry geometry;
   std::vector<TensorRef> o_proj;  // one [D, H*d] per layer
   bool cross_grams = false;
@@ -73,6 +82,22 @@ struct CoreLimits {
   int64_t max_regions = 1024;
   int64_t max_models = 64;
   int64_t max_tokens = int64_t{1} << 20;  // n per request
+  // Bytes the requests computing at once may reserve together (workspace and plans); 0: half
+  // of ProcessMemoryLimit().
+  int64_t max_request_memory = 0;
+  // Bytes the registered models' prepared factors may hold together; 0: a quarter of
+  // ProcessMemoryLimit().
+  int64_t max_model_memory = 0;
+};
+
+// The call a request arrives with: its deadline and cancellation, checked before the compute
+// starts and again just before any output is written into a client region.
+struct CallContext {
+  absl::Time deadline = absl::InfiniteFuture();
+  std::function<bool()> cancelled;  // may be empty: never cancelled
+  // When set, receives the request's memory reservation, so the caller can hold it while it
+  // still keeps copies of the plan (the response being built).
+  MemoryBudget::Reservation* hold_memory = nullptr;
 };
 
 struct ModelInfo {
@@ -89,6 +114,8 @@ class Core {
   const kernels::Backend& backend() const { return *backend_; }
   const CoreLimits& limits() const { return limits_; }
   RegionRegistry& regions() { return regions_; }
+  const MemoryBudget& request_memory() const { return request_memory_; }
+  const MemoryBudget& model_memory() const { return model_memory_; }
 
   // Opens a CUDA IPC allocation through the backend and registers it (RegionRegistry::
   // RegisterCudaIpc): UNIMPLEMENTED on a backend without device memory, and the errors listed
@@ -97,10 +124,14 @@ class Core {
                                                  bool writable);
 
   // Prepares the model's factors (the o_proj tensors are read during this call only).
-  // INVALID_ARGUMENT / NOT_FOUND / OUT_OF_RANGE for bad references (naming "o_proj[l]"),
-  // RESOURCE_EXHAUSTED past max_models, and whatever Backend::PrepareModel returns.
+  // INVALID_ARGUMENT for a bad name or geometry; INVALID_ARGUMENT / NOT_FOUND / OUT_OF_RANGE for
+  // bad references (naming "o_proj[l]"); RESOURCE_EXHAUSTED past max_models or when the
+  // prepared factors do not fit the model memory budget (or their preparation the request
+  // memory budget); FAILED_PRECONDITION when a region read is shrunk by its client; and
+  // whatever Backend::PrepareModel returns.
   absl::StatusOr<ModelInfo> RegisterModel(const ModelSpec& spec);
-  // NOT_FOUND for an unknown id. Requests already using the model finish with it.
+  // INVALID_ARGUMENT for id 0, NOT_FOUND for an unknown id. Requests already using the model
+  // finish with it; its memory returns to the budget when the last of them ends.
   absl::Status UnregisterModel(uint64_t id);
 
   struct ModelTotals {
@@ -111,15 +142,29 @@ class Core {
   ModelTotals model_totals() const;
 
   // Resolves every reference (holding leases on the regions it names until the plan is
-  // computed), then computes the plan, and writes the outputs the destination names.
-  // NOT_FOUND: unknown model or region; RESOURCE_EXHAUSTED: n above max_tokens; reference errors
-  // name the field ("layers[3].keys"); FAILED_PRECONDITION: destination region not writable;
-  // OUT_OF_RANGE / INVALID_ARGUMENT: an output does not fit or is misaligned there; then
-  // whatever Backend::ComputeKeepPlan returns.
-  absl::StatusOr<kernels::KeepPlan> ComputeKeepPlan(const KeepPlanCall& call);
+  // computed), reserves the request's memory, computes the plan, and writes the outputs the
+  // destination names. INVALID_ARGUMENT: model or region id 0, an inline tensor whose strides
+  // repeat elements (zero or overlapping strides: put such a tensor in a region); NOT_FOUND:
+  // unknown model or region; OUT_OF_RANGE: n above max_tokens; reference errors name the field
+  // ("layers[3].keys"); RESOURCE_EXHAUSTED: the request's workspace and plan do not fit the
+  // request memory budget now; then whatever Backend::ComputeKeepPlan returns.
+  //
+  // Outputs: every destination area is checked before the first byte is written — inside the
+  // region (OUT_OF_RANGE), aligned (INVALID_ARGUMENT), not overlapping another area or any input
+  // of the request in the same memory (INVALID_ARGUMENT naming both; judged on the memory, so a
+  // second registration of the same object counts), the region writable (FAILED_PRECONDITION).
+  // Then, if the call was cancelled (CANCELLED) or is past its deadline (DEADLINE_EXCEEDED),
+  // nothing is written. A region the client shrank during the call fails it with
+  // FAILED_PRECONDITION (MappedRegion::CheckIntact); if that region is the destination, the
+  // areas may hold any bytes. Otherwise all areas are written, in one pass of copies, before
+  // this returns OK: a client that sees any other status must not read them.
+  absl::StatusOr<kernels::KeepPlan> ComputeKeepPlan(const KeepPlanCall& call,
+                                                    const CallContext& context = {});
 
  private:
   struct Model {
+    MemoryBudget::Reservation memory;  // the prepared factors, against model_memory_ (released
+                                       // last)
     ModelInfo info;
     std::shared_ptr<const kernels::PreparedModel> prepared;
   };
@@ -127,6 +172,8 @@ class Core {
   std::unique_ptr<kernels::Backend> backend_;
   const CoreLimits limits_;
   RegionRegistry regions_;
+  MemoryBudget request_memory_;
+  MemoryBudget model_memory_;
   mutable absl::Mutex mu_;
   std::map<uint64_t, std::shared_ptr<const Model>> models_ ABSL_GUARDED_BY(mu_);
   uint64_t next_model_id_ ABSL_GUARDED_BY(mu_) = 1;

@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <utility>
 
 #include <fcntl.h>
@@ -41,6 +42,11 @@ absl::Status ErrnoStatus(int error, absl::string_view what) {
   switch (error) {
     case ENOENT:
       return absl::NotFoundError(message);
+    case ELOOP:  // O_NOFOLLOW met a symbolic link
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": it is a symbolic link, which laproxd never follows"));
+    case EISDIR:
+      return absl::InvalidArgumentError(absl::StrCat(what, ": it is a directory"));
     case EACCES:
     case EPERM:
       return absl::PermissionDeniedError(message);
@@ -53,10 +59,55 @@ absl::Status ErrnoStatus(int error, absl::string_view what) {
   }
 }
 
+// What a non-regular file is, for the message that refuses it.
+absl::string_view FileKind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISLNK(mode)) return "a symbolic link";
+  return "not a regular file";
+}
+
 }  // namespace
 
 MappedRegion::~MappedRegion() {
+  guard_.reset();  // before the range can be reused by another mapping
   if (mapping_ != nullptr) munmap(mapping_, mapping_size_);
+  if (fd_ >= 0) close(fd_);
+}
+
+MemoryRange MappedRegion::Range(int64_t byte_offset, int64_t byte_count) const {
+  MemoryRange range;
+  range.kind = info_.kind;
+  if (info_.kind == RegionKind::kShm) {
+    range.object_device = object_device_;
+    range.object_inode = object_inode_;
+    range.begin = static_cast<uint64_t>(info_.offset + byte_offset);
+  } else {
+    range.begin = reinterpret_cast<uintptr_t>(data_) + static_cast<uint64_t>(byte_offset);
+  }
+  range.end = range.begin + static_cast<uint64_t>(byte_count);
+  return range;
+}
+
+absl::Status MappedRegion::ShrunkError() const {
+  return absl::FailedPreconditionError(
+      absl::StrCat("region ", info_.id, " (shm \"", info_.name,
+                   "\") was shrunk by its client while registered: the server no longer reads it; "
+                   "unregister it and register the object again"));
+}
+
+absl::Status MappedRegion::CheckIntact() const {
+  if (guard_ == nullptr) return absl::OkStatus();  // cuda_ipc: the driver keeps it alive
+  if (guard_->faulted()) return ShrunkError();
+  struct stat st {};
+  if (fstat(fd_, &st) == 0 && st.st_size < info_.offset + info_.byte_size) {
+    guard_->MarkShrunk();
+    return ShrunkError();
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::byte*> MappedRegion::Slice(int64_t byte_offset, int64_t byte_count,
@@ -105,13 +156,31 @@ absl::StatusOr<uint64_t> RegionRegistry::RegisterShm(const ShmRegionSpec& spec) 
   absl::string_view name = spec.name;
   absl::ConsumePrefix(&name, "/");
   const std::string path = absl::StrCat("/", name);
-  const int fd = shm_open(path.c_str(), spec.writable ? O_RDWR : O_RDONLY, 0);
-  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("shm_open(\"", name, "\")"));
+  // O_NONBLOCK: opening a FIFO would otherwise wait for a writer on this thread forever;
+  // O_NOFOLLOW: a symbolic link could name any file the server may open; O_NOCTTY: a terminal
+  // must not become ours. Only a regular file is then mapped.
+  const int flags = (spec.writable ? O_RDWR : O_RDONLY) | O_NONBLOCK | O_NOFOLLOW | O_NOCTTY;
+  const int fd = shm_open(path.c_str(), flags, 0);
+  if (fd < 0) {
+    int error = errno;
+    // glibc's shm_open reports a directory as EINVAL (there is no EISDIR for shm names).
+    if (struct stat st{}; error == EINVAL &&
+                          lstat(absl::StrCat("/dev/shm", path).c_str(), &st) == 0 &&
+                          S_ISDIR(st.st_mode)) {
+      error = EISDIR;
+    }
+    return ErrnoStatus(error, absl::StrCat("shm.name \"", name, "\""));
+  }
   struct stat st {};
   if (fstat(fd, &st) != 0) {
     const int error = errno;
     close(fd);
     return ErrnoStatus(error, absl::StrCat("fstat(\"", name, "\")"));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shm.name \"", name, "\" is ", FileKind(st.st_mode), ", not a shared-memory object"));
   }
   int64_t end;
   if (__builtin_add_overflow(spec.offset, spec.byte_size, &end) || end > st.st_size) {
@@ -126,15 +195,23 @@ absl::StatusOr<uint64_t> RegionRegistry::RegisterShm(const ShmRegionSpec& spec) 
   const size_t map_size = static_cast<size_t>(end - map_offset);
   void* mapping = mmap(nullptr, map_size, PROT_READ | (spec.writable ? PROT_WRITE : 0), MAP_SHARED,
                        fd, map_offset);
-  const int map_error = errno;
-  close(fd);  // the mapping keeps the object alive
   if (mapping == MAP_FAILED) {
+    const int map_error = errno;
+    close(fd);
     return ErrnoStatus(map_error, absl::StrCat("mmap(\"", name, "\")"));
   }
 
+  // From here the region owns the fd and the mapping.
   auto region = std::shared_ptr<MappedRegion>(new MappedRegion());
+  region->fd_ = fd;
   region->mapping_ = mapping;
   region->mapping_size_ = map_size;
+  region->mapping_offset_ = map_offset;
+  region->object_device_ = st.st_dev;
+  region->object_inode_ = st.st_ino;
+  auto guard = GuardedMapping::Create(mapping, map_size);
+  if (!guard.ok()) return guard.status();
+  region->guard_ = *std::move(guard);
   region->data_ = static_cast<std::byte*>(mapping) + (spec.offset - map_offset);
   region->info_.kind = RegionKind::kShm;
   region->info_.name = std::string{name};
@@ -191,14 +268,23 @@ absl::StatusOr<uint64_t> RegionRegistry::Insert(std::shared_ptr<MappedRegion> re
 }
 
 absl::StatusOr<RegionLease> RegionRegistry::Acquire(uint64_t id) {
-  absl::MutexLock lock(&mu_);
-  auto it = regions_.find(id);
-  if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("region ", id, " not found"));
-  if (it->second.draining) {
-    return absl::FailedPreconditionError(absl::StrCat("region ", id, " is being unregistered"));
+  if (id == 0) return absl::InvalidArgumentError("region_id is 0 (ids start at 1)");
+  std::optional<RegionLease> lease;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = regions_.find(id);
+    if (it == regions_.end()) {
+      return absl::NotFoundError(absl::StrCat("region ", id, " not found"));
+    }
+    if (it->second.draining) {
+      return absl::FailedPreconditionError(absl::StrCat("region ", id, " is being unregistered"));
+    }
+    ++it->second.in_use;
+    lease.emplace(RegionLease(this, it->second.region));
   }
-  ++it->second.in_use;
-  return RegionLease(this, it->second.region);
+  // fstat outside mu_; the lease is released again if the object shrank.
+  if (absl::Status s = lease->region().CheckIntact(); !s.ok()) return s;
+  return *std::move(lease);
 }
 
 void RegionRegistry::ReleaseLease(uint64_t id) {
@@ -210,14 +296,12 @@ void RegionRegistry::ReleaseLease(uint64_t id) {
 }
 
 absl::Status RegionRegistry::Unregister(uint64_t id, absl::Time deadline) {
+  if (id == 0) return absl::InvalidArgumentError("region_id is 0 (ids start at 1)");
   std::shared_ptr<MappedRegion> region;  // unmapped after the lock is released
   absl::MutexLock lock(&mu_);
   auto it = regions_.find(id);
   if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("region ", id, " not found"));
-  if (it->second.draining) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("region ", id, " is already being unregistered"));
-  }
+  // A second call on a draining region waits like the first (the proto's promise).
   it->second.draining = true;
   // Leases release under mu_, so the entry cannot vanish while we wait for in_use == 0: only a
   // release that brings it to 0 erases it, and then the condition is already true.
@@ -246,6 +330,7 @@ std::vector<RegionInfo> RegionRegistry::List() const {
     RegionInfo info = entry.region->info();
     info.in_use = entry.in_use;
     info.draining = entry.draining;
+    info.shrunk = entry.region->shrunk();
     out.push_back(std::move(info));
   }
   return out;

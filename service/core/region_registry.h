@@ -8,6 +8,12 @@
 // only after the last lease is released, so a request that started never sees its memory
 // disappear.
 //
+// Opening never blocks and only maps regular files: a FIFO, directory, device or symbolic link
+// named like a shm object is INVALID_ARGUMENT naming what it is. A client may shrink its object
+// at any time; a shm mapping is guarded (fault_guard.h), so an access past the new end makes the
+// region `shrunk` instead of raising SIGBUS, and a shrunk region cannot be leased again
+// (FAILED_PRECONDITION) until it is unregistered.
+//
 // Thread safety: every method may be called concurrently. Leases must not outlive the registry.
 #ifndef LAPROX_SERVICE_CORE_REGION_REGISTRY_H_
 #define LAPROX_SERVICE_CORE_REGION_REGISTRY_H_
@@ -25,6 +31,7 @@
 #include "absl/time/time.h"
 #include "laprox/kernels/backend.h"
 #include "laprox/kernels/tensor_view.h"
+#include "service/core/fault_guard.h"
 
 namespace laprox::service {
 
@@ -49,6 +56,25 @@ struct RegionInfo {
   bool writable = false;
   int64_t in_use = 0;     // leases held by requests right now
   bool draining = false;  // being unregistered: no new leases
+  bool shrunk = false;    // the client shrank the object under the region: no new leases
+};
+
+// Bytes of the memory behind a region, comparable across regions: two registrations of one shm
+// object give ranges in the same object (identified by device and inode; offsets into the
+// object), and cuda_ipc ranges are device addresses of this process.
+struct MemoryRange {
+  RegionKind kind = RegionKind::kShm;
+  uint64_t object_device = 0;
+  uint64_t object_inode = 0;
+  uint64_t begin = 0;  // [begin, end)
+  uint64_t end = 0;
+
+  // Whether the two ranges share a byte (empty ranges share none).
+  bool Overlaps(const MemoryRange& other) const {
+    return begin < end && other.begin < other.end && kind == other.kind &&
+           object_device == other.object_device && object_inode == other.object_inode &&
+           begin < other.end && other.begin < end;
+  }
 };
 
 // One mapped (shm) or imported (cuda_ipc) region. Immutable; unmapped or closed when destroyed.
@@ -68,6 +94,18 @@ class MappedRegion {
   // `field` and the numbers when they do not lie inside it (overflow included).
   absl::StatusOr<std::byte*> Slice(int64_t byte_offset, int64_t byte_count,
                                    absl::string_view field) const;
+  // The memory behind [byte_offset, byte_offset + byte_count) of the region (a Slice that
+  // succeeded), for overlap checks across regions.
+  MemoryRange Range(int64_t byte_offset, int64_t byte_count) const;
+
+  // Whether the client shrank the shm object under the region (an access faulted, or fstat saw
+  // it); the region's bytes are then zeros, whatever was read from it since is garbage.
+  bool shrunk() const { return guard_ != nullptr && guard_->faulted(); }
+  // OK, or FAILED_PRECONDITION when shrunk() or when the object is now smaller than the region
+  // (fstat; the region is then marked shrunk for good).
+  absl::Status CheckIntact() const;
+  // FAILED_PRECONDITION naming the region, for a request that found it shrunk.
+  absl::Status ShrunkError() const;
 
  private:
   friend class RegionRegistry;
@@ -78,6 +116,11 @@ class MappedRegion {
   kernels::MemorySpace space_ = kernels::MemorySpace::kHost;
   void* mapping_ = nullptr;  // shm: page-aligned start of the mapping
   size_t mapping_size_ = 0;
+  int64_t mapping_offset_ = 0;  // shm: object offset of mapping_
+  int fd_ = -1;                 // shm: kept open to fstat the object at every lease
+  uint64_t object_device_ = 0;  // shm: st_dev and st_ino of the object
+  uint64_t object_inode_ = 0;
+  std::unique_ptr<GuardedMapping> guard_;              // shm: destroyed before the munmap
   std::unique_ptr<kernels::ImportedRegion> imported_;  // cuda_ipc: closed when destroyed
 };
 
@@ -114,10 +157,12 @@ class RegionRegistry {
   RegionRegistry(const RegionRegistry&) = delete;
   RegionRegistry& operator=(const RegionRegistry&) = delete;
 
-  // Opens and maps the shared-memory window; returns its id (never 0, never reused).
-  // INVALID_ARGUMENT: bad name, negative offset, byte_size <= 0; NOT_FOUND: no such object;
-  // PERMISSION_DENIED: the server may not open it; OUT_OF_RANGE: past the object's end;
-  // RESOURCE_EXHAUSTED: max_regions reached; INTERNAL: mmap failed.
+  // Opens (non-blocking, never following a symbolic link) and maps the shared-memory window;
+  // returns its id (never 0, never reused). INVALID_ARGUMENT: bad name, negative offset,
+  // byte_size <= 0, or the name is not a regular file (FIFO, directory, symbolic link, device,
+  // socket: the message says which); NOT_FOUND: no such object; PERMISSION_DENIED: the server
+  // may not open it; OUT_OF_RANGE: past the object's end; RESOURCE_EXHAUSTED: max_regions
+  // reached, or out of file descriptors; INTERNAL: mmap failed.
   absl::StatusOr<uint64_t> RegisterShm(const ShmRegionSpec& spec);
 
   // Opens the CUDA IPC allocation through `backend` (Backend::ImportCudaIpc: once, it is slow)
@@ -129,14 +174,15 @@ class RegionRegistry {
   absl::StatusOr<uint64_t> RegisterCudaIpc(const kernels::CudaIpcRegionSpec& spec, bool writable,
                                            kernels::Backend& backend);
 
-  // A lease on region `id` for one request. NOT_FOUND: unknown id; FAILED_PRECONDITION: the
-  // region is being unregistered.
+  // A lease on region `id` for one request. INVALID_ARGUMENT: id 0; NOT_FOUND: unknown id;
+  // FAILED_PRECONDITION: the region is being unregistered, or the client shrank it (see
+  // MappedRegion::CheckIntact).
   absl::StatusOr<RegionLease> Acquire(uint64_t id);
 
   // Stops new leases at once, waits until in-flight requests release theirs (or `deadline`),
-  // then unmaps. NOT_FOUND: unknown id; FAILED_PRECONDITION: already being unregistered;
-  // DEADLINE_EXCEEDED: leases still held at the deadline (the region stays draining and is
-  // unmapped when the last lease goes).
+  // then unmaps. Calling it again on a draining region waits the same way (OK once it is
+  // gone). INVALID_ARGUMENT: id 0; NOT_FOUND: unknown id; DEADLINE_EXCEEDED: leases still held
+  // at the deadline (the region stays draining and is unmapped when the last lease goes).
   absl::Status Unregister(uint64_t id, absl::Time deadline = absl::InfiniteFuture());
 
   // Every registered region (draining ones included), by id.

@@ -1,5 +1,6 @@
 #include "service/grpc/convert.h"
 
+#include <optional>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -74,11 +75,25 @@ absl::StatusOr<KeepPlanCall> KeepPlanCallFromProto(const v1::ComputeKeepMaskRequ
     }
     OutputDestination& to = call.destination.emplace();
     to.region_id = d.region_id();
-    if (d.has_counts_offset()) to.counts = d.counts_offset();
-    if (d.has_offsets_offset()) to.offsets = d.offsets_offset();
-    if (d.has_positions_offset()) to.positions = d.positions_offset();
-    if (d.has_bitmask_offset()) to.bitmask = d.bitmask_offset();
-    if (d.has_scores_offset()) to.scores = d.scores_offset();
+    struct Offset {
+      bool given;
+      int64_t value;
+      std::optional<int64_t>& to;
+      const char* name;
+    };
+    for (const Offset& o :
+         {Offset{d.has_counts_offset(), d.counts_offset(), to.counts, "counts"},
+          Offset{d.has_offsets_offset(), d.offsets_offset(), to.offsets, "offsets"},
+          Offset{d.has_positions_offset(), d.positions_offset(), to.positions, "positions"},
+          Offset{d.has_bitmask_offset(), d.bitmask_offset(), to.bitmask, "bitmask"},
+          Offset{d.has_scores_offset(), d.scores_offset(), to.scores, "scores"}}) {
+      if (!o.given) continue;
+      if (o.value < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("outputs.destination.", o.name, "_offset = ", o.value, " is negative"));
+      }
+      o.to = o.value;
+    }
   }
   call.outputs.positions = out.has_positions() ? out.positions() : true;
   call.outputs.bitmask = out.bitmask();

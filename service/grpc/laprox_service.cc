@@ -1,7 +1,9 @@
 #include "service/grpc/laprox_service.h"
 
 #include <chrono>
+#include <exception>
 #include <memory>
+#include <new>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -20,6 +22,19 @@ absl::Time Deadline(const grpc::CallbackServerContext* context) {
 double SecondsBetween(std::chrono::steady_clock::time_point from,
                       std::chrono::steady_clock::time_point to) {
   return std::chrono::duration<double>(to - from).count();
+}
+
+// Runs a handler's body; an exception (std::bad_alloc from a container when the host is short
+// of memory despite the budgets) becomes a status instead of std::terminate.
+template <typename Fn>
+absl::Status Guarded(Fn&& fn) {
+  try {
+    return fn();
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError("laproxd ran out of memory serving this call");
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("unexpected exception: ", e.what()));
+  }
 }
 
 }  // namespace
@@ -63,17 +78,18 @@ grpc::ServerUnaryReactor* LaproxService::Reply(grpc::ServerUnaryReactor* reactor
 }
 
 template <typename Job>
-grpc::ServerUnaryReactor* LaproxService::Offload(grpc::CallbackServerContext* context, Call call,
+grpc::ServerUnaryReactor* LaproxService::Offload(WorkQueue& queue,
+                                                 grpc::CallbackServerContext* context, Call call,
                                                  Job job) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto shared_call = std::make_shared<Call>(std::move(call));
   absl::Status queued =
-      work_.Submit([this, context, shared_call, reactor, job = std::move(job)]() mutable {
+      queue.Submit([this, context, shared_call, reactor, job = std::move(job)]() mutable {
         if (context->IsCancelled()) {
           Reply(reactor, *shared_call, absl::CancelledError("cancelled before it started"));
           return;
         }
-        absl::Status status = job(*shared_call);
+        absl::Status status = Guarded([&] { return job(*shared_call); });
         if (!status.ok()) CheckBackendHealth();
         Reply(reactor, *shared_call, status);
       });
@@ -92,10 +108,7 @@ void LaproxService::CheckBackendHealth() {
   }
 }
 
-grpc::ServerUnaryReactor* LaproxService::GetServerInfo(grpc::CallbackServerContext* context,
-                                                       const v1::GetServerInfoRequest*,
-                                                       v1::GetServerInfoResponse* response) {
-  Call call(options_.metrics, Method::kGetServerInfo);
+absl::Status LaproxService::FillServerInfo(v1::GetServerInfoResponse* response) const {
   response->set_version(version_);
   response->set_backend(core_.backend().kind() == kernels::BackendKind::kCuda
                             ? v1::BACKEND_KIND_CUDA
@@ -105,6 +118,8 @@ grpc::ServerUnaryReactor* LaproxService::GetServerInfo(grpc::CallbackServerConte
   limits->set_max_regions(static_cast<int32_t>(core_.limits().max_regions));
   limits->set_max_models(static_cast<int32_t>(core_.limits().max_models));
   limits->set_max_tokens(core_.limits().max_tokens);
+  limits->set_max_request_memory_bytes(core_.request_memory().limit());
+  limits->set_max_model_memory_bytes(core_.model_memory().limit());
   limits->set_max_request_bytes(options_.max_request_bytes);
   limits->set_max_response_bytes(options_.max_response_bytes);
   limits->set_max_window(kernels::PolicySpec::kMaxWindow);
@@ -127,40 +142,58 @@ grpc::ServerUnaryReactor* LaproxService::GetServerInfo(grpc::CallbackServerConte
   if (core_.backend().kind() == kernels::BackendKind::kCuda) {
     response->add_supported_region_kinds(v1::REGION_KIND_CUDA_IPC);
   }
-  return Reply(context->DefaultReactor(), call, absl::OkStatus());
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* LaproxService::GetServerInfo(grpc::CallbackServerContext* context,
+                                                       const v1::GetServerInfoRequest*,
+                                                       v1::GetServerInfoResponse* response) {
+  Call call(options_.metrics, Method::kGetServerInfo);
+  return Reply(context->DefaultReactor(), call, Guarded([&] { return FillServerInfo(response); }));
+}
+
+absl::Status LaproxService::OpenRegion(grpc::CallbackServerContext* context,
+                                       const v1::RegisterRegionRequest& request,
+                                       v1::RegisterRegionResponse* response) {
+  absl::StatusOr<uint64_t> id;
+  switch (request.kind_case()) {
+    case v1::RegisterRegionRequest::kShm: {
+      const v1::ShmRegion& shm = request.shm();
+      id = core_.regions().RegisterShm({.name = shm.name(),
+                                        .offset = shm.offset(),
+                                        .byte_size = shm.byte_size(),
+                                        .writable = request.writable()});
+      break;
+    }
+    case v1::RegisterRegionRequest::kCudaIpc:
+      // Backend::ImportCudaIpc checks the handle size and the UUID before it asks whether the
+      // backend can open handles at all, so a CPU server answers INVALID_ARGUMENT for a
+      // malformed request and UNIMPLEMENTED for a well-formed one.
+      id =
+          core_.RegisterCudaIpcRegion(CudaIpcSpecFromProto(request.cuda_ipc()), request.writable());
+      break;
+    case v1::RegisterRegionRequest::KIND_NOT_SET:
+      return absl::InvalidArgumentError("region kind is missing: give shm or cuda_ipc");
+  }
+  if (!id.ok()) return id.status();
+  if (context->IsCancelled() || std::chrono::system_clock::now() > context->deadline()) {
+    // The client will never learn the id: nothing may stay registered for it.
+    core_.regions().Unregister(*id).IgnoreError();
+    return absl::DeadlineExceededError("the call ended while the region was opened; it was closed");
+  }
+  response->set_region_id(*id);
+  return absl::OkStatus();
 }
 
 grpc::ServerUnaryReactor* LaproxService::RegisterRegion(grpc::CallbackServerContext* context,
                                                         const v1::RegisterRegionRequest* request,
                                                         v1::RegisterRegionResponse* response) {
-  Call call(options_.metrics, Method::kRegisterRegion);
-  switch (request->kind_case()) {
-    case v1::RegisterRegionRequest::kShm: {
-      const v1::ShmRegion& shm = request->shm();
-      auto id = core_.regions().RegisterShm({.name = shm.name(),
-                                             .offset = shm.offset(),
-                                             .byte_size = shm.byte_size(),
-                                             .writable = request->writable()});
-      if (id.ok()) response->set_region_id(*id);
-      return Reply(context->DefaultReactor(), call, id.status());
-    }
-    case v1::RegisterRegionRequest::kCudaIpc:
-      // Opening the handle is slow (the driver maps the allocation): off the callback threads.
-      // Backend::ImportCudaIpc checks the handle size and the UUID before it asks whether the
-      // backend can open handles at all, so a CPU server answers INVALID_ARGUMENT for a
-      // malformed request and UNIMPLEMENTED for a well-formed one.
-      return Offload(context, std::move(call), [this, request, response](Call&) -> absl::Status {
-        auto id = core_.RegisterCudaIpcRegion(CudaIpcSpecFromProto(request->cuda_ipc()),
-                                              request->writable());
-        if (!id.ok()) return id.status();
-        response->set_region_id(*id);
-        return absl::OkStatus();
-      });
-    case v1::RegisterRegionRequest::KIND_NOT_SET:
-      break;
-  }
-  return Reply(context->DefaultReactor(), call,
-               absl::InvalidArgumentError("region kind is missing: give shm or cuda_ipc"));
+  // Opening never blocks (shm: O_NONBLOCK, regular files only), but an IPC handle is slow to
+  // open (the driver maps the allocation): both off the callback threads.
+  return Offload(control_, context, Call(options_.metrics, Method::kRegisterRegion),
+                 [this, context, request, response](Call&) {
+                   return OpenRegion(context, *request, response);
+                 });
 }
 
 grpc::ServerUnaryReactor* LaproxService::UnregisterRegion(
@@ -169,7 +202,7 @@ grpc::ServerUnaryReactor* LaproxService::UnregisterRegion(
   const uint64_t id = request->region_id();
   const absl::Time deadline = Deadline(context);
   // Waits for in-flight requests: off the callback threads.
-  return Offload(context, Call(options_.metrics, Method::kUnregisterRegion),
+  return Offload(work_, context, Call(options_.metrics, Method::kUnregisterRegion),
                  [this, id, deadline](Call&) { return core_.regions().Unregister(id, deadline); });
 }
 
@@ -177,16 +210,19 @@ grpc::ServerUnaryReactor* LaproxService::ListRegions(grpc::CallbackServerContext
                                                      const v1::ListRegionsRequest*,
                                                      v1::ListRegionsResponse* response) {
   Call call(options_.metrics, Method::kListRegions);
-  for (const RegionInfo& info : core_.regions().List()) {
-    RegionInfoToProto(info, response->add_regions());
-  }
-  return Reply(context->DefaultReactor(), call, absl::OkStatus());
+  absl::Status status = Guarded([&] {
+    for (const RegionInfo& info : core_.regions().List()) {
+      RegionInfoToProto(info, response->add_regions());
+    }
+    return absl::OkStatus();
+  });
+  return Reply(context->DefaultReactor(), call, status);
 }
 
 grpc::ServerUnaryReactor* LaproxService::RegisterModel(grpc::CallbackServerContext* context,
                                                        const v1::RegisterModelRequest* request,
                                                        v1::RegisterModelResponse* response) {
-  return Offload(context, Call(options_.metrics, Method::kRegisterModel),
+  return Offload(work_, context, Call(options_.metrics, Method::kRegisterModel),
                  [this, request, response](Call&) -> absl::Status {
                    auto spec = ModelSpecFromProto(*request);
                    if (!spec.ok()) return spec.status();
@@ -206,7 +242,7 @@ grpc::ServerUnaryReactor* LaproxService::UnregisterModel(grpc::CallbackServerCon
                                                          const v1::UnregisterModelRequest* request,
                                                          v1::UnregisterModelResponse*) {
   Call call(options_.metrics, Method::kUnregisterModel);
-  absl::Status status = core_.UnregisterModel(request->model_id());
+  absl::Status status = Guarded([&] { return core_.UnregisterModel(request->model_id()); });
   if (status.ok()) {
     if (options_.metrics != nullptr) options_.metrics->RemoveModel(request->model_id());
     ModelsChanged();
@@ -217,16 +253,29 @@ grpc::ServerUnaryReactor* LaproxService::UnregisterModel(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* LaproxService::ComputeKeepMask(grpc::CallbackServerContext* context,
                                                          const v1::ComputeKeepMaskRequest* request,
                                                          v1::ComputeKeepMaskResponse* response) {
-  return Offload(context, Call(options_.metrics, Method::kComputeKeepMask),
-                 [this, request, response](Call& rpc) -> absl::Status {
+  return Offload(work_, context, Call(options_.metrics, Method::kComputeKeepMask),
+                 [this, context, request, response](Call& rpc) -> absl::Status {
                    const Clock::time_point started = Clock::now();
                    auto call = KeepPlanCallFromProto(*request);
                    if (!call.ok()) return call.status();
                    const Clock::time_point converted = Clock::now();
-                   auto plan = core_.ComputeKeepPlan(*call);
+                   MemoryBudget::Reservation memory;  // covers the response built below
+                   auto plan = core_.ComputeKeepPlan(
+                       *call, {.deadline = Deadline(context),
+                               .cancelled = [context] { return context->IsCancelled(); },
+                               .hold_memory = &memory});
                    if (!plan.ok()) return plan.status();
                    const Clock::time_point computed = Clock::now();
                    KeepPlanToProto(*plan, *call, response);
+                   const auto bytes = static_cast<int64_t>(response->ByteSizeLong());
+                   if (options_.max_response_bytes > 0 && bytes > options_.max_response_bytes) {
+                     response->Clear();
+                     return absl::ResourceExhaustedError(absl::StrCat(
+                         "the response would be ", bytes,
+                         " bytes, more than max_response_bytes = ", options_.max_response_bytes,
+                         "; write positions, bitmask or scores into a region "
+                         "(outputs.destination)"));
+                   }
                    const Clock::time_point done = Clock::now();
                    const StageSeconds stages = {.queue = SecondsBetween(rpc.received(), started),
                                                 .validate = SecondsBetween(started, converted) +

@@ -1,7 +1,9 @@
 // LaproxService: the laprox.v1.Laprox gRPC service on the callback API. It only translates:
 // proto -> domain types, one Core call, domain result -> proto, absl::Status -> grpc::Status.
 // Blocking work (keep-plans, model preparation, region draining) runs on a WorkQueue, never on
-// gRPC's callback threads.
+// gRPC's callback threads; so do region opens, on a queue of their own, so that a slow open
+// never waits behind keep-plans. No exception leaves a call: an allocation that fails anyway
+// (the host is short of memory) answers RESOURCE_EXHAUSTED.
 #ifndef LAPROX_SERVICE_GRPC_LAPROX_SERVICE_H_
 #define LAPROX_SERVICE_GRPC_LAPROX_SERVICE_H_
 
@@ -27,7 +29,8 @@ struct ServiceOptions {
   // with that status; possibly many times and from several threads. laproxd then reports
   // NOT_SERVING.
   std::function<void(const absl::Status& health)> backend_unhealthy = nullptr;
-  // The transport's message limits, reported by GetServerInfo (0: not reported).
+  // The transport's message limits, reported by GetServerInfo (0: not reported). A
+  // ComputeKeepMask response larger than max_response_bytes (> 0) is RESOURCE_EXHAUSTED.
   int64_t max_request_bytes = 0;
   int64_t max_response_bytes = 0;
 };
@@ -37,6 +40,7 @@ class LaproxService final : public v1::Laprox::CallbackService {
   // `core`, `work` and options.metrics must outlive the service.
   LaproxService(Core& core, WorkQueue& work, std::string version, ServiceOptions options = {})
       : core_(core), work_(work), version_(std::move(version)), options_(std::move(options)) {}
+  // Destroy only after the server has shut down (region opens still queued are then run).
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
                                           const v1::GetServerInfoRequest* request,
@@ -69,15 +73,23 @@ class LaproxService final : public v1::Laprox::CallbackService {
   // Finishes the call (its context's DefaultReactor, obtained once) with `status`.
   static grpc::ServerUnaryReactor* Reply(grpc::ServerUnaryReactor* reactor, Call& call,
                                          const absl::Status& status);
-  // Runs `job` (returning absl::Status) on the work queue and finishes the call with its status.
+  // Runs `job` (returning absl::Status) on `queue` and finishes the call with its status.
   template <typename Job>
-  grpc::ServerUnaryReactor* Offload(grpc::CallbackServerContext* context, Call call, Job job);
+  grpc::ServerUnaryReactor* Offload(WorkQueue& queue, grpc::CallbackServerContext* context,
+                                    Call call, Job job);
+  absl::Status FillServerInfo(v1::GetServerInfoResponse* response) const;
+  // Registers the region the request describes (on the control queue); a call that stopped
+  // meanwhile leaves nothing registered.
+  absl::Status OpenRegion(grpc::CallbackServerContext* context,
+                          const v1::RegisterRegionRequest& request,
+                          v1::RegisterRegionResponse* response);
   void ModelsChanged();
   // Asks the backend whether it still works after a failed call (see backend_unhealthy).
   void CheckBackendHealth();
 
   Core& core_;
   WorkQueue& work_;
+  WorkQueue control_{/*workers=*/1, /*max_pending=*/256};  // region opens
   const std::string version_;
   const ServiceOptions options_;
 };

@@ -111,8 +111,38 @@ class Metrics::StateCollector : public prometheus::Collectable {
         "Bytes the registered models' prepared factors occupy (host memory for the CPU backend, "
         "device memory for CUDA).");
     prepared.metric.push_back(GaugeSample({}, static_cast<double>(s.prepared_bytes)));
-    std::vector<prometheus::MetricFamily> out = {std::move(regions), std::move(bytes),
-                                                 std::move(models), std::move(prepared)};
+    auto shrunk = GaugeFamily("laprox_shrunk_regions",
+                              "Registered regions whose client shrank the shm object below them: "
+                              "unusable until unregistered.");
+    shrunk.metric.push_back(GaugeSample({}, static_cast<double>(s.shrunk_regions)));
+    prometheus::MetricFamily faults = {
+        "laprox_region_faults_total",
+        "SIGBUS faults inside registered shm regions that laproxd absorbed (the client shrank the "
+        "object while a request read or wrote it).",
+        prometheus::MetricType::Counter,
+        {}};
+    prometheus::ClientMetric fault_count;
+    fault_count.counter.value = static_cast<double>(s.region_faults);
+    faults.metric.push_back(std::move(fault_count));
+    auto reserved = GaugeFamily("laprox_memory_reserved_bytes",
+                                "Bytes reserved now against a memory budget: budget=\"request\" "
+                                "(requests computing), budget=\"model\" (prepared models).");
+    auto limit = GaugeFamily("laprox_memory_limit_bytes",
+                             "The memory budgets' limits (--max_request_memory, "
+                             "--max_model_memory).");
+    for (const auto& [name, budget] : s.memory_budgets) {
+      reserved.metric.push_back(
+          GaugeSample({{"budget", name}}, static_cast<double>(budget.reserved)));
+      limit.metric.push_back(GaugeSample({{"budget", name}}, static_cast<double>(budget.limit)));
+    }
+    std::vector<prometheus::MetricFamily> out;
+    for (auto* family : {&regions, &bytes, &models, &prepared, &shrunk, &faults}) {
+      out.push_back(std::move(*family));
+    }
+    if (!s.memory_budgets.empty()) {
+      out.push_back(std::move(reserved));
+      out.push_back(std::move(limit));
+    }
     if (!s.device_memory_used_bytes.empty()) {
       auto device = GaugeFamily("laprox_device_memory_used_bytes",
                                 "Device memory in use on the GPU the CUDA backend computes on.");

@@ -61,6 +61,13 @@ struct StateSnapshot {
   int64_t models = 0;
   int64_t prepared_bytes = 0;
   std::map<std::string, int64_t> device_memory_used_bytes;  // by device uuid (CUDA only)
+  int64_t shrunk_regions = 0;  // regions their client shrank, still registered
+  int64_t region_faults = 0;   // SIGBUS faults absorbed in guarded mappings, ever
+  struct Budget {
+    int64_t reserved = 0;
+    int64_t limit = 0;
+  };
+  std::map<std::string, Budget> memory_budgets;  // "request", "model"
 };
 
 struct MetricsOptions {

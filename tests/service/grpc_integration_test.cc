@@ -307,7 +307,7 @@ TEST_F(GrpcIntegrationTest, CudaIpcRegionsOnTheCpuBackend) {
   EXPECT_EQ(regions[0].device_uuid(), "");
 }
 
-TEST_F(GrpcIntegrationTest, SequenceLengthAboveTheLimitIsResourceExhausted) {
+TEST_F(GrpcIntegrationTest, SequenceLengthAboveTheLimitIsOutOfRange) {
   TearDown();
   StartServer({.max_tokens = 200});
   Prefill prefill(4);
@@ -316,9 +316,9 @@ TEST_F(GrpcIntegrationTest, SequenceLengthAboveTheLimitIsResourceExhausted) {
   v1::ComputeKeepMaskResponse response;
   grpc::Status s =
       Call(&v1::Laprox::Stub::ComputeKeepMask, GoodRequest(model, region, prefill), &response);
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::OUT_OF_RANGE);
   EXPECT_THAT(s.error_message(),
-              ::testing::HasSubstr("n = 300 exceeds this server's limit of 200"));
+              ::testing::HasSubstr("n = 300 exceeds this server's limit of 200 tokens"));
 }
 
 // 16 clients x 50 requests on one shared region and model: every plan equals the single one.

@@ -23,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "laprox/kernels/backend.h"
 #include "laprox/kernels/registry.h"
+#include "service/core/fault_guard.h"
 
 namespace laprox::service {
 namespace {
@@ -42,6 +43,13 @@ class ShmObject {
   }
   ~ShmObject() { shm_unlink(("/" + name_).c_str()); }
   const std::string& name() const { return name_; }
+  // What a client may do at any time: shrink (or grow) the object under the server.
+  void Truncate(off_t size) {
+    const int fd = shm_open(("/" + name_).c_str(), O_RDWR, 0);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(ftruncate(fd, size), 0);
+    close(fd);
+  }
 
  private:
   std::string name_;
@@ -113,11 +121,86 @@ TEST(RegionRegistryTest, EnforcesTheRegionLimit) {
               IsStatus(absl::StatusCode::kResourceExhausted, "limit 2"));
 }
 
-TEST(RegionRegistryTest, UnknownIdsAreNotFound) {
+TEST(RegionRegistryTest, UnknownIdsAreNotFoundAndIdZeroIsInvalid) {
   RegionRegistry registry({});
   EXPECT_THAT(registry.Acquire(42).status(),
               IsStatus(absl::StatusCode::kNotFound, "region 42 not found"));
   EXPECT_THAT(registry.Unregister(42), IsStatus(absl::StatusCode::kNotFound, "region 42"));
+  EXPECT_THAT(registry.Acquire(0).status(),
+              IsStatus(absl::StatusCode::kInvalidArgument, "region_id is 0"));
+  EXPECT_THAT(registry.Unregister(0),
+              IsStatus(absl::StatusCode::kInvalidArgument, "region_id is 0"));
+}
+
+// The client shrinks its object while a request holds a lease and reads it: the read sees
+// zeros instead of raising SIGBUS, the region is marked shrunk, new leases are refused, and
+// unregistering it works as usual.
+TEST(RegionRegistryTest, ShrunkRegionReadsZerosAndIsRefusedUntilUnregistered) {
+  ShmObject object(UniqueName("shrink"), 4 * 4096);
+  RegionRegistry registry({});
+  const uint64_t id = *registry.RegisterShm({.name = object.name(), .byte_size = 4 * 4096});
+  const int64_t faults = GuardedFaultCount();
+  {
+    auto lease = registry.Acquire(id);
+    ASSERT_TRUE(lease.ok());
+    const volatile std::byte* data = lease->region().data();
+    EXPECT_EQ(static_cast<int>(data[3 * 4096 + 7]), (3 * 4096 + 7) % 251);
+    object.Truncate(4096);
+    EXPECT_EQ(static_cast<int>(data[3 * 4096 + 7]), 0);  // past the new end: a fault, absorbed
+    EXPECT_EQ(static_cast<int>(data[7]), 0);             // the whole mapping is zeros now
+    EXPECT_TRUE(lease->region().shrunk());
+    EXPECT_EQ(GuardedFaultCount(), faults + 1);
+  }
+  ASSERT_EQ(registry.List().size(), 1u);
+  EXPECT_TRUE(registry.List()[0].shrunk);
+  object.Truncate(4 * 4096);  // growing it back does not make the region usable again
+  EXPECT_THAT(registry.Acquire(id).status(),
+              IsStatus(absl::StatusCode::kFailedPrecondition, "was shrunk by its client"));
+  EXPECT_TRUE(registry.Unregister(id).ok());
+  EXPECT_TRUE(registry.List().empty());
+}
+
+// A shrink is seen at the next lease (fstat) even when nothing touched the missing pages.
+TEST(RegionRegistryTest, ShrinkIsSeenAtTheNextLeaseWithoutAFault) {
+  ShmObject object(UniqueName("fstat"), 8192);
+  RegionRegistry registry({});
+  const uint64_t id =
+      *registry.RegisterShm({.name = object.name(), .offset = 4096, .byte_size = 4096});
+  const int64_t faults = GuardedFaultCount();
+  object.Truncate(4096 + 100);
+  EXPECT_THAT(registry.Acquire(id).status(),
+              IsStatus(absl::StatusCode::kFailedPrecondition,
+                       absl::StrCat("region ", id, " (shm \"", object.name(), "\") was shrunk")));
+  EXPECT_EQ(GuardedFaultCount(), faults);
+  EXPECT_TRUE(registry.List()[0].shrunk);
+}
+
+// Outputs written into a writable region that the client shrank go nowhere; the server lives.
+TEST(RegionRegistryTest, WritesIntoAShrunkWritableRegionDoNotKillTheServer) {
+  ShmObject object(UniqueName("wshrink"), 2 * 4096);
+  RegionRegistry registry({});
+  const uint64_t id =
+      *registry.RegisterShm({.name = object.name(), .byte_size = 2 * 4096, .writable = true});
+  auto lease = registry.Acquire(id);
+  ASSERT_TRUE(lease.ok());
+  object.Truncate(0);
+  std::memset(lease->region().data(), 0x5a, 2 * 4096);
+  EXPECT_TRUE(lease->region().shrunk());
+}
+
+// A SIGBUS outside every registered region is a real bug and still kills the process.
+TEST(RegionRegistryDeathTest, FaultOutsideTheRegisteredRegionsStillKills) {
+  ShmObject registered(UniqueName("guarded"), 4096);
+  ShmObject other(UniqueName("unguarded"), 4096);
+  RegionRegistry registry({});
+  ASSERT_TRUE(registry.RegisterShm({.name = registered.name(), .byte_size = 4096}).ok());
+  const int fd = shm_open(("/" + other.name()).c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  const volatile auto* p =
+      static_cast<const volatile char*>(mmap(nullptr, 4096, PROT_READ, MAP_SHARED, fd, 0));
+  close(fd);
+  other.Truncate(0);
+  EXPECT_DEATH({ [[maybe_unused]] char c = p[10]; }, "");
 }
 
 // A request holds a lease; unregistration refuses new leases at once and returns only after
@@ -169,8 +252,9 @@ TEST(RegionRegistryTest, UnregisterDeadlineLeavesTheRegionDraining) {
     ASSERT_TRUE(lease.ok());
     EXPECT_THAT(registry.Unregister(id, absl::Now()),
                 IsStatus(absl::StatusCode::kDeadlineExceeded, "still used by 1 requests"));
-    EXPECT_THAT(registry.Unregister(id),
-                IsStatus(absl::StatusCode::kFailedPrecondition, "already being unregistered"));
+    // A second call waits like the first (and gives up at its own deadline).
+    EXPECT_THAT(registry.Unregister(id, absl::Now() + absl::Milliseconds(1)),
+                IsStatus(absl::StatusCode::kDeadlineExceeded, "still used by 1 requests"));
     ASSERT_EQ(registry.List().size(), 1u);
   }
   EXPECT_TRUE(registry.List().empty());  // gone with its last lease

@@ -73,7 +73,7 @@ class Prefill {
 };
 
 inline void SetRegionTensor(v1::TensorRef* t, uint64_t region, int64_t float_offset,
-                     std::initializer_list<int64_t> shape) {
+                            std::initializer_list<int64_t> shape) {
   t->mutable_region()->set_region_id(region);
   t->mutable_region()->set_byte_offset(float_offset * 4);
   t->set_dtype(v1::DTYPE_F32);
@@ -84,10 +84,10 @@ class ServerTest : public ::testing::Test {
  protected:
   void SetUp() override { StartServer({}); }
 
-  void StartServer(CoreLimits limits) {
+  void StartServer(CoreLimits limits, ServiceOptions options = {}) {
     core_ = std::make_unique<Core>(*kernels::CreateBackend("cpu"), limits);
     work_ = std::make_unique<WorkQueue>(2, 64);
-    service_ = std::make_unique<LaproxService>(*core_, *work_, "test");
+    service_ = std::make_unique<LaproxService>(*core_, *work_, "test", std::move(options));
     static std::atomic<int> counter{0};
     socket_ = absl::StrCat(::testing::TempDir(), "laprox-", getpid(), "-", counter++, ".sock");
     grpc::ServerBuilder builder;
