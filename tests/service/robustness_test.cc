@@ -45,6 +45,45 @@ class RobustnessTest : public ServerTest {
     EXPECT_THAT(response.positions(), ::testing::ElementsAreArray(DirectPlan(prefill).positions));
   }
 
+  // The model of row 3: 4095 KV heads of dimension 1, nearly free to register.
+  static constexpr int64_t kWideHeads = 4095, kWideTokens = int64_t{1} << 20;
+  uint64_t RegisterWideModel() {
+    v1::RegisterModelRequest request;
+    v1::ModelGeometry* g = request.mutable_geometry();
+    g->set_num_layers(1);
+    g->set_num_heads(kWideHeads);
+    g->set_num_kv_heads(kWideHeads);
+    g->set_head_dim(1);
+    g->set_hidden_size(1);
+    v1::TensorRef* w = request.add_o_proj();
+    const std::vector<float> ones(kWideHeads, 1.f);
+    w->set_inline_bytes(ones.data(), ones.size() * 4);
+    w->set_dtype(v1::DTYPE_F32);
+    w->add_shape(1);
+    w->add_shape(kWideHeads);
+    v1::RegisterModelResponse response;
+    grpc::Status s = Call(&v1::Laprox::Stub::RegisterModel, request, &response);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return response.model_id();
+  }
+
+  // Row 3's request with every element the same 4 bytes of `region` (zero strides): 4.3e9
+  // scores from 12 bytes of tensor.
+  static v1::ComputeKeepMaskRequest WideRegionRequest(uint64_t model, uint64_t region) {
+    v1::ComputeKeepMaskRequest request;
+    request.set_model_id(model);
+    request.set_n(kWideTokens);
+    request.mutable_budget()->set_tokens_per_head(1);
+    request.mutable_policy()->set_window(1);
+    v1::LayerInputs* in = request.add_layers();
+    for (v1::TensorRef* t : {in->mutable_keys(), in->mutable_values()}) {
+      SetRegionTensor(t, region, 0, {kWideHeads, kWideTokens, 1});
+      for (int i = 0; i < 3; ++i) t->add_strides(0);
+    }
+    SetRegionTensor(in->mutable_window_queries(), region, 0, {kWideHeads, 1, 1});
+    return request;
+  }
+
   // A writable shm object of `bytes` bytes filled with `fill`, registered; unlinked at TearDown.
   uint64_t RegisterOutputRegion(int64_t bytes, uint8_t fill, std::byte** mapping) {
     const std::string name = absl::StrCat("laprox-rtest-out-", getpid(), "-", outputs_.size());
@@ -134,29 +173,6 @@ TEST_F(RobustnessTest, ModelWhoseFactorsExceedTheModelMemoryIsResourceExhausted)
   ExpectServes(13);
 }
 
-// The model of row 3: 4095 KV heads of dimension 1, nearly free to register.
-uint64_t RegisterWideModel(ServerTest& test, auto call) {
-  constexpr int kHeads = 4095;
-  v1::RegisterModelRequest request;
-  v1::ModelGeometry* g = request.mutable_geometry();
-  g->set_num_layers(1);
-  g->set_num_heads(kHeads);
-  g->set_num_kv_heads(kHeads);
-  g->set_head_dim(1);
-  g->set_hidden_size(1);
-  v1::TensorRef* w = request.add_o_proj();
-  const std::vector<float> ones(kHeads, 1.f);
-  w->set_inline_bytes(ones.data(), ones.size() * 4);
-  w->set_dtype(v1::DTYPE_F32);
-  w->add_shape(1);
-  w->add_shape(kHeads);
-  v1::RegisterModelResponse response;
-  grpc::Status s = call(request, &response);
-  EXPECT_TRUE(s.ok()) << s.error_message();
-  (void)test;
-  return response.model_id();
-}
-
 // One tensor of `shape` whose every element is the same 4 bytes (zero strides).
 void SetBroadcast(v1::TensorRef* t, std::initializer_list<int64_t> shape) {
   const float one = 1.f;
@@ -171,10 +187,8 @@ void SetBroadcast(v1::TensorRef* t, std::initializer_list<int64_t> shape) {
 // Row 3: a 79-byte ComputeKeepMask with zero-stride inline tensors, 4095 KV heads and
 // n = 2^20 (4.3e9 scores). Before: std::bad_alloc, abort.
 TEST_F(RobustnessTest, ZeroStrideInlineTensorsCannotAmplifyMemory) {
-  const uint64_t model = RegisterWideModel(*this, [this](const auto& request, auto* response) {
-    return Call(&v1::Laprox::Stub::RegisterModel, request, response);
-  });
-  constexpr int64_t kHeads = 4095, kTokens = int64_t{1} << 20;
+  const uint64_t model = RegisterWideModel();
+  constexpr int64_t kHeads = kWideHeads, kTokens = kWideTokens;
   v1::ComputeKeepMaskRequest request;
   request.set_model_id(model);
   request.set_n(kTokens);
@@ -209,23 +223,10 @@ TEST_F(RobustnessTest, AllocationFailureDespiteTheBudgetIsResourceExhausted) {
 #endif
   TearDown();
   StartServer({.max_request_memory = int64_t{1} << 42});
-  const uint64_t model = RegisterWideModel(*this, [this](const auto& request, auto* response) {
-    return Call(&v1::Laprox::Stub::RegisterModel, request, response);
-  });
+  const uint64_t model = RegisterWideModel();
   Prefill prefill(28);
   const uint64_t region = RegisterRegion(prefill);
-  constexpr int64_t kHeads = 4095, kTokens = int64_t{1} << 20;
-  v1::ComputeKeepMaskRequest request;
-  request.set_model_id(model);
-  request.set_n(kTokens);
-  request.mutable_budget()->set_tokens_per_head(1);
-  request.mutable_policy()->set_window(1);
-  v1::LayerInputs* in = request.add_layers();
-  for (v1::TensorRef* t : {in->mutable_keys(), in->mutable_values()}) {
-    SetRegionTensor(t, region, 0, {kHeads, kTokens, 1});
-    for (int i = 0; i < 3; ++i) t->add_strides(0);
-  }
-  SetRegionTensor(in->mutable_window_queries(), region, 0, {kHeads, 1, 1});
+  const v1::ComputeKeepMaskRequest request = WideRegionRequest(model, region);
   struct rlimit saved {};
   ASSERT_EQ(getrlimit(RLIMIT_AS, &saved), 0);
   struct rlimit tight = saved;
@@ -242,23 +243,10 @@ TEST_F(RobustnessTest, AllocationFailureDespiteTheBudgetIsResourceExhausted) {
 // The same amplification through a 4-byte region: no copy is implied, but the scores of 4.3e9
 // tokens would be; the request memory budget refuses it before anything is allocated.
 TEST_F(RobustnessTest, RequestAboveTheMemoryBudgetIsResourceExhausted) {
-  const uint64_t model = RegisterWideModel(*this, [this](const auto& request, auto* response) {
-    return Call(&v1::Laprox::Stub::RegisterModel, request, response);
-  });
+  const uint64_t model = RegisterWideModel();
   Prefill prefill(15);
   const uint64_t region = RegisterRegion(prefill);
-  constexpr int64_t kHeads = 4095, kTokens = int64_t{1} << 20;
-  v1::ComputeKeepMaskRequest request;
-  request.set_model_id(model);
-  request.set_n(kTokens);
-  request.mutable_budget()->set_tokens_per_head(1);
-  request.mutable_policy()->set_window(1);
-  v1::LayerInputs* in = request.add_layers();
-  for (v1::TensorRef* t : {in->mutable_keys(), in->mutable_values()}) {
-    SetRegionTensor(t, region, 0, {kHeads, kTokens, 1});
-    for (int i = 0; i < 3; ++i) t->add_strides(0);
-  }
-  SetRegionTensor(in->mutable_window_queries(), region, 0, {kHeads, 1, 1});
+  const v1::ComputeKeepMaskRequest request = WideRegionRequest(model, region);
   v1::ComputeKeepMaskResponse response;
   grpc::Status s = Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
