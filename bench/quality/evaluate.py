@@ -1,117 +1,69 @@
 #!/usr/bin/env python3
 """Quality of laprox keep-plans on a real model (SmolLM2-135M-Instruct) on the CPU.
 
-Run through bench/quality/run.sh, which makes the venv, extracts the GGUF, builds and starts
-laproxd. Directly:
+Run through bench/quality/run.sh (venv, model, laproxd). Directly:
 
-    evaluate.py --target unix:/tmp/sock --gguf DIR/SmolLM2-135M-Instruct.Q4_1.gguf [--quick]
+    evaluate.py --target unix:/tmp/sock --gguf PATH.gguf [--quick | --grid]
 
-For every document (real Debian-shipped texts, see DOCUMENTS) the prefix of n tokens is
-prefilled ONCE; its keys, values, post-RoPE window queries and the attention inputs kvpress
-needs are kept. Every (method, budget) then only needs:
-  - a keep-plan: laproxd (LaProx variants and the baselines) or kvpress's own press `compress`
-    called on the same per-layer inputs its forward hook would see (the hook compresses layer l
-    after layer l's attention output is computed, so prefill is method-independent);
-  - output fidelity, per layer, from the kept tensors (no model call);
-  - one batched teacher-forced forward of the 128-token continuation over a copy of the prefix
-    cache with the evicted (layer, KV head, position) masked out (laprox.hf.masked).
-The needle task prefills each haystack once as well; the question's last token and the answer
-are then teacher-forced over the compressed cache (greedy exact match = the argmax equals the
-gold token at every answer position, the same as greedy decoding of the answer).
+Two parts, both paired (every method sees the same prompts and the same prefill):
+  - retrieval (tasks.py): single needle, multi-key with distractors, multi-value, multi-query,
+    variable tracking, at n = 2K and 4K. The context ends with the question; it is prefilled
+    once and compressed; the question's last token and the gold answer are then teacher-forced
+    over the compressed cache (laprox.hf.masked): exact match (greedy) and the gold answer's
+    log-probability;
+  - language modelling on held-out text spans (tasks.make_documents): KL(full || compressed)
+    and top-1 agreement over the continuation; per-layer output fidelity with the
+    continuation's own queries (out of sample); and the eviction objective on the scoring
+    window's queries (the paper's unrenormalised ||sum of dropped X|| and the renormalised
+    output error).
+`--grid` runs the dev grid of methods.grid_methods at one budget on prompts drawn with another
+seed (GRID.md, grid.json); the default is chosen there, the full run reports it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
-import gzip
+import hashlib
 import json
-import math
 import os
 import platform
-import random
-import re
-import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 # With 2 threads on 2 busy cores, OpenMP's default spin-waiting makes every parallel region
-# wait for a descheduled thread (small ops ran 7x slower than with 1 thread); passive waiting
-# avoids it. Must be set before torch loads its OpenMP runtime.
+# wait for a descheduled thread; passive waiting avoids it. Set before torch loads OpenMP.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BUDGETS = [32, 64, 128, 256, 512]
-CONT = 128              # teacher-forced continuation tokens (the mode sets it)
-WQ = 64                 # window query rows captured per layer (largest policy window)
-FID_ROWS = 32           # window rows the fidelity metric uses (LaProx's window, kept by all)
-HS_ROWS = 128           # last attention-input rows kept for kvpress (it reads the last 64)
+sys.path.insert(0, HERE)
 
-# (name, kind, source); source "laprox": Policy options for laproxd; "kvpress": press factory.
-LAPROX_METHODS = [
-    ("LaProx", {}),
-    ("LaProx global-raw", {"allocation": "global_raw"}),
-    ("LaProx per-layer", {"allocation": "per_layer"}),
-    ("LaProx uniform", {"allocation": "uniform"}),
-    ("LaProx A*|V|", {"indicator": "attention_x_value"}),
-    ("LaProx A", {"indicator": "attention"}),
-    ("LaProx gqa=summed", {"gqa_value": "summed_projection"}),
-    ("LaProx gqa=product", {"gqa_value": "mean_head_product"}),
-    ("LaProx gqa=exact", {"gqa_value": "exact_block"}),
-    ("StreamingLLM", {"kind": "streaming_llm"}),
-    ("SnapKV", {"kind": "snapkv"}),
-    ("PyramidKV", {"kind": "pyramidkv"}),
-    ("AdaKV", {"kind": "adakv"}),
-    ("CriticalKV", {"kind": "criticalkv"}),
-    ("CriticalAdaKV", {"kind": "critical_adakv"}),
-    ("CAKE", {"kind": "cake"}),
-]
-# Variants of LaProx that change what it shares with the SnapKV family, to find out why SnapKV
-# and AdaKV beat it on KL from B = 128 (--investigate adds them; see RESULTS.md "Investigation").
-INVESTIGATE_METHODS = [
-    ("LaProx w=64", {"window": 64}),
-    ("LaProx sinks=4", {"sinks": 4}),
-    ("LaProx pool=5", {"pool_kernel": 5}),
-    ("LaProx w=64 pool=5", {"window": 64, "pool_kernel": 5}),
-    ("LaProx gqa=product w=64", {"gqa_value": "mean_head_product", "window": 64}),
-    ("LaProx A w=64", {"indicator": "attention", "window": 64}),
-    ("LaProx per-layer w=64", {"allocation": "per_layer", "window": 64}),
-]
-KVPRESS_METHODS = ["kvpress SnapKV", "kvpress AdaKV", "kvpress CriticalKV",
-                   "kvpress StreamingLLM", "kvpress PyramidKV"]
+import methods as M  # noqa: E402
+import tasks as T    # noqa: E402
 
-# Candidate documents in order: (label, how to read it). Licences and man pages, all prose.
-DOCUMENTS = [
-    ("GPL-3", "file:/usr/share/common-licenses/GPL-3"),
-    ("man bash", "man:bash"),
-    ("MPL-2.0", "file:/usr/share/common-licenses/MPL-2.0"),
-    ("man find", "man:find"),
-    ("LGPL-2.1", "file:/usr/share/common-licenses/LGPL-2.1"),
-    ("man ssh", "man:ssh"),
-    ("GFDL-1.3", "file:/usr/share/common-licenses/GFDL-1.3"),
-    ("man git", "man:git"),
-    ("man systemd", "man:systemd"),
-    ("MPL-1.1", "file:/usr/share/common-licenses/MPL-1.1"),
-    ("man cmake", "man:cmake"),
-    ("man tar", "man:tar"),
-    ("GPL-2", "file:/usr/share/common-licenses/GPL-2"),
-    ("man man", "man:man"),
-    ("Apache-2.0", "file:/usr/share/common-licenses/Apache-2.0"),
-    ("git changelog", "file:/usr/share/doc/git/changelog.gz"),
-]
+WQ = 32        # window query rows given to laproxd: the largest window of the run's methods
+OBJ_ROWS = 32  # scoring-window rows of the objective check (w = 32: kept by every method)
+HS_ROWS = 128  # last attention-input rows kept for kvpress (it reads the last 64)
 
 MODES = {
-    # documents, their context lengths (cycled), continuation tokens, needle haystacks x depths,
-    # needle context. --quick is a smoke run of every method and budget on little data.
-    "quick": dict(docs=2, lengths=[2048], cont=32, needle_docs=1, depths=[0.3, 0.7],
-                  needle_len=1024),
-    "full": dict(docs=8, lengths=[2048, 3072, 4000], cont=128, needle_docs=2,
-                 depths=[0.1, 0.35, 0.65, 0.9], needle_len=2048),
+    # test prompts per task (spread over the lengths), LM documents, continuation tokens
+    "full": dict(plan={"single_needle": 20, "multi_key": 40, "multi_value": 20,
+                       "multi_query": 20, "variable_tracking": 20},
+                 lengths=[2048] * 5 + [4096], docs=24, doc_lengths=[2048], cont=32,
+                 budgets=[64, 128, 256, 512, 1024], seed=2026),
+    "quick": dict(plan={"single_needle": 1, "multi_key": 2, "multi_value": 1, "multi_query": 1,
+                        "variable_tracking": 1},
+                  lengths=[2048], docs=2, doc_lengths=[2048], cont=32,
+                  budgets=[64, 128, 1024], seed=2026),
+    # the dev grid: another seed, fewer prompts, one budget
+    "grid": dict(plan={"single_needle": 1, "multi_key": 12, "multi_value": 1, "multi_query": 1,
+                       "variable_tracking": 1},
+                 lengths=[2048], docs=2, doc_lengths=[2048], cont=32, budgets=[128], seed=7),
 }
 
 
@@ -119,33 +71,9 @@ def log(*args: Any) -> None:
     print(*args, file=sys.stderr, flush=True)
 
 
-# --------------------------------------------------------------------------------------------
-# Inputs
-# --------------------------------------------------------------------------------------------
-
-def read_document(source: str) -> str:
-    kind, _, arg = source.partition(":")
-    if kind == "file":
-        if not os.path.exists(arg):
-            return ""
-        opener = gzip.open if arg.endswith(".gz") else open
-        with opener(arg, "rt", errors="replace") as f:
-            text = f.read()
-    else:
-        env = dict(os.environ, MANWIDTH="80", MAN_KEEP_FORMATTING="", LC_ALL="C.UTF-8")
-        try:
-            text = subprocess.run(["man", "-P", "cat", arg], capture_output=True, text=True,
-                                  env=env, timeout=60).stdout
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    text = re.sub(r"[ \t]+", " ", text)          # man's justification spaces
-    text = re.sub(r"\n\s*\n\s*\n+", "\n\n", text)
-    return text.strip()
-
-
 def load_model(gguf: str):
-    """The GGUF through transformers (dequantized to fp32). Converting takes over a minute on 2
-    cores, so the converted model is saved beside the GGUF (hf/, safetensors) and reused."""
+    """The GGUF through transformers (dequantized to fp32), converted once and cached beside
+    the GGUF (hf/, safetensors)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     folder, name = os.path.split(os.path.abspath(gguf))
     converted = os.path.join(folder, "hf")
@@ -156,20 +84,18 @@ def load_model(gguf: str):
             cached = json.load(f) == source
     except (OSError, ValueError):
         cached = False
-    if cached:
-        tok = AutoTokenizer.from_pretrained(converted)
-        model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32,
-                                                     attn_implementation="sdpa")
-    else:
+    if not cached:
         log(f"== converting {name} (dequantized to fp32; cached in {converted})")
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                     dtype=torch.float32,
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
                                                      attn_implementation="sdpa")
         model.save_pretrained(converted)
         tok.save_pretrained(converted)
         with open(stamp, "w") as f:
             json.dump(source, f)
+    tok = AutoTokenizer.from_pretrained(converted)
+    model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32,
+                                                 attn_implementation="sdpa")
     model.eval()
     return tok, model
 
@@ -179,38 +105,44 @@ def load_model(gguf: str):
 # --------------------------------------------------------------------------------------------
 
 class Prefix:
-    """Everything a method needs about one prefilled prefix."""
+    """One prefill of `ids` [N] whose first n tokens are the compressed prefix: the prefix's
+    keys and values, the window queries [n - WQ, n), the queries of the positions after n
+    (`extra_queries`, for out-of-sample fidelity), the keys and values after n, and the
+    attention inputs of [n - HS_ROWS, n) that kvpress's presses read."""
 
-    def __init__(self, model, ids: torch.Tensor):
+    def __init__(self, model, ids: torch.Tensor, n: int):
         import laprox.hf as lhf
         from transformers import DynamicCache
-        self.n = ids.shape[1]
+        self.n = n
+        extra = ids.shape[0] - n
         modules = lhf.attention_modules(model)
         hs, pe = {}, {}
 
         def pre_hook(module, args, kwargs):
             h = kwargs.get("hidden_states", args[0] if args else None)
-            hs[module.layer_idx] = h[:, -HS_ROWS:].detach().clone()
+            hs[module.layer_idx] = h[:, n - HS_ROWS:n].detach().clone()
             cos, sin = kwargs["position_embeddings"]
-            pe[module.layer_idx] = (cos[:, -HS_ROWS:].clone(), sin[:, -HS_ROWS:].clone())
+            pe[module.layer_idx] = (cos[:, n - HS_ROWS:n].clone(), sin[:, n - HS_ROWS:n].clone())
 
         handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in modules]
         cache = DynamicCache(config=model.config)
         try:
-            with torch.no_grad(), lhf.capture_window_queries(model, WQ) as queries:
-                out = model(ids, past_key_values=cache, use_cache=True)
+            with torch.no_grad(), lhf.capture_window_queries(model, WQ + extra) as queries:
+                out = model(ids.unsqueeze(0), past_key_values=cache, use_cache=True)
         finally:
             for h in handles:
                 h.remove()
-        self.last_logits = out.logits[0, -1].float()
+        # log-probs of tokens n+1 .. N-1 given everything before (the continuation's targets)
+        self.full_cont = torch.log_softmax(out.logits[0, n:-1].float(), -1) if extra else None
         L = len(modules)
-        self.keys = [lhf.cache_layer_kv(cache, l)[0].detach().clone() for l in range(L)]
-        self.values = [lhf.cache_layer_kv(cache, l)[1].detach().clone() for l in range(L)]
-        self.queries = [queries[l].detach().clone() for l in range(L)]    # [1, H, WQ, d]
-        self.hidden = hs
-        self.pos_emb = pe
-        self.modules = modules
-        # numpy views for laproxd (float32, [Hkv, n, d] / [H, WQ, d])
+        kv = [lhf.cache_layer_kv(cache, l) for l in range(L)]
+        self.keys = [k[:, :, :n].contiguous() for k, _ in kv]
+        self.values = [v[:, :, :n].contiguous() for _, v in kv]
+        self.extra_keys = [k[0, :, n:].contiguous() for k, _ in kv]
+        self.extra_values = [v[0, :, n:].contiguous() for _, v in kv]
+        self.queries = [queries[l][:, :, :WQ].contiguous() for l in range(L)]  # [1, H, WQ, d]
+        self.extra_queries = [queries[l][0, :, WQ:] for l in range(L)]       # [H, extra, d]
+        self.hidden, self.pos_emb, self.modules = hs, pe, modules
         self.np_keys = [k[0].numpy() for k in self.keys]
         self.np_values = [v[0].numpy() for v in self.values]
         self.np_queries = [q[0].numpy() for q in self.queries]
@@ -225,115 +157,10 @@ class Prefix:
         return cache
 
 
-# --------------------------------------------------------------------------------------------
-# Keep masks
-# --------------------------------------------------------------------------------------------
-
-def laprox_masks(client, model_id: int, prefix: Prefix, options: Dict[str, Any],
-                 budget: int) -> np.ndarray:
-    plan = client.compute_keep_plan(model_id, prefix.np_keys, prefix.np_values,
-                                    window_queries=prefix.np_queries, budget=budget,
-                                    policy=dict(options))
-    return plan.to_masks()                                           # bool [L, Hkv, n]
-
-
-def kvpress_press(name: str, budget: int, n: int):
-    from kvpress import (AdaKVPress, CriticalKVPress, PyramidKVPress, SnapKVPress,
-                         StreamingLLMPress)
-    # n_kept = int(n * (1 - cr)) = budget exactly (kvpress truncates the product).
-    cr = 1.0 - (budget + 0.5) / n
-    return {
-        "kvpress SnapKV": lambda: SnapKVPress(compression_ratio=cr),
-        "kvpress AdaKV": lambda: AdaKVPress(SnapKVPress(compression_ratio=cr)),
-        "kvpress CriticalKV": lambda: CriticalKVPress(SnapKVPress(compression_ratio=cr)),
-        "kvpress StreamingLLM": lambda: StreamingLLMPress(compression_ratio=cr),
-        "kvpress PyramidKV": lambda: PyramidKVPress(compression_ratio=cr),
-    }[name]()
-
-
-def _rows_to_positions(keys: torch.Tensor, out: torch.Tensor) -> np.ndarray:
-    """Positions [Hkv, k] of the rows of out [Hkv, k, d] in keys [Hkv, n, d], by exact bytes
-    (RoPE makes every row of a head distinct)."""
-    keys_np = np.ascontiguousarray(keys.numpy())
-    out_np = np.ascontiguousarray(out.numpy())
-    pos = np.empty(out_np.shape[:2], dtype=np.int64)
-    for h in range(keys_np.shape[0]):
-        index = {row.tobytes(): i for i, row in enumerate(keys_np[h])}
-        try:
-            pos[h] = [index[row.tobytes()] for row in out_np[h]]
-        except KeyError:
-            raise AssertionError("kvpress kept a row that is not in the prefix keys") from None
-    return pos
-
-
-def kvpress_masks(name: str, prefix: Prefix, budget: int) -> np.ndarray:
-    press = kvpress_press(name, budget, prefix.n)
-    L = len(prefix.keys)
-    hkv = prefix.keys[0].shape[1]
-    masks = np.zeros((L, hkv, prefix.n), dtype=bool)
-    with torch.no_grad():
-        for l, module in enumerate(prefix.modules):
-            keys, values = prefix.keys[l], prefix.values[l]
-            kwargs = {"position_embeddings": prefix.pos_emb[l], "hidden_states": prefix.hidden[l]}
-            module.__dict__.pop("masked_key_indices", None)
-            k_out, _ = press.compress(module, prefix.hidden[l], keys, values, None, kwargs)
-            evicted = module.__dict__.pop("masked_key_indices", None)
-            if evicted is not None:                                  # AdaKV: masks, same shape
-                masks[l] = True
-                _, heads, seqs = evicted
-                masks[l][heads.numpy(), seqs.numpy()] = False
-            else:
-                pos = _rows_to_positions(keys[0], k_out[0])
-                masks[l][np.arange(hkv)[:, None], pos] = True
-    return masks
-
-
-# --------------------------------------------------------------------------------------------
-# Metrics
-# --------------------------------------------------------------------------------------------
-
-class Fidelity:
-    """Per-layer window attention output sum_h A^h V W_O^h with all keys vs kept keys.
-
-    exp(logits - row max) is computed once per layer; a keep mask then only zeroes columns, and
-    the renormalised softmax is (E * keep) / sum(E * keep)."""
-
-    def __init__(self, model, prefix: Prefix):
-        self.layers = []
-        for l, module in enumerate(prefix.modules):
-            q = prefix.queries[l][0, :, -FID_ROWS:].float()               # [H, w, d]
-            k, v = prefix.keys[l][0].float(), prefix.values[l][0].float()  # [Hkv, n, d]
-            hkv, n, d = k.shape
-            g = q.shape[0] // hkv
-            q = q.reshape(hkv, g * FID_ROWS, d)
-            logits = (q @ k.transpose(1, 2)) * float(module.scaling)     # [Hkv, G*w, n]
-            rows = (torch.arange(FID_ROWS) + (n - FID_ROWS)).repeat(g).unsqueeze(1)
-            logits.masked_fill_(torch.arange(n).unsqueeze(0) > rows, float("-inf"))
-            e = torch.exp(logits - logits.amax(-1, keepdim=True))
-            w_o = module.o_proj.weight.detach().float()                  # [D, H*d]
-            full = self._out(e, v, w_o, g)
-            self.layers.append((e, v, w_o, full, g))
-
-    @staticmethod
-    def _out(e, v, w_o, g):
-        heads = (e @ v) / e.sum(-1, keepdim=True)                        # [Hkv, G*w, d]
-        heads = heads.view(-1, FID_ROWS, heads.shape[-1])                # [H, w, d]
-        return heads.transpose(0, 1).reshape(FID_ROWS, -1) @ w_o.T        # [w, D]
-
-    def __call__(self, masks: np.ndarray) -> Tuple[float, float]:
-        cos, rel = [], []
-        for l, (e, v, w_o, full, g) in enumerate(self.layers):
-            keep = torch.from_numpy(masks[l]).to(e.dtype).unsqueeze(1)    # [Hkv, 1, n]
-            kept = self._out(e * keep, v, w_o, g)
-            cos.append(F.cosine_similarity(kept.double(), full.double(), dim=-1).mean().item())
-            rel.append(((kept - full).double().norm() / full.double().norm()).item())
-        return float(np.mean(cos)), float(np.mean(rel))
-
-
-def continuation_logits(model, prefix: Prefix, tokens: torch.Tensor,
-                        masks: List[np.ndarray] | None) -> torch.Tensor:
-    """Log-probs [B, T, V] of teacher-forcing `tokens` [T] over the prefix cache, one batch row
-    per mask set (None: the full cache, batch 1)."""
+def teacher_forced(model, prefix: Prefix, tokens: torch.Tensor,
+                   masks: Optional[List[np.ndarray]]) -> torch.Tensor:
+    """Log-probs [B, T, V] of feeding `tokens` [T] after the prefix, one batch row per mask set
+    (None: the full cache, batch 1)."""
     import laprox.hf as lhf
     batch = 1 if masks is None else len(masks)
     ids = tokens.unsqueeze(0).expand(batch, -1)
@@ -350,28 +177,54 @@ def continuation_logits(model, prefix: Prefix, tokens: torch.Tensor,
 
 
 # --------------------------------------------------------------------------------------------
-# Main loop
+# Keep masks
 # --------------------------------------------------------------------------------------------
 
-def all_masks(client, model_id, prefix: Prefix, methods: List[str],
-              bar=None) -> Dict[Tuple[str, int], Any]:
-    options = dict(LAPROX_METHODS)
+def kvpress_masks(name: str, prefix: Prefix, budget: int) -> np.ndarray:
+    """kvpress's own press, `compress` called on the inputs its forward hook would see."""
+    from kvpress import SnapKVPress
+    cr = 1.0 - (budget + 0.5) / prefix.n          # n_kept = int(n * (1 - cr)) = budget
+    press = {"SnapKV": lambda: SnapKVPress(compression_ratio=cr)}[name]()
+    L, hkv = len(prefix.keys), prefix.keys[0].shape[1]
+    masks = np.zeros((L, hkv, prefix.n), dtype=bool)
+    with torch.no_grad():
+        for l, module in enumerate(prefix.modules):
+            keys, values = prefix.keys[l], prefix.values[l]
+            kwargs = {"position_embeddings": prefix.pos_emb[l], "hidden_states": prefix.hidden[l]}
+            k_out, _ = press.compress(module, prefix.hidden[l], keys, values, None, kwargs)
+            masks[l][np.arange(hkv)[:, None], _rows_to_positions(keys[0], k_out[0])] = True
+    return masks
+
+
+def _rows_to_positions(keys: torch.Tensor, out: torch.Tensor) -> np.ndarray:
+    """Positions [Hkv, k] of the rows of out [Hkv, k, d] in keys [Hkv, n, d], by exact bytes
+    (RoPE makes every row of a head distinct)."""
+    keys_np, out_np = np.ascontiguousarray(keys.numpy()), np.ascontiguousarray(out.numpy())
+    pos = np.empty(out_np.shape[:2], dtype=np.int64)
+    for h in range(keys_np.shape[0]):
+        index = {row.tobytes(): i for i, row in enumerate(keys_np[h])}
+        pos[h] = [index[row.tobytes()] for row in out_np[h]]
+    return pos
+
+
+def keep_masks(client, model_id: int, prefix: Prefix, methods: List[M.Method],
+               budgets: List[int]) -> Dict[Tuple[str, int], np.ndarray]:
     out = {}
-    for name in methods:
-        for b in BUDGETS:
-            if name in options:
-                out[(name, b)] = laprox_masks(client, model_id, prefix, options[name], b)
+    for name, options in methods:
+        for b in budgets:
+            if "kvpress" in options:
+                out[(name, b)] = kvpress_masks(options["kvpress"], prefix, b)
             else:
-                out[(name, b)] = kvpress_masks(name, prefix, b)
-            if bar is not None:
-                bar.update(1)
+                plan = client.compute_keep_plan(model_id, prefix.np_keys, prefix.np_values,
+                                                window_queries=prefix.np_queries, budget=b,
+                                                policy=dict(options))
+                out[(name, b)] = plan.to_masks()
     return out
 
 
-def unique_masks(masks: Dict[Tuple[str, int], np.ndarray]) -> Dict[str, List[Tuple[str, int]]]:
-    """Configurations grouped by identical keep masks (digest -> [(method, budget)])."""
-    import hashlib
-    groups: Dict[str, List[Tuple[str, int]]] = {}
+def unique(masks: Dict[Any, np.ndarray]) -> Dict[str, List[Any]]:
+    """Configurations grouped by identical masks (digest -> keys): each group runs once."""
+    groups: Dict[str, List[Any]] = {}
     for key, m in masks.items():
         groups.setdefault(hashlib.sha1(np.packbits(m).tobytes()).hexdigest(), []).append(key)
     return groups
@@ -382,56 +235,209 @@ def batched(items: List[Any], size: int):
         yield items[i:i + size]
 
 
+# --------------------------------------------------------------------------------------------
+# Layer-local metrics
+# --------------------------------------------------------------------------------------------
+
+class LayerOutputs:
+    """Per layer, the attention output sum_h A^h V W_O^h of a set of query rows, with every key
+    and with a keep mask: E = exp(logits - row max) is computed once; a mask then only zeroes
+    columns of the prefix. Rows past the prefix (the continuation) also see the continuation's
+    own keys, which are never evicted."""
+
+    def __init__(self, prefix: Prefix, queries: List[torch.Tensor], first_row: int):
+        self.layers = []
+        n = prefix.n
+        for l, module in enumerate(prefix.modules):
+            q = queries[l].float()                                       # [H, R, d]
+            k, v = prefix.keys[l][0].float(), prefix.values[l][0].float()
+            if first_row >= n:
+                k = torch.cat([k, prefix.extra_keys[l].float()], 1)
+                v = torch.cat([v, prefix.extra_values[l].float()], 1)
+            hkv, total, d = k.shape
+            R = q.shape[1]
+            g = q.shape[0] // hkv
+            q = q.reshape(hkv, g * R, d)
+            logits = (q @ k.transpose(1, 2)) * float(module.scaling)     # [Hkv, G*R, total]
+            rows = (torch.arange(R) + first_row).repeat(g).unsqueeze(1)
+            logits.masked_fill_(torch.arange(total).unsqueeze(0) > rows, float("-inf"))
+            e = torch.exp(logits - logits.amax(-1, keepdim=True))
+            w_o = module.o_proj.weight.detach().float()                  # [D, H*d]
+            self.layers.append((e, v, w_o, g, R, e.sum(-1, keepdim=True)))
+        self.full_num = [e @ v for e, v, _, _, _, _ in self.layers]
+        self.full = [self._project(num / s, w_o, R) for num, (_, _, w_o, _, R, s)
+                     in zip(self.full_num, self.layers)]
+        self.n = n
+
+    @staticmethod
+    def _project(heads, w_o, R):
+        """[..., Hkv, G*R, d] head outputs -> [..., R, D] layer outputs."""
+        lead = heads.shape[:-3]
+        heads = heads.reshape(*lead, -1, R, heads.shape[-1])             # [..., H, R, d]
+        return heads.transpose(-3, -2).reshape(*lead, R, -1) @ w_o.T      # [..., R, D]
+
+    def metrics(self, masks: List[np.ndarray], chunk: int = 16) -> Dict[str, np.ndarray]:
+        """Per mask set [L, Hkv, n], means over layers of: `cos`, `rel` (the output over the
+        kept keys, softmax renormalised over them as attention does after eviction: cosine and
+        relative L2 error against the full output) and `dropped` (the paper's objective,
+        ||sum over the evicted entries of X|| / ||Y||, X with the full softmax)."""
+        out = {k: np.zeros(len(masks)) for k in ("cos", "rel", "dropped")}
+        for c0 in range(0, len(masks), chunk):
+            stack = torch.from_numpy(np.stack(masks[c0:c0 + chunk])).float()  # [C, L, Hkv, n]
+            for l, (e, v, w_o, g, R, s) in enumerate(self.layers):
+                keep = torch.ones(stack.shape[0], e.shape[0], 1, e.shape[-1])
+                keep[:, :, 0, :self.n] = stack[:, l]
+                ek = e * keep                                            # [C, Hkv, G*R, total]
+                full = self.full[l].double()
+                kept_num = ek @ v                       # the dropped part is (E - E.keep) V
+                kept = self._project(kept_num / ek.sum(-1, keepdim=True).clamp_min(1e-30),
+                                     w_o, R)
+                dropped = self._project((self.full_num[l] - kept_num) / s, w_o, R).double()
+                sl = slice(c0, c0 + stack.shape[0])
+                out["cos"][sl] += torch.nn.functional.cosine_similarity(
+                    kept.double(), full, -1).mean(-1).numpy()
+                out["rel"][sl] += ((kept.double() - full).flatten(1).norm(dim=1)
+                                   / full.norm()).numpy()
+                out["dropped"][sl] += (dropped.flatten(1).norm(dim=1) / full.norm()).numpy()
+        return {k: v / len(self.layers) for k, v in out.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# The runs
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Context:
+    model: Any
+    client: Any
+    model_id: int
+    methods: List[M.Method]       # the retrieval part's
+    doc_methods: List[M.Method]   # the language-model part's
+    budgets: List[int]
+    batch: int
+    timings: Dict[str, float]
+    bar: Any
+
+
+def _timed(ctx: Context, key: str, t0: float) -> None:
+    ctx.timings[key] = ctx.timings.get(key, 0.0) + time.time() - t0
+
+
+def run_prompt(ctx: Context, p: T.Prompt) -> Dict[str, Any]:
+    """Exact match and gold log-prob of every (method, budget), and of the full cache."""
+    t0 = time.time()
+    prefix = Prefix(ctx.model, p.context, p.context.shape[0])
+    full = teacher_forced(ctx.model, prefix, p.tail, None)[0]
+    answer = p.answer
+    index = torch.arange(answer.shape[0])
+
+    def score(lp: torch.Tensor) -> Tuple[bool, float]:
+        return (bool((lp[:-1].argmax(-1) == answer).all()),
+                float(lp[:-1][index, answer].sum()))
+
+    full_em, full_lp = score(full)
+    _timed(ctx, "prefill", t0)
+    t0 = time.time()
+    masks = keep_masks(ctx.client, ctx.model_id, prefix, ctx.methods, ctx.budgets)
+    _timed(ctx, "plans", t0)
+    t0 = time.time()
+    em, lp = {}, {}
+    groups = unique(masks)
+    for chunk in batched(list(groups), ctx.batch * 2):
+        out = teacher_forced(ctx.model, prefix, p.tail, [masks[groups[h][0]] for h in chunk])
+        for i, h in enumerate(chunk):
+            e, l = score(out[i])
+            for key in groups[h]:
+                em[key], lp[key] = e, l
+    _timed(ctx, "forward", t0)
+    ctx.bar.update(1)
+    return {"task": p.task, "source": p.source, "n": p.n, "depths": p.depths,
+            "answer_tokens": int(answer.shape[0]), "full_em": full_em, "full_lp": full_lp,
+            "em": _table(em, ctx.methods, ctx.budgets), "lp": _table(lp, ctx.methods, ctx.budgets)}
+
+
+def run_document(ctx: Context, d: T.Document) -> Dict[str, Any]:
+    """KL and top-1 over the continuation; fidelity with the continuation's queries; the
+    objective on the scoring window's queries."""
+    t0 = time.time()
+    prefix = Prefix(ctx.model, d.ids, d.n)
+    full = prefix.full_cont                                              # [cont - 1, V]
+    feed = d.ids[d.n:-1]
+    _timed(ctx, "prefill", t0)
+    t0 = time.time()
+    masks = keep_masks(ctx.client, ctx.model_id, prefix, ctx.doc_methods, ctx.budgets)
+    _timed(ctx, "plans", t0)
+    t0 = time.time()
+    out_of_sample = LayerOutputs(prefix, prefix.extra_queries, d.n)
+    window = LayerOutputs(prefix, [q[0, :, -OBJ_ROWS:] for q in prefix.queries], d.n - OBJ_ROWS)
+    groups = unique(masks)
+    sets = [masks[keys[0]] for keys in groups.values()]
+    # the last set keeps everything: its errors must be 0 (a check of the metric code)
+    sets.append(np.ones_like(sets[0]))
+    oos, win = out_of_sample.metrics(sets), window.metrics(sets)
+    for m in (oos, win):
+        if not (m["rel"][-1] < 1e-5 and m["dropped"][-1] < 1e-5 and m["cos"][-1] > 1 - 1e-6):
+            raise AssertionError(f"layer metrics of the full cache are not exact: {m}")
+    res: Dict[str, Dict[Any, float]] = {k: {} for k in
+                                        ("fid_cos", "fid_rel", "obj_dropped", "obj_renorm")}
+    for i, keys in enumerate(groups.values()):
+        for key in keys:
+            res["fid_cos"][key], res["fid_rel"][key] = oos["cos"][i], oos["rel"][i]
+            res["obj_dropped"][key], res["obj_renorm"][key] = win["dropped"][i], win["rel"][i]
+    _timed(ctx, "layer metrics", t0)
+    t0 = time.time()
+    res["kl"], res["top1"] = {}, {}
+    top = full.argmax(-1)
+    for chunk in batched(list(groups), ctx.batch):
+        out = teacher_forced(ctx.model, prefix, feed, [masks[groups[h][0]] for h in chunk])
+        for i, h in enumerate(chunk):
+            lp = out[i]
+            kl = float((full.exp() * (full - lp)).sum(-1).mean())
+            top1 = float((lp.argmax(-1) == top).float().mean())
+            for key in groups[h]:
+                res["kl"][key], res["top1"][key] = kl, top1
+    _timed(ctx, "forward", t0)
+    ctx.bar.update(1)
+    return {"source": d.source, "n": d.n,
+            **{k: _table(v, ctx.doc_methods, ctx.budgets) for k, v in res.items()}}
+
+
+def _table(values: Dict[Tuple[str, int], Any], methods: List[M.Method],
+           budgets: List[int]) -> Dict[str, List[Any]]:
+    """{method: [value per budget]} in budget order."""
+    return {name: [values[(name, b)] for b in budgets] for name, _ in methods}
+
+
 def main() -> int:
-    global CONT, BUDGETS
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True)
     ap.add_argument("--gguf", required=True)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="a smoke run of the full code path")
+    ap.add_argument("--grid", action="store_true", help="the dev grid (GRID.md)")
     ap.add_argument("--out", default=HERE)
     ap.add_argument("--batch", type=int, default=8, help="mask sets per teacher-forced forward")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--docs", type=int, help="override the mode's number of documents")
-    ap.add_argument("--lengths", help="override the context lengths, e.g. 2048,3072")
-    ap.add_argument("--needle-docs", type=int, help="override the needle haystacks (0: none)")
-    ap.add_argument("--needle-len", type=int, help="override the needle context length")
-    ap.add_argument("--needle-sources", help="comma-separated document labels to use as needle "
-                    "haystacks (default: the documents after those measured)")
-    ap.add_argument("--cont", type=int, help="override the continuation tokens")
-    ap.add_argument("--methods", help="comma-separated substrings selecting methods (debug)")
-    ap.add_argument("--budgets", help="comma-separated budgets (debug)")
-    ap.add_argument("--investigate", action="store_true",
-                    help="add the LaProx variants of INVESTIGATE_METHODS (window, sinks, pool)")
+    ap.add_argument("--limit", type=int, help="at most this many prompts and documents (debug)")
+    ap.add_argument("--exclude", help="comma-separated substrings of method names to leave out "
+                    "(debug)")
     args = ap.parse_args()
-    mode_name = "quick" if args.quick else "full"
-    mode = dict(MODES[mode_name])
-    if args.docs is not None:
-        mode["docs"] = args.docs
-    if args.lengths:
-        mode["lengths"] = [int(x) for x in args.lengths.split(",")]
-    if args.needle_docs is not None:
-        mode["needle_docs"] = args.needle_docs
-    if args.needle_len:
-        mode["needle_len"] = args.needle_len
-    CONT = args.cont or mode["cont"]
-    if args.budgets:
-        BUDGETS = [int(x) for x in args.budgets.split(",")]
-    custom = any(v is not None for v in (args.docs, args.lengths, args.needle_docs,
-                                         args.needle_sources,
-                                         args.needle_len, args.methods, args.budgets,
-                                         args.cont, args.investigate or None))
-    if custom:
-        mode_name += "-custom"
+    mode_name = "grid" if args.grid else "quick" if args.quick else "full"
+    mode = MODES[mode_name]
+    global WQ
+    WQ = 64 if args.grid else 32    # the grid has w = 64 rows
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    t_start = time.time()
-    load_at_start = os.getloadavg()[0]
+    t_start, load_at_start = time.time(), os.getloadavg()[0]
 
     import laprox
     import laprox.hf as lhf
-    from tqdm import tqdm
-
     import transformers
+    from tqdm import tqdm
+    import report
+    import stats
+    failures = stats.self_check()
+    if failures:
+        raise SystemExit(f"stats self-check failed: {failures}")
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     tok, model = load_model(args.gguf)
@@ -439,171 +445,75 @@ def main() -> int:
     info = client.info()
     model_id = lhf.register_model(client, model, name="SmolLM2-135M-Instruct",
                                   prepare_cross_grams=True)
-    geometry = lhf.geometry(model)
-    if args.investigate:
-        LAPROX_METHODS.extend(INVESTIGATE_METHODS)
-    methods = [m for m, _ in LAPROX_METHODS] + KVPRESS_METHODS
-    if args.methods:
-        wanted = [w.strip().lower() for w in args.methods.split(",")]
-        methods = [m for m in methods if any(w in m.lower() for w in wanted)]
-    log(f"== {mode_name}: geometry {geometry}, laproxd {info.version} ({info.backend}), "
-        f"{len(methods)} methods x {len(BUDGETS)} budgets")
+    methods = [(M.DEFAULT, {})] + M.grid_methods() if args.grid else list(M.MAIN)
+    doc_methods = methods if args.grid else methods + M.LM_ONLY
+    if args.exclude:
+        drop = [x for x in args.exclude.split(",") if x]
+        methods, doc_methods = ([m for m in ms if m[0] == M.DEFAULT
+                                 or not any(x in m[0] for x in drop)]
+                                for ms in (methods, doc_methods))
 
-    # Documents
-    docs = []
-    for label, source in DOCUMENTS:
-        if len(docs) == mode["docs"]:
-            break
-        text = read_document(source)
-        length = mode["lengths"][len(docs) % len(mode["lengths"])]
-        ids = tok(text, return_tensors="pt").input_ids[0]
-        if ids.shape[0] < length + CONT:
-            log(f"   skip {label}: {ids.shape[0]} tokens < {length + CONT}")
-            continue
-        docs.append((label, source, ids[:length + CONT], length))
-    if len(docs) < mode["docs"]:
-        log(f"only {len(docs)} documents found (wanted {mode['docs']})")
-    # Needle samples: haystacks from the documents after those used above
-    needles = []
-    rng = random.Random(1234)
-    hay_sources = [d for d in DOCUMENTS if d[0] not in {x[0] for x in docs}] or DOCUMENTS
-    if args.needle_sources:
-        wanted = args.needle_sources.split(",")
-        hay_sources = [d for d in DOCUMENTS if d[0] in wanted]
-    for label, source in hay_sources:
-        if len({x[0] for x in needles}) == mode["needle_docs"]:
-            break
-        words = read_document(source)
-        hay = tok(words, return_tensors="pt").input_ids[0]
-        if hay.shape[0] < mode["needle_len"]:
-            continue
-        for depth in mode["depths"]:
-            key = str(rng.randint(10000, 99999))
-            needles.append((label, depth, key, *needle_prompt(tok, hay, mode["needle_len"],
-                                                              depth, key)))
+    corpus = T.Corpus(tok, max(max(mode["lengths"]), max(mode["doc_lengths"]) + mode["cont"]))
+    prompts = T.make_prompts(tok, corpus, mode["plan"], mode["lengths"], mode["seed"])
+    docs = T.make_documents(corpus, mode["docs"], mode["doc_lengths"], mode["cont"],
+                            mode["seed"])
+    if args.limit:
+        prompts, docs = prompts[:args.limit], docs[:args.limit]
+    log(f"== {mode_name}: {len(prompts)} prompts, {len(docs)} documents, {len(methods)} methods "
+        f"({len(doc_methods)} on documents) x {len(mode['budgets'])} budgets; {len(corpus.texts)} haystack sources; laproxd "
+        f"{info.version} ({info.backend})")
+    bar = tqdm(total=len(prompts) + len(docs), unit="prompt", file=sys.stderr,
+               dynamic_ncols=True, mininterval=5)
+    ctx = Context(model, client, model_id, methods, doc_methods, mode["budgets"], args.batch, {},
+                  bar)
+    results: Dict[str, Any] = {"prompts": [], "documents": []}
 
-    # progress units: a prefill, then per (method, budget) a keep-plan and a teacher-forced run
-    total = (len(docs) + len(needles)) * (1 + 2 * len(methods) * len(BUDGETS))
-    bar = tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True, mininterval=2)
-    res: Dict[str, Any] = {"fidelity_cos": {}, "fidelity_rel_l2": {}, "kl": {}, "top1": {},
-                           "needle": {}, "needle_full": []}
-    for key in ("fidelity_cos", "fidelity_rel_l2", "kl", "top1", "needle"):
-        res[key] = {m: {b: [] for b in BUDGETS} for m in methods}
-    timings = {"prefill": 0.0, "plans": 0.0, "fidelity": 0.0, "continuation": 0.0,
-               "needles": 0.0}
-
-    os.makedirs(args.out, exist_ok=True)
-    import report
-    suffix = report.suffix_for(mode_name)
-    done = {"docs": 0, "needles": 0}
-
-    def save(final: bool) -> None:
-        """results.json, RESULTS.md and the plots of what is done so far (also after every
-        document, so an interrupted run still leaves its tables)."""
+    def save(complete: bool) -> None:
         meta = {
-            "mode": mode_name,
-            "complete": final,
+            "mode": mode_name, "complete": complete,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": f"{platform.machine()}, {cpu_name()}, {os.cpu_count()} cores, "
-                       f"torch threads {args.threads}, load average at start "
-                       f"{load_at_start:.1f}",
-            "versions": versions(info),
-            "documents": [(label, source, n) for label, source, _, n in docs[:done["docs"]]],
-            "needles": [(label, depth, int(p.shape[0]))
-                        for label, depth, _, p, _ in needles[:done["needles"]]],
-            "elapsed_s": time.time() - t_start,
-            "timings_s": timings,
-            "geometry": str(geometry),
-            "cont": CONT,
+            "machine": f"{platform.machine()}, {cpu_name()}, {os.cpu_count()} cores, torch "
+                       f"threads {args.threads}, load average at start {load_at_start:.1f}",
+            "versions": versions(info), "geometry": str(lhf.geometry(model)),
+            "elapsed_s": time.time() - t_start, "timings_s": dict(ctx.timings),
+            "budgets": mode["budgets"], "methods": doc_methods, "cont": mode["cont"],
+            "seed": mode["seed"], "sources": [label for label, _ in corpus.texts],
         }
-        with open(os.path.join(args.out, f"results{suffix}.json"), "w") as f:
-            json.dump({"meta": meta, "results": res}, f, indent=1)
-        report.write(res, meta, methods, BUDGETS, args.out, suffix)
+        with open(os.path.join(args.out, report.file_name("results", mode_name, "json")),
+                  "w") as f:
+            json.dump({"meta": meta, **results}, f, separators=(",", ":"))
+        report.write({"meta": meta, **results}, args.out)
 
-    for label, source, ids, n in docs:
-        bar.set_description(f"{label} n={n}")
-        t0 = time.time()
-        prefix = Prefix(model, ids[:n].unsqueeze(0))
-        cont = ids[n:n + CONT]
-        full = continuation_logits(model, prefix, cont, None)[0]        # [T, V]
-        timings["prefill"] += time.time() - t0
-        bar.update(1)
-        t0 = time.time()
-        masks = all_masks(client, model_id, prefix, methods, bar)
-        timings["plans"] += time.time() - t0
-        t0 = time.time()
-        fid = Fidelity(model, prefix)
-        for (m, b), mk in masks.items():
-            c, r = fid(mk)
-            res["fidelity_cos"][m][b].append(c)
-            res["fidelity_rel_l2"][m][b].append(r)
-        timings["fidelity"] += time.time() - t0
-        t0 = time.time()
-        groups = unique_masks(masks)        # identical plans (e.g. window-only) run once
-        for chunk in batched(list(groups), args.batch):
-            lp = continuation_logits(model, prefix, cont, [masks[groups[h][0]] for h in chunk])
-            for i, h in enumerate(chunk):
-                kl = (full.exp() * (full - lp[i])).sum(-1).mean().item()
-                top1 = (lp[i].argmax(-1) == full.argmax(-1)).float().mean().item()
-                for m, b in groups[h]:
-                    res["kl"][m][b].append(kl)
-                    res["top1"][m][b].append(top1)
-                bar.update(len(groups[h]))
-        timings["continuation"] += time.time() - t0
-        del prefix, fid, masks
-        done["docs"] += 1
-        save(final=False)
-
-    t_needles = time.time()
-    for label, depth, key, prompt, tail in needles:
-        bar.set_description(f"needle {label} depth {depth}")
-        prefix = Prefix(model, prompt.unsqueeze(0))
-        full = continuation_logits(model, prefix, tail, None)[0]
-        answer = tail[1:]
-        ok_full = bool((full[:-1].argmax(-1) == answer).all())
-        res["needle_full"].append(ok_full)
-        bar.update(1)
-        t0 = time.time()
-        masks = all_masks(client, model_id, prefix, methods, bar)
-        timings["plans"] += time.time() - t0
-        groups = unique_masks(masks)
-        for chunk in batched(list(groups), args.batch * 2):
-            lp = continuation_logits(model, prefix, tail, [masks[groups[h][0]] for h in chunk])
-            for i, h in enumerate(chunk):
-                ok = bool((lp[i][:-1].argmax(-1) == answer).all())
-                for m, b in groups[h]:
-                    res["needle"][m][b].append(ok)
-                bar.update(len(groups[h]))
-        del prefix, masks
-        done["needles"] += 1
-        timings["needles"] = time.time() - t_needles
-        if done["needles"] % len(mode["depths"]) == 0:
-            save(final=False)
+    # Documents interleaved with the prompts (tasks interleaved too), so that a run stopped
+    # early still has every part; saved every 10 items.
+    order = sorted(range(len(prompts)), key=lambda i: (i - first_of(prompts, i)) / count_of(
+        prompts, i))
+    items: List[Any] = [prompts[i] for i in order]
+    step = max(1, len(items) // max(1, len(docs)))
+    for j, d in enumerate(docs):
+        items.insert(min(len(items), j * (step + 1)), d)
+    for i, item in enumerate(items):
+        if isinstance(item, T.Document):
+            bar.set_description(f"LM {item.source} n={item.n}")
+            results["documents"].append(run_document(ctx, item))
+        else:
+            bar.set_description(f"{item.task} {item.source} n={item.n}")
+            results["prompts"].append(run_prompt(ctx, item))
+        if i % 10 == 9:
+            save(False)
     bar.close()
-
-    save(final=True)
-    elapsed = time.time() - t_start
-    log(f"== done in {elapsed / 60:.1f} min: {os.path.join(args.out, f'RESULTS{suffix}.md')}")
+    save(True)
+    log(f"== done in {(time.time() - t_start) / 60:.1f} min")
     client.close()
     return 0
 
 
-def needle_prompt(tok, hay: torch.Tensor, length: int, depth: float,
-                  key: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(prefix ids, tail ids): the haystack cut to about `length` tokens with the passkey
-    sentence at `depth`, then the question. The prefix ends before the question's last token;
-    the tail is that token followed by the answer's tokens (the compressed cache sees the tail).
-    """
-    needle = tok(f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n",
-                 add_special_tokens=False).input_ids
-    question = tok("\n\nWhat is the pass key? The pass key is", add_special_tokens=False).input_ids
-    answer = tok(f" {key}", add_special_tokens=False).input_ids
-    body = length - len(needle) - len(question)
-    cut = int(body * depth)
-    ids = hay[:cut].tolist() + needle + hay[cut:body].tolist() + question
-    prompt = torch.tensor(ids[:-1])
-    tail = torch.tensor([ids[-1]] + answer)
-    return prompt, tail
+def first_of(prompts: List[T.Prompt], i: int) -> int:
+    return next(j for j, p in enumerate(prompts) if p.task == prompts[i].task)
+
+
+def count_of(prompts: List[T.Prompt], i: int) -> int:
+    return sum(p.task == prompts[i].task for p in prompts)
 
 
 def cpu_name() -> str:
@@ -625,10 +535,8 @@ def versions(info) -> str:
             parts.append(f"{pkg} {version(pkg)}")
         except Exception:
             pass
-    parts.append(f"Python {platform.python_version()}")
-    return ", ".join(parts)
+    return ", ".join(parts + [f"Python {platform.python_version()}"])
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, HERE)
     sys.exit(main())

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Quality evaluation of laprox keep-plans on SmolLM2-135M-Instruct, on the CPU (not part of CI).
 #
-#   bench/quality/run.sh [--quick] [--laproxd=PATH] [evaluate.py options...]
+#   bench/quality/run.sh [--quick | --grid] [--laproxd=PATH] [evaluate.py options...]
 #
 # 1. creates build/quality-venv from PyPI with pinned versions (reused while the stamp matches):
 #    the torch wheels and the kvpress set of tests/crosscheck/kvpress (same pins), plus
@@ -11,10 +11,12 @@
 #    + unzip, into build/quality-model/);
 # 3. builds laproxd in build/ unless --laproxd (or $LAPROXD) names a binary;
 # 4. starts laproxd on a private Unix socket (CPU backend, no metrics port);
-# 5. runs evaluate.py: writes bench/quality/RESULTS.md and *.png (full mode) or
-#    RESULTS_quick.md and *_quick.png (--quick), plus results*.json.
-# Budgets: --quick about 5-10 min on 2 cores, the full mode about 30-60 min (first venv build
-# not counted: ~2.5 GB of downloads).
+# 5. runs evaluate.py: the full mode writes bench/quality/RESULTS.md, results.json (every
+#    prompt's values) and *.png; --quick (the same code path on 6 prompts and 2 documents)
+#    RESULTS_quick.md, results_quick.json, *_quick.png; --grid (the dev grid the default is
+#    chosen on, other prompts) GRID.md and results_grid.json.
+# Wall time on 2 cores (first venv build not counted: ~2.5 GB of downloads): --quick ~8 min,
+# --grid ~15 min, the full mode ~60-70 min (RESULTS.md gives the measured time).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -28,7 +30,7 @@ passthrough=()
 for arg in "$@"; do
   case "$arg" in
     --laproxd=*) laproxd="${arg#--laproxd=}" ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) passthrough+=("$arg") ;;
   esac
 done
