@@ -138,6 +138,18 @@ absl::string_view PoolingName(Pooling p) {
   return "?";
 }
 
+absl::string_view PoolTargetName(PoolTarget t) {
+  return t == PoolTarget::kScore ? "SCORE" : "ATTENTION";
+}
+
+PoolTarget PolicySpec::EffectivePoolTarget() const {
+  if (pool_target) return *pool_target;
+  const bool per_head =
+      indicator == Indicator::kAttentionXProjectedValue &&
+      (gqa_value == GqaValue::kMeanHeadProduct || gqa_value == GqaValue::kExactBlock);
+  return per_head ? PoolTarget::kScore : PoolTarget::kAttention;
+}
+
 absl::Status PolicySpec::Validate() const {
   if (window < 1 || window > kMaxWindow) {
     return absl::InvalidArgumentError(

@@ -6,13 +6,21 @@
 //   laprox-cli health [--service=NAME]       exit 0 when the grpc.health.v1 service says SERVING
 //
 // Common flags: --target (default unix:/tmp/laproxd.sock), --budget (tokens per KV head),
-// --compression_ratio, --policy (laprox, streaming_llm, snapkv, pyramidkv, adakv, criticalkv,
-// critical_adakv, cake), --numeric_mode (exact, kvpress_compat), --window, --pool_kernel,
-// --sinks (unset: the policy's default), --json (print {"counts","kept","layer_sums"}), --local
-// (compute in-process with the CPU backend instead of asking laproxd; the same library the
-// server runs), --device (plan and demo: put the tensors in GPU memory and share them with a
-// CUDA laproxd as cuda_ipc regions instead of POSIX shared memory; needs a GPU, a CUDA build
-// of this tool and a laproxd on the cuda backend).
+// --compression_ratio, --json (print {"counts","kept","layer_sums"}), --local (compute
+// in-process with the CPU backend instead of asking laproxd; the same library the server runs),
+// --device (plan and demo: put the tensors in GPU memory and share them with a CUDA laproxd as
+// cuda_ipc regions instead of POSIX shared memory; needs a GPU, a CUDA build of this tool and a
+// laproxd on the cuda backend).
+//
+// Policy flags, one per field of laprox.v1 Policy (laprox.proto documents each; a flag not given
+// leaves its field unset, so the policy kind's default or the preset applies): enums by their
+// lower-case value names without the enum prefix, --kind (or --policy) laprox|streaming_llm|
+// snapkv|pyramidkv|adakv|criticalkv|critical_adakv|cake, --allocation, --indicator,
+// --gqa_value (e.g. exact_block), --pool_target, --preset (default|paper), --pooling,
+// --numeric_mode; numbers --window, --pool_kernel, --sinks, --min_per_head, --pyramid_beta,
+// --alpha_safeguard, --epsilon, --first_stage_ratio, --cake_tau1, --cake_tau2, --cake_gamma;
+// --head_uniform_layers. A value that is not a name of its enum is an error naming the flag and
+// the accepted names.
 //
 // A dump holds layers.{l}.keys [Hkv,n,d], layers.{l}.values [Hkv,n,d],
 // layers.{l}.window_queries [H,w,d] (or layers.{l}.window_attention [H,w,n]; optionally
@@ -28,8 +36,10 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include <google/protobuf/descriptor.h>
 #include <nlohmann/json.hpp>
 
 #include "absl/flags/flag.h"
@@ -37,25 +47,60 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "client/cli/safetensors.h"
 #include "common/half.h"
+#include "common/status_macros.h"
 #include "laprox/client/client.h"
 #include "laprox/kernels/registry.h"
+#include "laprox/v1/laprox.pb.h"
+#include "laprox/v1/policy_wire.h"
 
 ABSL_FLAG(std::string, target, "unix:/tmp/laproxd.sock", "laproxd address");
 ABSL_FLAG(int64_t, budget, 128, "kept tokens per KV head (window included)");
 ABSL_FLAG(double, compression_ratio, -1.0, "if >= 0: keep int((1 - cr) * n) per head instead");
-ABSL_FLAG(std::string, policy, "laprox",
-          "laprox|streaming_llm|snapkv|pyramidkv|adakv|criticalkv|critical_adakv|cake");
-ABSL_FLAG(std::string, numeric_mode, "exact", "baselines: exact|kvpress_compat");
+// Policy fields (unset: not set in the request).
+ABSL_FLAG(std::optional<std::string>, kind, std::nullopt,
+          "policy kind: laprox|streaming_llm|snapkv|pyramidkv|adakv|criticalkv|critical_adakv|"
+          "cake (unset: laprox)");
+ABSL_FLAG(std::optional<std::string>, policy, std::nullopt, "the same as --kind");
+ABSL_FLAG(std::optional<std::string>, allocation, std::nullopt,
+          "LAPROX: global_normalized|global_raw|per_layer|uniform");
+ABSL_FLAG(std::optional<std::string>, indicator, std::nullopt,
+          "LAPROX: attention_x_projected_value|attention_x_value|attention");
+ABSL_FLAG(std::optional<std::string>, gqa_value, std::nullopt,
+          "LAPROX: mean_head_norm|summed_projection|mean_head_product|exact_block");
+ABSL_FLAG(std::optional<std::string>, pool_target, std::nullopt,
+          "LAPROX: attention|score (unset: the gqa_value's placement)");
+ABSL_FLAG(std::optional<std::string>, preset, std::nullopt,
+          "LAPROX: default|paper, fills the policy fields not given");
+ABSL_FLAG(std::optional<std::string>, pooling, std::nullopt, "avg|max|none");
+ABSL_FLAG(std::optional<std::string>, numeric_mode, std::nullopt,
+          "baselines: exact|kvpress_compat");
 ABSL_FLAG(std::optional<int>, window, std::nullopt,
           "observation window w (unset: the policy's default, 32 or 64)");
 ABSL_FLAG(std::optional<int>, pool_kernel, std::nullopt,
           "pooling kernel (unset: the policy's default, 7 or 5)");
 ABSL_FLAG(std::optional<int>, sinks, std::nullopt,
           "attention sinks (unset: the policy's default, 0 or 4 for streaming_llm)");
+ABSL_FLAG(std::optional<int>, min_per_head, std::nullopt,
+          "LAPROX: candidates each head reserves before the global competition (unset: 0)");
+ABSL_FLAG(bool, head_uniform_layers, false,
+          "LAPROX: spread each layer's share evenly over its heads");
+ABSL_FLAG(std::optional<double>, pyramid_beta, std::nullopt, "PYRAMIDKV steepness (unset: 20)");
+ABSL_FLAG(std::optional<double>, alpha_safeguard, std::nullopt,
+          "ADAKV, CRITICAL_ADAKV safeguard share (unset: 0.2)");
+ABSL_FLAG(std::optional<double>, epsilon, std::nullopt,
+          "CRITICALKV, CRITICAL_ADAKV score offset (unset: 1e-4)");
+ABSL_FLAG(std::optional<double>, first_stage_ratio, std::nullopt,
+          "CRITICALKV, CRITICAL_ADAKV first-stage share (unset: 0.5)");
+ABSL_FLAG(std::optional<double>, cake_tau1, std::nullopt, "CAKE entropy temperature (unset: 1.6)");
+ABSL_FLAG(std::optional<double>, cake_tau2, std::nullopt, "CAKE variance temperature (unset: 0.6)");
+ABSL_FLAG(std::optional<double>, cake_gamma, std::nullopt,
+          "CAKE variance weight of the eviction score (unset: 200)");
 ABSL_FLAG(bool, json, false, "print the plan as JSON");
 ABSL_FLAG(bool, local, false, "compute in-process (CPU backend) instead of asking laproxd");
 ABSL_FLAG(std::string, geometry, "", "JSON file with the geometry (else the dump's metadata)");
@@ -122,42 +167,78 @@ absl::StatusOr<Dump> LoadDump(SafeTensorsFile file) {
   return dump;
 }
 
-// The policy the flags describe: the kind's defaults, then every flag that is set.
+using EnumFlag = absl::Flag<std::optional<std::string>>;
+
+// Sets the enum field `name` of `policy` to the value --name names (its lower-case name without
+// the enum prefix: --gqa_value=exact_block is GQA_VALUE_EXACT_BLOCK); unset flag, unset field.
+absl::Status SetEnumField(const EnumFlag& flag, const char* name, v1::Policy* policy) {
+  const std::optional<std::string> value = absl::GetFlag(flag);
+  if (!value) return absl::OkStatus();
+  const google::protobuf::FieldDescriptor* field = v1::Policy::descriptor()->FindFieldByName(name);
+  const google::protobuf::EnumDescriptor* type = field->enum_type();
+  // Value 0 is <PREFIX>UNSPECIFIED (the proto contract test checks it).
+  const size_t prefix = type->value(0)->name().size() - std::strlen("UNSPECIFIED");
+  std::vector<std::string> accepted;
+  for (int i = 1; i < type->value_count(); ++i) {
+    accepted.push_back(absl::AsciiStrToLower(type->value(i)->name().substr(prefix)));
+    if (accepted.back() == *value) {
+      policy->GetReflection()->SetEnumValue(policy, field, type->value(i)->number());
+      return absl::OkStatus();
+    }
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", name, "=", *value, " is not one of ", absl::StrJoin(accepted, ", ")));
+}
+
+// The policy the flags describe, resolved as laproxd resolves a request (v1::PolicyFromProto:
+// the kind's defaults, every flag that is set, then the preset), and validated.
 absl::StatusOr<kernels::PolicySpec> Policy() {
-  using kernels::PolicyKind;
-  static const auto* const kKinds =
-      new std::map<std::string, PolicyKind>{{"laprox", PolicyKind::kLaprox},
-                                            {"streaming_llm", PolicyKind::kStreamingLlm},
-                                            {"snapkv", PolicyKind::kSnapKv},
-                                            {"pyramidkv", PolicyKind::kPyramidKv},
-                                            {"adakv", PolicyKind::kAdaKv},
-                                            {"criticalkv", PolicyKind::kCriticalKv},
-                                            {"critical_adakv", PolicyKind::kCriticalAdaKv},
-                                            {"cake", PolicyKind::kCake}};
-  const std::string kind = absl::GetFlag(FLAGS_policy);
-  auto it = kKinds->find(kind);
-  if (it == kKinds->end()) {
+  v1::Policy policy;
+  const std::optional<std::string> kind = absl::GetFlag(FLAGS_kind);
+  const std::optional<std::string> alias = absl::GetFlag(FLAGS_policy);
+  if (kind && alias && *kind != *alias) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--policy=", kind,
-                     " is not one of laprox, streaming_llm, snapkv, pyramidkv, adakv, criticalkv, "
-                     "critical_adakv, cake"));
+        absl::StrCat("--kind=", *kind, " and --policy=", *alias, " disagree"));
   }
-  kernels::PolicySpec policy = kernels::PolicySpec::ForKind(it->second);
-  const std::string mode = absl::GetFlag(FLAGS_numeric_mode);
-  if (mode == "kvpress_compat") {
-    policy.numeric_mode = kernels::NumericMode::kKvpressCompat;
-  } else if (mode != "exact") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--numeric_mode=", mode, " is not one of exact, kvpress_compat"));
+  const std::pair<const EnumFlag*, const char*> enums[] = {
+      {kind ? &FLAGS_kind : &FLAGS_policy, "kind"},
+      {&FLAGS_allocation, "allocation"},
+      {&FLAGS_indicator, "indicator"},
+      {&FLAGS_gqa_value, "gqa_value"},
+      {&FLAGS_pool_target, "pool_target"},
+      {&FLAGS_preset, "preset"},
+      {&FLAGS_pooling, "pooling"},
+      {&FLAGS_numeric_mode, "numeric_mode"}};
+  for (const auto& [flag, name] : enums) {
+    LAPROX_RETURN_IF_ERROR(SetEnumField(*flag, name, &policy));
   }
-  if (auto w = absl::GetFlag(FLAGS_window)) policy.window = *w;
-  if (auto k = absl::GetFlag(FLAGS_pool_kernel)) policy.pool_kernel = *k;
-  if (auto s = absl::GetFlag(FLAGS_sinks)) policy.sinks = *s;
-  const double cr = absl::GetFlag(FLAGS_compression_ratio);
-  policy.budget = cr >= 0 ? kernels::Budget::CompressionRatio(cr)
-                          : kernels::Budget::TokensPerHead(absl::GetFlag(FLAGS_budget));
-  if (absl::Status s = policy.Validate(); !s.ok()) return s;
-  return policy;
+  if (auto w = absl::GetFlag(FLAGS_window)) policy.set_window(*w);
+  if (auto k = absl::GetFlag(FLAGS_pool_kernel)) policy.set_pool_kernel(*k);
+  if (auto s = absl::GetFlag(FLAGS_sinks)) policy.set_sinks(*s);
+  if (auto m = absl::GetFlag(FLAGS_min_per_head)) policy.set_min_per_head(*m);
+  policy.set_head_uniform_layers(absl::GetFlag(FLAGS_head_uniform_layers));
+  if (auto x = absl::GetFlag(FLAGS_pyramid_beta)) policy.set_pyramid_beta(*x);
+  if (auto x = absl::GetFlag(FLAGS_alpha_safeguard)) policy.set_alpha_safeguard(*x);
+  if (auto x = absl::GetFlag(FLAGS_epsilon)) policy.set_epsilon(*x);
+  if (auto x = absl::GetFlag(FLAGS_first_stage_ratio)) policy.set_first_stage_ratio(*x);
+  if (auto x = absl::GetFlag(FLAGS_cake_tau1)) policy.set_cake_tau1(*x);
+  if (auto x = absl::GetFlag(FLAGS_cake_tau2)) policy.set_cake_tau2(*x);
+  if (auto x = absl::GetFlag(FLAGS_cake_gamma)) policy.set_cake_gamma(*x);
+  v1::Budget budget;
+  if (const double cr = absl::GetFlag(FLAGS_compression_ratio); cr >= 0) {
+    budget.set_compression_ratio(cr);
+  } else {
+    budget.set_tokens_per_head(absl::GetFlag(FLAGS_budget));
+  }
+  LAPROX_ASSIGN_OR_RETURN(kernels::PolicySpec spec, v1::PolicyFromProto(policy, budget));
+  LAPROX_RETURN_IF_ERROR(spec.Validate());
+  return spec;
+}
+
+// EXACT_BLOCK needs the model's cross-Grams (PrepareOptions::cross_grams).
+bool NeedsCrossGrams(const kernels::PolicySpec& policy) {
+  return policy.kind == kernels::PolicyKind::kLaprox &&
+         policy.gqa_value == kernels::GqaValue::kExactBlock;
 }
 
 // In-process: views straight over the loaded bytes.
@@ -186,7 +267,9 @@ absl::StatusOr<kernels::KeepPlan> PlanLocal(const Dump& dump) {
       if (const SafeTensor* lse = dump.Find(l, "window_lse")) in.window_lse = view(*lse);
     }
   }
-  auto model = (*backend)->PrepareModel(dump.geometry, o_proj);
+  kernels::PrepareOptions options;
+  options.cross_grams = NeedsCrossGrams(*policy);
+  auto model = (*backend)->PrepareModel(dump.geometry, o_proj, options);
   if (!model.ok()) return model.status();
   return (*backend)->ComputeKeepPlan(**model, request);
 }
@@ -290,7 +373,8 @@ absl::StatusOr<kernels::KeepPlan> PlanRemote(const Dump& dump) {
       if (dump.Find(l, "window_lse") != nullptr) in.window_lse = ref(l, "window_lse");
     }
   }
-  auto model = (*client)->RegisterModel("laprox-cli", dump.geometry, o_proj);
+  auto model =
+      (*client)->RegisterModel("laprox-cli", dump.geometry, o_proj, NeedsCrossGrams(*policy));
   if (!model.ok()) return model.status();
   auto plan = (*client)->ComputeKeepPlan(*model, dump.n, layers, *policy);
   (*client)->UnregisterModel(*model).IgnoreError();

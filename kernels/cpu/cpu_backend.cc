@@ -256,9 +256,13 @@ int64_t CpuBackend::KeepPlanWorkspaceBytes(const ModelGeometry& geometry, const 
   const int64_t heads = SatMul(shape.num_layers, shape.num_kv_heads), n = shape.n;
   const int64_t G = shape.group_size, d = shape.head_dim, D = geometry.hidden_size;
   const int64_t rows = SatMul(G, std::max(shape.window_rows, shape.window));
-  const bool exact = policy.kind == PolicyKind::kLaprox &&
-                     policy.indicator == Indicator::kAttentionXProjectedValue &&
-                     policy.gqa_value == GqaValue::kExactBlock;
+  const bool projected = policy.kind == PolicyKind::kLaprox &&
+                         policy.indicator == Indicator::kAttentionXProjectedValue;
+  const bool exact = projected && policy.gqa_value == GqaValue::kExactBlock;
+  // pool_target ATTENTION with per-head attention statistics pools each head's factor apart.
+  const bool per_head_pool =
+      (exact || (projected && policy.gqa_value == GqaValue::kMeanHeadProduct)) &&
+      policy.EffectivePoolTarget() == PoolTarget::kAttention;
   // Factor blocks of the value product, and attention statistics per token (8 bytes each, so
   // that fp64 accumulators are covered).
   const int64_t blocks = exact ? SatAdd(G, SatMul(G, G - 1) / 2) : std::max<int64_t>(G, 2);
@@ -272,6 +276,7 @@ int64_t CpuBackend::KeepPlanWorkspaceBytes(const ModelGeometry& geometry, const 
       SatMul({12, rows, d}),                          // scaled queries, row scales, LSE
       SatMul(40, n), SatMul(24, policy.pool_kernel),  // pooling and per-token temporaries
       SatMul(4, rows),                                // scaled row scales
+      per_head_pool ? SatMul({4, G, n}) : 0,          // per-head pooled attention factors
   });
   // Shared: raw scores, the competing scores, marks and the candidate pool of the selection
   // (LAPROX: 4 + 4 + 2 + 8 bytes per entry; the baselines keep fp64 scores and ranked pools).

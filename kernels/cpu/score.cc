@@ -176,6 +176,40 @@ absl::Status ValueStatistics(const PlanShape& shape, const PolicySpec& policy, c
                                      max_values, task.max_o_proj);
 }
 
+// r_i of the group-mean modes: mean_h ||v_i W_O^h|| (kPerHead), the one value statistic (||v_i||
+// or ||v_i sum_h W_O^h||), or 1 without values.
+float GroupValueFactor(ValueStat value, const float* val, int64_t prefix, int64_t G, int64_t i) {
+  switch (value) {
+    case ValueStat::kNone:
+      return 1.f;
+    case ValueStat::kPerHead: {
+      float r = 0.f;
+      for (int64_t h = 0; h < G; ++h) r += val[h * prefix + i];
+      return r * (1.f / static_cast<float>(G));
+    }
+    case ValueStat::kNorm:
+    case ValueStat::kSummed:
+    case ValueStat::kExact:
+      break;
+  }
+  return val[i];
+}
+
+// pool(c^h) for each head h of the group, c^h = ||A^h[:, i]|| * 2^k from the per-head diagonal
+// statistics (blocks 0..G-1 of ws.attention): ws.head_pooled [G, prefix], valid in [begin,
+// prefix) of each row (pool_target ATTENTION with per-head statistics).
+const float* PoolPerHead(const PolicySpec& policy, int64_t G, int64_t prefix, int64_t begin,
+                         ScoreWorkspace& ws) {
+  const float* att = ws.attention.data();
+  float* x = Sized(ws.pre_pool, prefix);
+  float* pooled = Sized(ws.head_pooled, G * prefix);
+  for (int64_t h = 0; h < G; ++h) {
+    for (int64_t i = 0; i < prefix; ++i) x[i] = std::sqrt(att[h * prefix + i]);
+    Pool(policy.pooling, policy.pool_kernel, x, prefix, begin, pooled + h * prefix, ws.pool_sums);
+  }
+  return pooled;
+}
+
 }  // namespace
 
 absl::Status ScoreHead(const PlanShape& shape, const PolicySpec& policy, const HeadTask& task,
@@ -196,27 +230,40 @@ absl::Status ScoreHead(const PlanShape& shape, const PolicySpec& policy, const H
   const float* val = ws.value.data();
   float* x = Sized(ws.pre_pool, prefix);
   const int64_t begin = shape.sinks;
-  const float inv_group = 1.f / static_cast<float>(G);
   const double unscale = std::ldexp(1.0, -k);
   const double group = static_cast<double>(G);
+  const bool pool_attention = policy.EffectivePoolTarget() == PoolTarget::kAttention;
   switch (modes.attention) {
-    case AttentionStat::kGroupMean:
-      // Pool the attention factor c, then multiply by the value factor.
+    case AttentionStat::kGroupMean: {
+      // ATTENTION: pool the attention factor c, then multiply by the value factor r; SCORE:
+      // pool c * r (the same without values).
+      const bool multiply_after = pool_attention && modes.value != ValueStat::kNone;
       for (int64_t i = 0; i < prefix; ++i) {
-        x[i] = static_cast<float>(std::sqrt(double{att[i]}) * unscale / group);
+        const double c = std::sqrt(double{att[i]}) * unscale / group;
+        x[i] = static_cast<float>(
+            multiply_after ? c : c * GroupValueFactor(modes.value, val, prefix, G, i));
       }
       Pool(policy.pooling, policy.pool_kernel, x, prefix, begin, raw, ws.pool_sums);
-      if (modes.value == ValueStat::kPerHead) {
+      if (multiply_after) {
         for (int64_t i = begin; i < prefix; ++i) {
-          float r = 0.f;
-          for (int64_t h = 0; h < G; ++h) r += val[h * prefix + i];
-          raw[i] *= r * inv_group;
+          raw[i] *= GroupValueFactor(modes.value, val, prefix, G, i);
         }
-      } else if (modes.value != ValueStat::kNone) {
-        for (int64_t i = begin; i < prefix; ++i) raw[i] *= val[i];
       }
       return absl::OkStatus();
+    }
     case AttentionStat::kPerHead:
+      if (pool_attention) {
+        // mean_h pool(||A^h col||) * ||v W_O^h||.
+        const float* pooled = PoolPerHead(policy, G, prefix, begin, ws);
+        for (int64_t i = begin; i < prefix; ++i) {
+          double sum = 0.0;
+          for (int64_t h = 0; h < G; ++h) {
+            sum += double{pooled[h * prefix + i]} * val[h * prefix + i];
+          }
+          raw[i] = static_cast<float>(sum * unscale / group);
+        }
+        return absl::OkStatus();
+      }
       // mean_h ||A^h col|| * ||v W_O^h||, then pool.
       for (int64_t i = 0; i < prefix; ++i) {
         double sum = 0.0;
@@ -227,6 +274,28 @@ absl::Status ScoreHead(const PlanShape& shape, const PolicySpec& policy, const H
       }
       break;
     case AttentionStat::kHeadGram:
+      if (pool_attention) {
+        // <A^h col, A^h' col> = rho_hh' c^h c^h' with c^h pooled and the correlation rho kept:
+        // sum_h pool(c^h)^2 v M_h v^T + 2 sum_{h<h'} rho_hh' pool(c^h) pool(c^h') v C_hh' v^T.
+        const float* pooled = PoolPerHead(policy, G, prefix, begin, ws);
+        for (int64_t i = begin; i < prefix; ++i) {
+          double sum = 0.0;
+          for (int64_t h = 0; h < G; ++h) {
+            const double c = pooled[h * prefix + i];
+            sum += c * c * val[h * prefix + i];
+          }
+          for (int64_t a = 0, p = G; a < G; ++a) {
+            for (int64_t b = a + 1; b < G; ++b, ++p) {
+              const double norms = std::sqrt(double{att[a * prefix + i]} * att[b * prefix + i]);
+              if (norms == 0.0) continue;  // rho = 0
+              sum += 2.0 * (att[p * prefix + i] / norms) * pooled[a * prefix + i] *
+                     pooled[b * prefix + i] * val[p * prefix + i];
+            }
+          }
+          raw[i] = static_cast<float>(std::sqrt(std::max(sum, 0.0)) * unscale);
+        }
+        return absl::OkStatus();
+      }
       // ||sum_h A^h col (outer) v W_O^h||_F^2 = sum_{h,h'} <A^h col, A^h' col> v C_hh' v^T.
       for (int64_t i = 0; i < prefix; ++i) {
         double sum = 0.0;

@@ -19,11 +19,12 @@ struct ScoreWorkspace {
   std::vector<float> rows;       // converted key / value / attention rows
   std::vector<float> projected;  // [chunk, F * d] V times factor blocks, or [chunk, D] V W_O^h
   std::vector<float> scaled_row_scale;  // [G * we], row_scale times 2^k (score.cc)
-  std::vector<float> attention;   // attention statistics [S, n - we], scaled by 2^(2k) (score.cc)
-  std::vector<float> value;       // value statistics [F, n - we]
-  std::vector<float> pre_pool;    // [n - we]
-  std::vector<float> pooled;      // baselines: one query head's pooled score [n - we]
-  std::vector<double> pool_sums;  // Pool's scratch: 3 * (n - we + kernel - 1)
+  std::vector<float> attention;    // attention statistics [S, n - we], scaled by 2^(2k) (score.cc)
+  std::vector<float> value;        // value statistics [F, n - we]
+  std::vector<float> pre_pool;     // [n - we]
+  std::vector<float> head_pooled;  // pool_target ATTENTION, per head: pool(c^h) [G, n - we]
+  std::vector<float> pooled;       // baselines: one query head's pooled score [n - we]
+  std::vector<double> pool_sums;   // Pool's scratch: 3 * (n - we + kernel - 1)
 };
 
 // One (layer, KV head) of a request.

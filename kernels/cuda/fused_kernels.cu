@@ -586,11 +586,12 @@ __global__ void LoadLseKernel(const void* data, DeviceDType dtype, int64_t head_
 // Outputs per thread.
 constexpr int kPoolRun = 32;
 
-// One thread per run of kPoolRun outputs of one head: raw[g*n + i] = pool(c)_i (* r_i). AVG adds
-// each window's own terms in fp64 (a sliding sum's subtraction would lose values far below a
-// large one that left the window; the CPU backend adds only the window's terms too).
+// One thread per run of kPoolRun outputs of one head: raw[g*n + i] = pool(c)_i (* r_i), or
+// pool(c * r)_i with `product`. AVG adds each window's own terms in fp64 (a sliding sum's
+// subtraction would lose values far below a large one that left the window; the CPU backend adds
+// only the window's terms too).
 __global__ void PoolScoreKernel(const float* __restrict__ c, const float* __restrict__ r,
-                                FusedValueMode mode, int pooling, int kernel, int64_t n,
+                                bool product, bool times_r, int pooling, int kernel, int64_t n,
                                 int64_t begin, int64_t len, int64_t runs_per_head, int num_kv_heads,
                                 float* __restrict__ raw) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -599,6 +600,8 @@ __global__ void PoolScoreKernel(const float* __restrict__ c, const float* __rest
   const int64_t first = begin + (idx % runs_per_head) * kPoolRun;
   const int64_t last = first + kPoolRun < len ? first + kPoolRun : len;
   const float* x = c + g * n;
+  const float* y = r + g * n;
+  const auto term = [&](int64_t j) { return product ? x[j] * y[j] : x[j]; };
   const int64_t half = kernel / 2;
   for (int64_t i = first; i < last; ++i) {
     float pooled;
@@ -606,17 +609,17 @@ __global__ void PoolScoreKernel(const float* __restrict__ c, const float* __rest
       const int64_t lo = i - half > 0 ? i - half : 0;
       const int64_t hi = i + half < len - 1 ? i + half : len - 1;
       double window_sum = 0.0;
-      for (int64_t j = lo; j <= hi; ++j) window_sum += x[j];
+      for (int64_t j = lo; j <= hi; ++j) window_sum += term(j);
       pooled = static_cast<float>(window_sum / static_cast<double>(kernel));
     } else if (pooling == 1) {
       const int64_t lo = i - half > 0 ? i - half : 0;
       const int64_t hi = i + half < len - 1 ? i + half : len - 1;
-      pooled = x[i];
-      for (int64_t j = lo; j <= hi; ++j) pooled = fmaxf(pooled, x[j]);
+      pooled = term(i);
+      for (int64_t j = lo; j <= hi; ++j) pooled = fmaxf(pooled, term(j));
     } else {
-      pooled = x[i];
+      pooled = term(i);
     }
-    raw[g * n + i] = mode == FusedValueMode::kNone ? pooled : pooled * r[g * n + i];
+    raw[g * n + i] = times_r ? pooled * y[i] : pooled;
   }
 }
 
@@ -731,15 +734,17 @@ cudaError_t LaunchFusedScore(const FusedLayerArgs& args, FusedValueMode mode, co
                                              r, stream);
 }
 
-cudaError_t LaunchPoolScore(const float* c, const float* r, FusedValueMode mode, int pooling,
-                            int kernel, int64_t n, int64_t begin, int64_t len, int num_kv_heads,
-                            float* raw, cudaStream_t stream) {
+cudaError_t LaunchPoolScore(const float* c, const float* r, FusedValueMode mode, bool pool_score,
+                            int pooling, int kernel, int64_t n, int64_t begin, int64_t len,
+                            int num_kv_heads, float* raw, cudaStream_t stream) {
   if (kernel < 1 || kernel % 2 == 0 || pooling < 0 || pooling > 2) return cudaErrorInvalidValue;
   if (begin >= len) return cudaSuccess;
   const int64_t runs = (len - begin + kPoolRun - 1) / kPoolRun;
   const int64_t threads = runs * num_kv_heads;
+  const bool values = mode != FusedValueMode::kNone;  // r exists
   PoolScoreKernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, stream>>>(
-      c, r, mode, pooling, kernel, n, begin, len, runs, num_kv_heads, raw);
+      c, r, values && pool_score, values && !pool_score, pooling, kernel, n, begin, len, runs,
+      num_kv_heads, raw);
   return cudaGetLastError();
 }
 

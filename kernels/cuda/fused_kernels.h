@@ -6,7 +6,7 @@
 //   LaunchWindowLse     pass 1: LSE of every window row from Q.K^T        (window_lse absent)
 //   LaunchFusedScore    pass 2: per (KV head, token tile) the attention factor c and the value
 //                       factor r from one read of the K and V tiles (tensor cores)
-//   LaunchPoolScore     raw p = pool(c) * r at the candidates
+//   LaunchPoolScore     raw p = pool(c) * r (or pool(c * r)) at the candidates
 //
 // Window rows. The G query heads of a KV group and the `we` window rows are laid out t-major with
 // the group padded to a power of two Gp = PaddedGroup(G) <= 16: row r = t * Gp + h (t window
@@ -164,11 +164,12 @@ cudaError_t LaunchFusedScore(const FusedLayerArgs& args, FusedValueMode mode, co
                              float* c, float* r, cudaStream_t stream);
 
 // raw[g * n + i] for i in [begin, len), len = n - we: pool(c[g * n + .] over [0, len))_i times
-// r[g * n + i] (not for kNone). pooling: 0 none, 1 max, 2 avg (the values of kernels::Pooling are
-// mapped by the caller), odd kernel >= 1. raw points at layer l's first row (d_raw + l * Hkv * n).
-cudaError_t LaunchPoolScore(const float* c, const float* r, FusedValueMode mode, int pooling,
-                            int kernel, int64_t n, int64_t begin, int64_t len, int num_kv_heads,
-                            float* raw, cudaStream_t stream);
+// r[g * n + i] (not for kNone), or with pool_score pool(c * r) (pool_target SCORE; c alone for
+// kNone). pooling: 0 none, 1 max, 2 avg (the values of kernels::Pooling are mapped by the
+// caller), odd kernel >= 1. raw points at layer l's first row (d_raw + l * Hkv * n).
+cudaError_t LaunchPoolScore(const float* c, const float* r, FusedValueMode mode, bool pool_score,
+                            int pooling, int kernel, int64_t n, int64_t begin, int64_t len,
+                            int num_kv_heads, float* raw, cudaStream_t stream);
 
 }  // namespace laprox::kernels::cuda
 

@@ -192,19 +192,70 @@ __global__ void QuadraticFormsKernel(const float* projected, int64_t projected_h
   }
 }
 
+// The group-mean modes' value factor r of one token: v points at val[g][0][i].
+__device__ __forceinline__ float ValueFactor(const float* v, int64_t prefix, int64_t group,
+                                             ValueStatKind value) {
+  switch (value) {
+    case ValueStatKind::kNone:
+      return 1.f;
+    case ValueStatKind::kPerHead: {
+      float r = 0.f;
+      for (int64_t h = 0; h < group; ++h) r += v[h * prefix];
+      return r * (1.f / static_cast<float>(group));
+    }
+    default:
+      return v[0];
+  }
+}
+
+// pool(x)_i over x[0, prefix) (x: one row).
+__device__ __forceinline__ float PoolAt(const float* x, int64_t i, int64_t prefix, PoolKind pool,
+                                        int64_t kernel) {
+  const int64_t half = kernel / 2;
+  const int64_t lo = max(int64_t{0}, i - half), hi = min(prefix - 1, i + half);
+  switch (pool) {
+    case PoolKind::kMax: {
+      float best = x[i];
+      for (int64_t j = lo; j <= hi; ++j) best = fmaxf(best, x[j]);
+      return best;
+    }
+    case PoolKind::kAvg: {
+      // Zero padding counted: always divided by the kernel size (the CPU adds each window's
+      // own terms in fp64 too).
+      double sum = 0.0;
+      for (int64_t j = lo; j <= hi; ++j) sum += static_cast<double>(x[j]);
+      return static_cast<float>(sum / static_cast<double>(kernel));
+    }
+    case PoolKind::kNone:
+      break;
+  }
+  return x[i];
+}
+
 // In fp64 from the fp64 attention statistics, as the CPU backend (score.cc).
 __global__ void PrePoolKernel(const double* att, const float* val, int64_t kv_heads, int64_t group,
                               int64_t stats, int64_t forms, int64_t prefix, AttentionStatKind kind,
-                              float* x) {
+                              ValueStatKind value, PoolPlacement placement, float* x) {
   const double groups = static_cast<double>(group);
+  const bool head_rows =
+      placement == PoolPlacement::kAttention && kind != AttentionStatKind::kGroupMean;
   for (int64_t e = GlobalThread(); e < kv_heads * prefix; e += ThreadCount()) {
     const int64_t g = e / prefix, i = e % prefix;
     const double* a = att + g * stats * prefix + i;
     const float* v = val + g * forms * prefix + i;
+    if (head_rows) {  // each head's attention norm, pooled apart
+      for (int64_t h = 0; h < group; ++h) {
+        x[(g * group + h) * prefix + i] = static_cast<float>(sqrt(a[h * prefix]));
+      }
+      continue;
+    }
     switch (kind) {
-      case AttentionStatKind::kGroupMean:
-        x[e] = static_cast<float>(sqrt(a[0]) / groups);
+      case AttentionStatKind::kGroupMean: {
+        const double c = sqrt(a[0]) / groups;
+        x[e] = static_cast<float>(
+            placement == PoolPlacement::kScore ? c * ValueFactor(v, prefix, group, value) : c);
         break;
+      }
       case AttentionStatKind::kPerHead: {
         double sum = 0.0;
         for (int64_t h = 0; h < group; ++h) sum += sqrt(a[h * prefix]) * v[h * prefix];
@@ -223,47 +274,53 @@ __global__ void PrePoolKernel(const double* att, const float* val, int64_t kv_he
   }
 }
 
-__global__ void PoolScoreKernel(const float* x, const float* val, int64_t kv_heads, int64_t group,
+__global__ void PoolScoreKernel(const float* x, const float* val, int64_t rows, int64_t group,
                                 int64_t forms, int64_t prefix, int64_t begin, PoolKind pool,
-                                int64_t kernel, AttentionStatKind attention, ValueStatKind value,
-                                float* raw, int64_t raw_head_stride) {
-  const int64_t len = prefix - begin, half = kernel / 2;
-  const float inv_group = 1.f / static_cast<float>(group);
+                                int64_t kernel, ValueStatKind value, float* out,
+                                int64_t out_stride) {
+  const int64_t len = prefix - begin;
+  for (int64_t e = GlobalThread(); e < rows * len; e += ThreadCount()) {
+    const int64_t r = e / len, i = begin + e % len;
+    float pooled = PoolAt(x + r * prefix, i, prefix, pool, kernel);
+    if (value != ValueStatKind::kNone) {
+      pooled *= ValueFactor(val + r * forms * prefix + i, prefix, group, value);
+    }
+    out[r * out_stride + i] = pooled;
+  }
+}
+
+// One thread per (group, token), heads and pairs in a fixed order, fp64 as the CPU backend.
+__global__ void CombinePooledHeadsKernel(const float* pooled, const double* att, const float* val,
+                                         int64_t kv_heads, int64_t group, int64_t stats,
+                                         int64_t forms, int64_t prefix, int64_t begin,
+                                         AttentionStatKind kind, float* raw,
+                                         int64_t raw_head_stride) {
+  const int64_t len = prefix - begin;
   for (int64_t e = GlobalThread(); e < kv_heads * len; e += ThreadCount()) {
     const int64_t g = e / len, i = begin + e % len;
-    const float* xg = x + g * prefix;
-    const int64_t lo = max(int64_t{0}, i - half), hi = min(prefix - 1, i + half);
-    float out = 0.f;
-    switch (pool) {
-      case PoolKind::kNone:
-        out = xg[i];
-        break;
-      case PoolKind::kMax: {
-        float best = xg[i];
-        for (int64_t j = lo; j <= hi; ++j) best = fmaxf(best, xg[j]);
-        out = best;
-        break;
-      }
-      case PoolKind::kAvg: {
-        // Zero padding counted: always divided by the kernel size (the CPU's prefix sums in
-        // fp64 give the same window sum up to fp64 rounding).
-        double sum = 0.0;
-        for (int64_t j = lo; j <= hi; ++j) sum += static_cast<double>(xg[j]);
-        out = static_cast<float>(sum / static_cast<double>(kernel));
-        break;
+    const float* c = pooled + g * group * prefix + i;
+    const double* a = att + g * stats * prefix + i;
+    const float* v = val + g * forms * prefix + i;
+    double sum = 0.0;
+    if (kind == AttentionStatKind::kPerHead) {
+      for (int64_t h = 0; h < group; ++h) sum += static_cast<double>(c[h * prefix]) * v[h * prefix];
+      raw[g * raw_head_stride + i] = static_cast<float>(sum / static_cast<double>(group));
+      continue;
+    }
+    // <A^h col, A^h' col> = rho_hh' c^h c^h' with c^h pooled and the correlation kept.
+    for (int64_t h = 0; h < group; ++h) {
+      const double ch = c[h * prefix];
+      sum += ch * ch * v[h * prefix];
+    }
+    int64_t p = group;
+    for (int64_t ha = 0; ha < group; ++ha) {
+      for (int64_t hb = ha + 1; hb < group; ++hb, ++p) {
+        const double norms = sqrt(a[ha * prefix] * a[hb * prefix]);
+        if (norms == 0.0) continue;  // rho = 0
+        sum += 2.0 * (a[p * prefix] / norms) * c[ha * prefix] * c[hb * prefix] * v[p * prefix];
       }
     }
-    if (attention == AttentionStatKind::kGroupMean) {
-      const float* v = val + g * forms * prefix + i;
-      if (value == ValueStatKind::kPerHead) {
-        float r = 0.f;
-        for (int64_t h = 0; h < group; ++h) r += v[h * prefix];
-        out *= r * inv_group;
-      } else if (value != ValueStatKind::kNone) {
-        out *= v[0];
-      }
-    }
-    raw[g * raw_head_stride + i] = out;
+    raw[g * raw_head_stride + i] = static_cast<float>(sqrt(fmax(sum, 0.0)));
   }
 }
 
@@ -329,21 +386,32 @@ cudaError_t LaunchQuadraticForms(const float* projected, int64_t projected_head_
 
 cudaError_t LaunchPrePool(const double* att, const float* val, int64_t kv_heads, int64_t group,
                           int64_t stats, int64_t forms, int64_t prefix, AttentionStatKind kind,
-                          float* x, cudaStream_t stream) {
+                          ValueStatKind value, PoolPlacement placement, float* x,
+                          cudaStream_t stream) {
   if (kv_heads <= 0 || prefix <= 0) return cudaSuccess;
   PrePoolKernel<<<GridBlocks(kv_heads * prefix, kThreads), kThreads, 0, stream>>>(
-      att, val, kv_heads, group, stats, forms, prefix, kind, x);
+      att, val, kv_heads, group, stats, forms, prefix, kind, value, placement, x);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchPoolScore(const float* x, const float* val, int64_t kv_heads, int64_t group,
+cudaError_t LaunchPoolScore(const float* x, const float* val, int64_t rows, int64_t group,
                             int64_t forms, int64_t prefix, int64_t begin, PoolKind pool,
-                            int64_t kernel, AttentionStatKind attention, ValueStatKind value,
-                            float* raw, int64_t raw_head_stride, cudaStream_t stream) {
+                            int64_t kernel, ValueStatKind value, float* out, int64_t out_stride,
+                            cudaStream_t stream) {
+  if (rows <= 0 || begin >= prefix) return cudaSuccess;
+  PoolScoreKernel<<<GridBlocks(rows * (prefix - begin), kThreads), kThreads, 0, stream>>>(
+      x, val, rows, group, forms, prefix, begin, pool, kernel, value, out, out_stride);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchCombinePooledHeads(const float* pooled, const double* att, const float* val,
+                                     int64_t kv_heads, int64_t group, int64_t stats, int64_t forms,
+                                     int64_t prefix, int64_t begin, AttentionStatKind kind,
+                                     float* raw, int64_t raw_head_stride, cudaStream_t stream) {
   if (kv_heads <= 0 || begin >= prefix) return cudaSuccess;
-  PoolScoreKernel<<<GridBlocks(kv_heads * (prefix - begin), kThreads), kThreads, 0, stream>>>(
-      x, val, kv_heads, group, forms, prefix, begin, pool, kernel, attention, value, raw,
-      raw_head_stride);
+  CombinePooledHeadsKernel<<<GridBlocks(kv_heads * (prefix - begin), kThreads), kThreads, 0,
+                             stream>>>(pooled, att, val, kv_heads, group, stats, forms, prefix,
+                                       begin, kind, raw, raw_head_stride);
   return cudaGetLastError();
 }
 

@@ -33,6 +33,9 @@ enum class ValueStatKind : int { kNone = 0, kNorm = 1, kSummed = 2, kPerHead = 3
 // Pooling along tokens (SEMANTICS.md "pool"): the values of laprox::kernels::Pooling.
 enum class PoolKind : int { kAvg = 0, kMax = 1, kNone = 2 };
 
+// Where pooling applies (SEMANTICS.md "pool_target"): the values of laprox::kernels::PoolTarget.
+enum class PoolPlacement : int { kAttention = 0, kScore = 1 };
+
 // out[a * out_s0 + b * out_s1 + c] = scale * t(a, row0 + b, col0 + c) in fp32 for a < count0,
 // b < count1, c < count2. Preconditions: the read range is inside t.dims.
 cudaError_t LaunchGather(const KernelTensor& t, int64_t row0, int64_t col0, int64_t count0,
@@ -80,24 +83,39 @@ cudaError_t LaunchQuadraticForms(const float* projected, int64_t projected_head_
                                  int64_t d, bool raw, float* out, int64_t out_ld,
                                  cudaStream_t stream);
 
-// The array the pool runs over, x[g * prefix + i] for i < prefix (score.cc ScoreHead), in fp64
-// and rounded to fp32 once:
-//   kGroupMean  sqrt(att[g][0][i]) / G
+// The array the pool runs over (score.cc ScoreHead), for i < prefix, in fp64 and rounded to
+// fp32 once. With placement kScore, or kGroupMean attention, one row per KV head,
+// x[g * prefix + i]:
+//   kGroupMean  sqrt(att[g][0][i]) / G, times the value factor r (as LaunchPoolScore) for kScore
 //   kPerHead    (sum_h sqrt(att[g][h][i]) * val[g][h][i]) / G
 //   kHeadGram   sqrt(max(sum_h att*val [diagonal] + sum_p 2 * att*val [pairs], 0))
+// With placement kAttention and kPerHead or kHeadGram attention, one row per query head of each
+// group, x[(g * G + h) * prefix + i] = sqrt(att[g][h][i]) (each head's attention norm).
 // att is [Hkv][stats][prefix] (fp64), val [Hkv][forms][prefix].
 cudaError_t LaunchPrePool(const double* att, const float* val, int64_t kv_heads, int64_t group,
                           int64_t stats, int64_t forms, int64_t prefix, AttentionStatKind kind,
-                          float* x, cudaStream_t stream);
+                          ValueStatKind value, PoolPlacement placement, float* x,
+                          cudaStream_t stream);
 
-// raw[g * raw_head_stride + i] for g < kv_heads, i in [begin, prefix) = pool(x[g])_i over
-// x[g][0, prefix) (pool kernel `kernel`, odd; AVG sums in fp64 and divides by kernel), times,
-// for kGroupMean attention, the value factor: (sum_h val[g][h][i]) / G for kPerHead values,
-// val[g][0][i] for kNorm / kSummed, nothing for kNone.
-cudaError_t LaunchPoolScore(const float* x, const float* val, int64_t kv_heads, int64_t group,
+// out[r * out_stride + i] for r < rows, i in [begin, prefix) = pool(x[r])_i over x[r][0, prefix)
+// (pool kernel `kernel`, odd; AVG sums in fp64 and divides by kernel), times the value factor
+// of KV head r (rows = Hkv then): (sum_h val[r][h][i]) / G for kPerHead values, val[r][0][i]
+// for kNorm / kSummed, nothing for kNone (val may be null then).
+cudaError_t LaunchPoolScore(const float* x, const float* val, int64_t rows, int64_t group,
                             int64_t forms, int64_t prefix, int64_t begin, PoolKind pool,
-                            int64_t kernel, AttentionStatKind attention, ValueStatKind value,
-                            float* raw, int64_t raw_head_stride, cudaStream_t stream);
+                            int64_t kernel, ValueStatKind value, float* out, int64_t out_stride,
+                            cudaStream_t stream);
+
+// Placement kAttention with kPerHead or kHeadGram attention: raw[g * raw_head_stride + i] for
+// g < kv_heads, i in [begin, prefix) from the pooled head norms P_h = pooled[(g * G + h) *
+// prefix + i] (LaunchPoolScore over LaunchPrePool's rows), in fp64, rounded to fp32 once:
+//   kPerHead    (sum_h P_h * val[g][h][i]) / G
+//   kHeadGram   sqrt(max(sum_h P_h^2 val_h + sum_{a<b} 2 rho_ab P_a P_b val_ab, 0)) with
+//               rho_ab = att_ab / sqrt(att_aa * att_bb) (0 where that is 0), pairs in att's order
+cudaError_t LaunchCombinePooledHeads(const float* pooled, const double* att, const float* val,
+                                     int64_t kv_heads, int64_t group, int64_t stats, int64_t forms,
+                                     int64_t prefix, int64_t begin, AttentionStatKind kind,
+                                     float* raw, int64_t raw_head_stride, cudaStream_t stream);
 
 }  // namespace laprox::kernels::cuda
 

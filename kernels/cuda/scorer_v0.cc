@@ -13,7 +13,9 @@
 //      pass and the probability pass each compute them (the GEMM twice).
 //   2. value statistics: V (chunks of tokens) times the mode's factor blocks, then quadratic
 //      forms per token; or ||v|| for ATTENTION_X_VALUE.
-//   3. the pooled raw scores, exactly as kernels/cpu/score.cc combines them.
+//   3. the pooled raw scores, exactly as kernels/cpu/score.cc combines them (pool_target
+//      ATTENTION with per-head statistics: each query head's attention norm pooled apart, then
+//      combined per token).
 // fp32 K / V with unit innermost stride are read in place by cuBLAS; other dtypes and strides
 // are first gathered into a dense fp32 scratch (one extra read of the input and a write plus a
 // read of 4 bytes per element: for bf16 K and V that is about 5x the bytes of the inputs).
@@ -134,6 +136,8 @@ class ScorerV0 final : public Scorer {
     int64_t value_chunk;  // tokens per value GEMM (vc)
     Modes modes;
     bool value_gemm;
+    PoolPlacement placement;
+    bool pool_heads;  // kAttention placement with per-head statistics: one pool per query head
   };
   // Device arrays carved out of workspace_.
   struct Arrays {
@@ -147,7 +151,8 @@ class ScorerV0 final : public Scorer {
     float* projected;  // [Hkv, value_chunk, F * d]
     double* att;       // [Hkv, S, prefix]
     float* val;        // [Hkv, max(F, 1), prefix]
-    float* x;          // [Hkv, prefix]
+    float* x;          // [Hkv, prefix], or [Hkv, G, prefix] with pool_heads
+    float* pooled;     // pool_heads: [Hkv, G, prefix]
   };
 
   absl::Status ComputeLogits(const DeviceContext& context, const Plan& p, const Arrays& a,
@@ -313,6 +318,10 @@ absl::Status ScorerV0::Score(const DeviceContext& context, const CudaPreparedMod
   p.modes = ChooseModes(policy, p.group);
   p.value_gemm = p.modes.value == ValueStatKind::kSummed ||
                  p.modes.value == ValueStatKind::kPerHead || p.modes.value == ValueStatKind::kExact;
+  p.placement = policy.EffectivePoolTarget() == PoolTarget::kScore ? PoolPlacement::kScore
+                                                                   : PoolPlacement::kAttention;
+  p.pool_heads = p.placement == PoolPlacement::kAttention &&
+                 p.modes.attention != AttentionStatKind::kGroupMean;
   // Columns of logits (or given attention) needed: the candidate prefix, plus the window keys
   // when the normaliser is computed here.
   const int64_t columns = p.given || p.use_lse ? p.prefix : p.n;
@@ -351,7 +360,9 @@ absl::Status ScorerV0::Score(const DeviceContext& context, const CudaPreparedMod
   const size_t projected_at = layout.Add<float>(count(p.kv_heads * p.value_chunk * F * p.d));
   const size_t att_at = layout.Add<double>(count(p.kv_heads * p.modes.stats * p.prefix));
   const size_t val_at = layout.Add<float>(count(p.kv_heads * std::max<int64_t>(F, 1) * p.prefix));
-  const size_t x_at = layout.Add<float>(count(p.kv_heads * p.prefix));
+  const int64_t pool_rows = p.kv_heads * (p.pool_heads ? p.group : 1);
+  const size_t x_at = layout.Add<float>(count(pool_rows * p.prefix));
+  const size_t pooled_at = layout.Add<float>(count(p.pool_heads ? pool_rows * p.prefix : 0));
   LAPROX_RETURN_IF_ERROR(
       CudaStatus(workspace_.Reserve(layout.total()), "allocating the v0 scorer workspace"));
   std::byte* base = workspace_.as<std::byte>();
@@ -366,21 +377,38 @@ absl::Status ScorerV0::Score(const DeviceContext& context, const CudaPreparedMod
                  .projected = floats(projected_at),
                  .att = reinterpret_cast<double*>(base + att_at),
                  .val = floats(val_at),
-                 .x = floats(x_at)};
+                 .x = floats(x_at),
+                 .pooled = floats(pooled_at)};
 
   const float scale = model.geometry().EffectiveScale();
   for (int64_t l = 0; l < shape.num_layers; ++l) {
     const LayerInputs& in = layers[l];
     LAPROX_RETURN_IF_ERROR(AttentionStatistics(context, p, a, in, scale));
     LAPROX_RETURN_IF_ERROR(ValueStatistics(context, p, a, model, l, in.values));
-    LAPROX_RETURN_IF_ERROR(
-        CudaStatus(LaunchPrePool(a.att, a.val, p.kv_heads, p.group, p.modes.stats, F, p.prefix,
-                                 p.modes.attention, a.x, context.stream),
-                   "pre-pool scores"));
     LAPROX_RETURN_IF_ERROR(CudaStatus(
-        LaunchPoolScore(a.x, a.val, p.kv_heads, p.group, F, p.prefix, p.begin,
-                        ToPoolKind(policy.pooling), policy.pool_kernel, p.modes.attention,
-                        p.modes.value, d_raw + l * p.kv_heads * p.n, p.n, context.stream),
+        LaunchPrePool(a.att, a.val, p.kv_heads, p.group, p.modes.stats, F, p.prefix,
+                      p.modes.attention, p.modes.value, p.placement, a.x, context.stream),
+        "pre-pool scores"));
+    float* raw = d_raw + l * p.kv_heads * p.n;
+    const PoolKind pool = ToPoolKind(policy.pooling);
+    if (p.pool_heads) {
+      LAPROX_RETURN_IF_ERROR(
+          CudaStatus(LaunchPoolScore(a.x, nullptr, pool_rows, p.group, F, p.prefix, p.begin, pool,
+                                     policy.pool_kernel, ValueStatKind::kNone, a.pooled, p.prefix,
+                                     context.stream),
+                     "pooled head norms"));
+      LAPROX_RETURN_IF_ERROR(CudaStatus(
+          LaunchCombinePooledHeads(a.pooled, a.att, a.val, p.kv_heads, p.group, p.modes.stats, F,
+                                   p.prefix, p.begin, p.modes.attention, raw, p.n, context.stream),
+          "pooled scores"));
+      continue;
+    }
+    // The group-mean modes multiply by the value factor after pooling the attention factor.
+    const bool value_after = p.placement == PoolPlacement::kAttention;
+    LAPROX_RETURN_IF_ERROR(CudaStatus(
+        LaunchPoolScore(a.x, a.val, p.kv_heads, p.group, F, p.prefix, p.begin, pool,
+                        policy.pool_kernel, value_after ? p.modes.value : ValueStatKind::kNone, raw,
+                        p.n, context.stream),
         "pooled scores"));
   }
   return absl::OkStatus();

@@ -7,7 +7,8 @@
 // fitting shared memory (Gp = G rounded up to a power of two; d = 128: Gp * we <= 336, e.g. G 4
 // with w <= 84; d = 64: Gp * we <= 976),
 // indicator ATTENTION, ATTENTION_X_VALUE, or ATTENTION_X_PROJECTED_VALUE with MEAN_HEAD_NORM or
-// SUMMED_PROJECTION; any pooling, kernel, sinks, allocation; window_lse (any dtype) or not.
+// SUMMED_PROJECTION; any pooling, kernel, pool_target, sinks, allocation; window_lse (any dtype)
+// or not.
 // Everything else (MEAN_HEAD_PRODUCT, EXACT_BLOCK, fp32 inputs, ...) runs on v0.
 #include <algorithm>
 #include <cstddef>
@@ -138,6 +139,7 @@ class ScorerV1 final : public Scorer {
     if (prefix <= 0) return absl::OkStatus();  // no candidates, nothing to write
     const int rows = PaddedRows(group, static_cast<int>(we));
     const int blocks = mode == FusedValueMode::kMeanHead ? group : 1;
+    const bool pool_score = policy.EffectivePoolTarget() == PoolTarget::kScore;
     const int first_block = mode == FusedValueMode::kMeanHead ? 1 : 0;
 
     // One CTA per SM (the fused CTA takes most of an SM's shared memory), split over the heads.
@@ -213,10 +215,10 @@ class ScorerV1 final : public Scorer {
           LaunchFusedScore(args, mode, lse, split, inv_scale, ctas2, c, r, context.stream),
           absl::StrCat(where, ": fused pass")));
       float* raw = d_raw + static_cast<int64_t>(l) * hkv * n;
-      LAPROX_RETURN_IF_ERROR(
-          CudaStatus(LaunchPoolScore(c, r, mode, PoolingCode(policy.pooling), policy.pool_kernel, n,
-                                     shape.sinks, prefix, hkv, raw, context.stream),
-                     absl::StrCat(where, ": pooling")));
+      LAPROX_RETURN_IF_ERROR(CudaStatus(
+          LaunchPoolScore(c, r, mode, pool_score, PoolingCode(policy.pooling), policy.pool_kernel,
+                          n, shape.sinks, prefix, hkv, raw, context.stream),
+          absl::StrCat(where, ": pooling")));
     }
     return absl::OkStatus();
   }

@@ -11,6 +11,7 @@ static_assert(ALLOCATION_UNIFORM == static_cast<int>(k::Allocation::kUniform) + 
 static_assert(INDICATOR_ATTENTION == static_cast<int>(k::Indicator::kAttention) + 1);
 static_assert(GQA_VALUE_EXACT_BLOCK == static_cast<int>(k::GqaValue::kExactBlock) + 1);
 static_assert(POOLING_NONE == static_cast<int>(k::Pooling::kNone) + 1);
+static_assert(POOL_TARGET_SCORE == static_cast<int>(k::PoolTarget::kScore) + 1);
 static_assert(POLICY_KIND_CAKE == static_cast<int>(k::PolicyKind::kCake) + 1);
 static_assert(NUMERIC_MODE_KVPRESS_COMPAT == static_cast<int>(k::NumericMode::kKvpressCompat) + 1);
 // UNSPECIFIED (0) decodes to the first kernels value, which must be the default.
@@ -21,17 +22,49 @@ static_assert(k::PolicySpec().kind == k::PolicyKind{} &&
               k::PolicySpec().gqa_value == k::GqaValue{} &&
               k::PolicySpec().pooling == k::Pooling{});
 
+template <typename Wire>
+absl::Status CheckWire(Wire value, Wire last, const char* field) {
+  if (value >= 0 && value <= last) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("policy.", field, " = ", value));
+}
+
 template <typename Kernel, typename Wire>
 absl::StatusOr<Kernel> EnumFromWire(Wire value, Wire last, const char* field) {
-  if (value < 0 || value > last) {
-    return absl::InvalidArgumentError(absl::StrCat("policy.", field, " = ", value));
-  }
+  if (absl::Status s = CheckWire(value, last, field); !s.ok()) return s;
   return static_cast<Kernel>(value == 0 ? 0 : value - 1);
 }
 
 template <typename Wire, typename Kernel>
 Wire EnumToWire(Kernel value) {
   return static_cast<Wire>(static_cast<int>(value) + 1);
+}
+
+// Fills the fields the preset names where the request leaves them unset (SEMANTICS.md,
+// "Presets"). The request's kind is valid; INVALID_ARGUMENT for a preset with another kind.
+absl::Status ApplyPreset(const Policy& p, k::PolicySpec* spec) {
+  if (p.preset() == POLICY_PRESET_UNSPECIFIED) return absl::OkStatus();
+  if (spec->kind != k::PolicyKind::kLaprox) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("policy.preset = ", PolicyPreset_Name(p.preset()), " needs policy.kind = ",
+                     PolicyKind_Name(POLICY_KIND_LAPROX), ", got ", PolicyKind_Name(p.kind())));
+  }
+  if (p.preset() != POLICY_PRESET_PAPER) return absl::OkStatus();  // DEFAULT: the defaults
+  if (p.indicator() == INDICATOR_UNSPECIFIED) {
+    spec->indicator = k::Indicator::kAttentionXProjectedValue;
+  }
+  if (p.allocation() == ALLOCATION_UNSPECIFIED) {
+    spec->allocation = k::Allocation::kGlobalNormalized;
+  }
+  // A gqa_value combines projected values only: with another indicator it keeps its default.
+  if (p.gqa_value() == GQA_VALUE_UNSPECIFIED &&
+      spec->indicator == k::Indicator::kAttentionXProjectedValue) {
+    spec->gqa_value = k::GqaValue::kSummedProjection;
+  }
+  if (p.pooling() == POOLING_UNSPECIFIED) spec->pooling = k::Pooling::kNone;
+  if (!p.has_window()) spec->window = 32;
+  if (!p.has_sinks()) spec->sinks = 0;
+  if (!p.has_min_per_head()) spec->min_per_head = 0;
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -43,6 +76,7 @@ void PolicyToProto(const kernels::PolicySpec& policy, Policy* p) {
   p->set_indicator(EnumToWire<Indicator>(policy.indicator));
   p->set_gqa_value(EnumToWire<GqaValue>(policy.gqa_value));
   p->set_pooling(EnumToWire<Pooling>(policy.pooling));
+  p->set_pool_target(EnumToWire<PoolTarget>(policy.EffectivePoolTarget()));
   p->set_window(policy.window);
   p->set_pool_kernel(policy.pool_kernel);
   p->set_sinks(policy.sinks);
@@ -78,8 +112,10 @@ absl::StatusOr<kernels::PolicySpec> PolicyFromProto(const Policy& p, const Budge
   auto indicator = EnumFromWire<k::Indicator>(p.indicator(), Indicator_MAX, "indicator");
   auto gqa_value = EnumFromWire<k::GqaValue>(p.gqa_value(), GqaValue_MAX, "gqa_value");
   auto pooling = EnumFromWire<k::Pooling>(p.pooling(), Pooling_MAX, "pooling");
+  auto pool_target = EnumFromWire<k::PoolTarget>(p.pool_target(), PoolTarget_MAX, "pool_target");
   for (const absl::Status& s : {numeric_mode.status(), allocation.status(), indicator.status(),
-                                gqa_value.status(), pooling.status()}) {
+                                gqa_value.status(), pooling.status(), pool_target.status(),
+                                CheckWire(p.preset(), PolicyPreset_MAX, "preset")}) {
     if (!s.ok()) return s;
   }
   spec.numeric_mode = *numeric_mode;
@@ -87,6 +123,7 @@ absl::StatusOr<kernels::PolicySpec> PolicyFromProto(const Policy& p, const Budge
   spec.indicator = *indicator;
   spec.gqa_value = *gqa_value;
   spec.pooling = *pooling;
+  if (p.pool_target() != POOL_TARGET_UNSPECIFIED) spec.pool_target = *pool_target;
   if (p.has_window()) spec.window = p.window();
   if (p.has_pool_kernel()) spec.pool_kernel = p.pool_kernel();
   if (p.has_sinks()) spec.sinks = p.sinks();
@@ -100,6 +137,7 @@ absl::StatusOr<kernels::PolicySpec> PolicyFromProto(const Policy& p, const Budge
   if (p.has_cake_tau1()) b.cake_tau1 = p.cake_tau1();
   if (p.has_cake_tau2()) b.cake_tau2 = p.cake_tau2();
   if (p.has_cake_gamma()) b.cake_gamma = p.cake_gamma();
+  if (absl::Status s = ApplyPreset(p, &spec); !s.ok()) return s;
   switch (budget.kind_case()) {
     case Budget::kTokensPerHead:
       spec.budget = kernels::Budget::TokensPerHead(budget.tokens_per_head());

@@ -26,6 +26,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -62,9 +63,10 @@ struct Case {
         " ", DTypeName(dtype), " layout ", static_cast<int>(layout), " ",
         AllocationName(policy.allocation), " ", IndicatorName(policy.indicator), " ",
         GqaValueName(policy.gqa_value), " ", PoolingName(policy.pooling), policy.pool_kernel,
-        " sinks ", policy.sinks, " min ", policy.min_per_head,
-        policy.head_uniform_layers ? " uniform" : "", " B ", policy.budget.tokens_per_head,
-        lse ? " lse" : "", std::isnan(lse_value) ? "" : absl::StrCat(" lse_value ", lse_value),
+        " pool ", PoolTargetName(policy.EffectivePoolTarget()), " sinks ", policy.sinks, " min ",
+        policy.min_per_head, policy.head_uniform_layers ? " uniform" : "", " B ",
+        policy.budget.tokens_per_head, lse ? " lse" : "",
+        std::isnan(lse_value) ? "" : absl::StrCat(" lse_value ", lse_value),
         tiny == Tiny::kNone ? "" : absl::StrCat(" tiny ", static_cast<int>(tiny)), " seed ", seed);
   }
 };
@@ -484,6 +486,31 @@ std::vector<Case> Cases() {
     c.policy.indicator = i;
     c.n = 1500;
     add(c);
+  }
+  // Both pool targets with every attention summary and value factor (v1 runs the group-mean
+  // modes, v0 the rest).
+  for (PoolTarget target : {PoolTarget::kAttention, PoolTarget::kScore}) {
+    for (auto [i, q] : {std::pair{Indicator::kAttentionXProjectedValue, GqaValue::kMeanHeadNorm},
+                        {Indicator::kAttentionXProjectedValue, GqaValue::kSummedProjection},
+                        {Indicator::kAttentionXProjectedValue, GqaValue::kMeanHeadProduct},
+                        {Indicator::kAttentionXProjectedValue, GqaValue::kExactBlock},
+                        {Indicator::kAttentionXValue, GqaValue::kMeanHeadNorm},
+                        {Indicator::kAttention, GqaValue::kMeanHeadNorm}}) {
+      for (Pooling p : {Pooling::kAvg, Pooling::kMax}) {
+        Case c;
+        c.Hkv = 2;
+        c.H = 8;
+        c.n = 777;
+        c.policy.indicator = i;
+        c.policy.gqa_value = q;
+        c.policy.pooling = p;
+        c.policy.pool_target = target;
+        c.policy.sinks = 3;
+        c.cross_grams = q == GqaValue::kExactBlock;
+        c.policy.budget = Budget::TokensPerHead(100);
+        add(c);
+      }
+    }
   }
   for (Pooling p : {Pooling::kAvg, Pooling::kMax, Pooling::kNone}) {
     for (int k : {1, 5, 7, 31}) {

@@ -72,6 +72,37 @@ TEST_F(GoldenTest, PoolingSpreadsAttentionToNeighbours) {
   EXPECT_THAT(Kept(Plan(c), 0, 0), ElementsAre(1, 2, 7));
 }
 
+// Keys log(a_j) and query 1 give attention a_j / 20 with a = [1, 2, 3, 4 | 10]; o_proj 2 and
+// values [5, 1, 1, 1 | 1]: c = [.05, .10, .15, .20], r = 2|v| = [10, 2, 2, 2]. Avg k = 3, two
+// selected slots; with one query head per KV head every gqa_value gives the same score.
+//   pool_target ATTENTION: pool(c) * r = [.15, .30, .45, .35] / 3 * r = [.5, .2, .3, .23] -> 0, 2
+//   pool_target SCORE:     pool(c * r) = pool([.5, .2, .3, .4]) = [.7, 1, .9, .7] / 3  -> 1, 2
+// Not set: ATTENTION for MEAN_HEAD_NORM and SUMMED_PROJECTION, SCORE for the per-head modes.
+TEST_F(GoldenTest, PoolTargetChoosesWhatIsPooled) {
+  TinyCase c(1, 1, 1, 1, 1, 5, 1);
+  const float a[] = {1, 2, 3, 4, 10};
+  for (int j = 0; j < 5; ++j) c.keys[0][j] = std::log(a[j]);
+  c.queries[0] = {1.f};
+  c.values[0] = {5, 1, 1, 1, 1};
+  c.o_proj[0] = {2.f};
+  c.policy.window = 1;
+  c.policy.pool_kernel = 3;
+  c.policy.budget = Budget::TokensPerHead(3);
+  for (GqaValue gqa : {GqaValue::kMeanHeadNorm, GqaValue::kSummedProjection,
+                       GqaValue::kMeanHeadProduct, GqaValue::kExactBlock}) {
+    SCOPED_TRACE(GqaValueName(gqa));
+    c.policy.gqa_value = gqa;
+    c.policy.pool_target = PoolTarget::kAttention;
+    EXPECT_THAT(Kept(Plan(c, {.cross_grams = true}), 0, 0), ElementsAre(0, 2, 4));
+    c.policy.pool_target = PoolTarget::kScore;
+    EXPECT_THAT(Kept(Plan(c, {.cross_grams = true}), 0, 0), ElementsAre(1, 2, 4));
+    c.policy.pool_target.reset();
+    const bool per_head = gqa == GqaValue::kMeanHeadProduct || gqa == GqaValue::kExactBlock;
+    EXPECT_THAT(Kept(Plan(c, {.cross_grams = true}), 0, 0),
+                per_head ? ElementsAre(1, 2, 4) : ElementsAre(0, 2, 4));
+  }
+}
+
 // Two layers with uniform attention (1/5) and indicator ATTENTION_X_VALUE, candidates 0..3:
 //   layer 0 v = [10, 25, 30, 35]: raw p = v/5, S0 = 20, s = [.10, .25, .30, .35]
 //   layer 1 v = [ 6,  1,  1,  2]: raw p = v/5, S1 = 2,  s = [.60, .10, .10, .20]

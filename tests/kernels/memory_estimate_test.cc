@@ -92,9 +92,14 @@ std::vector<Case> Cases() {
   const OutputOptions everything{.positions = true, .bitmask = true, .scores = true};
   for (GqaValue gqa : {GqaValue::kMeanHeadNorm, GqaValue::kSummedProjection,
                        GqaValue::kMeanHeadProduct, GqaValue::kExactBlock}) {
-    PolicySpec p;
-    p.gqa_value = gqa;
-    cases.push_back({absl::StrCat("laprox_gqa", static_cast<int>(gqa)), p, everything});
+    for (PoolTarget target : {PoolTarget::kAttention, PoolTarget::kScore}) {
+      PolicySpec p;
+      p.gqa_value = gqa;
+      p.pool_target = target;
+      cases.push_back(
+          {absl::StrCat("laprox_gqa", static_cast<int>(gqa), "_", PoolTargetName(target)), p,
+           everything});
+    }
   }
   PolicySpec attention;
   attention.indicator = Indicator::kAttention;

@@ -46,6 +46,9 @@ TEST(ProtoContractTest, EveryPolicyOptionHasAWireValue) {
   for (Pooling p : {Pooling::kAvg, Pooling::kMax, Pooling::kNone}) {
     ExpectValue(v1::Pooling_descriptor(), "POOLING", PoolingName(p), static_cast<int>(p));
   }
+  for (PoolTarget t : {PoolTarget::kAttention, PoolTarget::kScore}) {
+    ExpectValue(v1::PoolTarget_descriptor(), "POOL_TARGET", PoolTargetName(t), static_cast<int>(t));
+  }
   for (PolicyKind k : {PolicyKind::kLaprox, PolicyKind::kStreamingLlm, PolicyKind::kSnapKv,
                        PolicyKind::kPyramidKv, PolicyKind::kAdaKv, PolicyKind::kCriticalKv,
                        PolicyKind::kCriticalAdaKv, PolicyKind::kCake}) {
@@ -58,6 +61,7 @@ TEST(ProtoContractTest, EveryPolicyOptionHasAWireValue) {
   // Every wire value is reachable from the library (no kind or mode only a client can name).
   EXPECT_EQ(v1::PolicyKind_MAX, static_cast<int>(PolicyKind::kCake) + 1);
   EXPECT_EQ(v1::NumericMode_MAX, static_cast<int>(NumericMode::kKvpressCompat) + 1);
+  EXPECT_EQ(v1::PoolTarget_MAX, static_cast<int>(PoolTarget::kScore) + 1);
   for (DType d : {DType::kF32, DType::kF16, DType::kBF16}) {
     std::string name(DTypeName(d));
     for (char& c : name) c = static_cast<char>(std::toupper(c));

@@ -109,6 +109,8 @@ class ProtoMirrorTest(unittest.TestCase):
                       laprox.PolicyKind.CRITICAL_ADAKV)
         self.assertIs(laprox.Allocation.parse("per-layer"), laprox.Allocation.PER_LAYER)
         self.assertIs(laprox.Pooling.parse(2), laprox.Pooling.MAX)
+        self.assertIs(laprox.PoolTarget.parse("score"), laprox.PoolTarget.SCORE)
+        self.assertIs(laprox.PolicyPreset.parse("POLICY_PRESET_PAPER"), laprox.PolicyPreset.PAPER)
         with self.assertRaises(laprox.LaproxError) as e:
             laprox.PolicyKind.parse("h2o")
         self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
@@ -124,6 +126,13 @@ class ProtoMirrorTest(unittest.TestCase):
                          (8, laprox.Pooling.MAX, 3.5, 2))
         self.assertIsNone(back.pool_kernel)
         self.assertTrue(back.head_uniform_layers)
+        message = _proto.pb.Policy()
+        _proto.policy_to_proto(laprox.Policy(pool_target="attention", preset="paper"), message)
+        self.assertEqual((message.pool_target, message.preset),
+                         (_proto.pb.POOL_TARGET_ATTENTION, _proto.pb.POLICY_PRESET_PAPER))
+        back = _proto.policy_from_proto(message)
+        self.assertEqual((back.pool_target, back.preset),
+                         (laprox.PoolTarget.ATTENTION, laprox.PolicyPreset.PAPER))
 
 
 class InfoTest(ClientTestCase):
@@ -184,6 +193,32 @@ class OracleTest(ClientTestCase):
         self.assertMatchesOracle(plan, ref)
         self.assertEqual(plan.effective_policy.kind, laprox.PolicyKind.SNAPKV)
         self.assertEqual(plan.effective_policy.pool_kernel, 5)  # SnapKV's default
+
+    def test_pool_target_matches_oracle(self):
+        for target in ("ATTENTION", "SCORE"):
+            plan = self.plan(pool_target=target.lower(), gqa_value="mean_head_product")
+            ref = support.oracle(self.case, dict(LAPROX_POLICY, pool_target=target,
+                                                 gqa_value="MEAN_HEAD_PRODUCT",
+                                                 tokens_per_head=BUDGET))
+            self.assertMatchesOracle(plan, ref)
+            self.assertEqual(plan.effective_policy.pool_target, laprox.PoolTarget[target])
+        # Not set: the mode's placement, which the response names.
+        self.assertEqual(self.plan().effective_policy.pool_target, laprox.PoolTarget.ATTENTION)
+
+    def test_paper_preset_fills_unset_fields(self):
+        # The case has 16 window rows: the explicit window wins over the preset's 32.
+        plan = self.plan(policy=laprox.Policy(preset="paper", window=16))
+        ref = support.oracle(self.case, dict(window=16, gqa_value="SUMMED_PROJECTION",
+                                             pooling="NONE", tokens_per_head=BUDGET))
+        self.assertMatchesOracle(plan, ref)
+        applied = plan.effective_policy
+        self.assertEqual((applied.gqa_value, applied.pooling, applied.window, applied.preset),
+                         (laprox.GqaValue.SUMMED_PROJECTION, laprox.Pooling.NONE, 16, None))
+        with self.assertRaises(laprox.LaproxError) as e:
+            self.plan(policy=laprox.Policy(preset="paper", kind="snapkv", window=16))
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("preset", e.exception.message)
+        self.assertIn("kind", e.exception.message)
 
     def test_window_attention_input_matches_oracle(self):
         g, c = support.GEOMETRY, self.case

@@ -89,6 +89,14 @@ absl::StatusOr<kernels::PolicySpec> ParsePolicy(const json& p) {
   s.Update(ParseEnum<Pooling>(
       p, "pooling", {{"AVG", Pooling::kAvg}, {"MAX", Pooling::kMax}, {"NONE", Pooling::kNone}},
       &spec.pooling));
+  if (p.contains("pool_target") && !p.at("pool_target").is_null()) {
+    kernels::PoolTarget target = kernels::PoolTarget::kAttention;
+    s.Update(ParseEnum<kernels::PoolTarget>(
+        p, "pool_target",
+        {{"ATTENTION", kernels::PoolTarget::kAttention}, {"SCORE", kernels::PoolTarget::kScore}},
+        &target));
+    spec.pool_target = target;
+  }
   if (!s.ok()) return s;
   spec.window = p.value("window", spec.window);
   spec.pool_kernel = p.value("pool_kernel", spec.pool_kernel);

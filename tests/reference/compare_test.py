@@ -20,10 +20,11 @@ Run it
     ctest -R reference_compare         (from the build tree), or
     /usr/bin/python3 tests/reference/compare_test.py --runner build/tests/reference/laprox_case_runner
     Options: --seed N, --only SUBSTRING (case names), --keep DIR (keep the case directories),
-    --plant-bug raw|reserve|pool (sends C++ a wrong policy: GLOBAL_RAW while the oracle
-    normalises, min_per_head 10 while the oracle has 0, or for baselines pool_kernel 1 while the
-    oracle pools over 5 or 7; the script then succeeds only if cases fail, which proves the
-    score and the kept-set comparisons can fail).
+    --plant-bug raw|reserve|pool|pool_target (sends C++ a wrong policy: GLOBAL_RAW while the
+    oracle normalises, min_per_head 10 while the oracle has 0, for baselines pool_kernel 1 while
+    the oracle pools over 5 or 7, or the other pool_target where a case sets one; the script
+    then succeeds only if cases fail, which proves the score and the kept-set comparisons can
+    fail).
 
     Baseline policies (cases named "bl-...", built by build_baseline_grid()) are compared the
     same way with their own rules (compare_baseline): scores are the ranking scores with
@@ -132,6 +133,19 @@ def build_grid():
     # Pooling variants.
     for pooling, k in (("AVG", 1), ("AVG", 3), ("AVG", 31), ("MAX", 7), ("NONE", 7)):
         grid.append(case(f"pool-{pooling}{k}", policy=dict(pooling=pooling, pool_kernel=k)))
+    # pool_target with every attention summary and value factor, AVG and MAX pooling (G = 3,
+    # sinks in the pooled range), and at G = 1, where EXACT_BLOCK is MEAN_HEAD_NORM.
+    modes = [("ATTENTION_X_PROJECTED_VALUE", gqa) for gqa in laprox_ref.GQA_VALUES]
+    modes += [("ATTENTION_X_VALUE", "MEAN_HEAD_NORM"), ("ATTENTION", "MEAN_HEAD_NORM")]
+    for target in laprox_ref.POOL_TARGETS:
+        for pooling in ("AVG", "MAX"):
+            for ind, gqa in modes:
+                grid.append(case(f"pooltarget-{target}-{pooling}-{ind}-{gqa}", H=6, Hkv=2, n=257,
+                                 policy=dict(indicator=ind, gqa_value=gqa, pooling=pooling,
+                                             pool_target=target, sinks=3)))
+            for gqa in ("MEAN_HEAD_PRODUCT", "EXACT_BLOCK"):
+                grid.append(case(f"pooltarget-{target}-{pooling}-G1-{gqa}", H=3, Hkv=3,
+                                 policy=dict(gqa_value=gqa, pooling=pooling, pool_target=target)))
     # min_per_head and head_uniform_layers with every allocation.
     for alloc in laprox_ref.ALLOCATIONS:
         for mph in (0, 3, 100):
@@ -187,6 +201,14 @@ def build_tiny_attention_grid():
                                  inputs=inputs, tiny=tiny, wq=w,
                                  policy=dict(window=w, pooling=pooling, gqa_value=gqa,
                                              tokens_per_head=w + int(share * (n - w)))))
+    # The per-head summaries with pool_target ATTENTION pool each head's tiny attention norms.
+    for gqa in ("MEAN_HEAD_PRODUCT", "EXACT_BLOCK"):
+        for inputs in ("queries", "attention"):
+            grid.append(case(f"tiny-fall-AVG-w4-{inputs}-{gqa}-pooltarget-ATTENTION", n=300, H=4,
+                             Hkv=2, inputs=inputs, tiny="fall", wq=4,
+                             policy=dict(window=4, pooling="AVG", gqa_value=gqa,
+                                         pool_target="ATTENTION",
+                                         tokens_per_head=4 + int(0.85 * 296))))
     return grid
 
 
@@ -386,6 +408,9 @@ def write_case(case_dir, c, rng, plant_bug):
         if plant_bug == "pool" and policy.get("kind", "LAPROX") not in ("LAPROX",
                                                                          "STREAMING_LLM"):
             doc["policy"] = dict(policy, pool_kernel=1)
+        if plant_bug == "pool_target" and policy.get("pool_target") is not None:
+            swapped = {"ATTENTION": "SCORE", "SCORE": "ATTENTION"}[policy["pool_target"]]
+            doc["policy"] = dict(policy, pool_target=swapped)
         with open(os.path.join(case_dir, "case.json"), "w") as fh:
             json.dump(doc, fh)
 
@@ -556,7 +581,8 @@ def main():
     ap.add_argument("--seed", type=int, default=20261130)
     ap.add_argument("--only", default="")
     ap.add_argument("--keep", default="")
-    ap.add_argument("--plant-bug", choices=("raw", "reserve", "pool"), default=None)
+    ap.add_argument("--plant-bug", choices=("raw", "reserve", "pool", "pool_target"),
+                    default=None)
     args = ap.parse_args()
 
     grid = [c for c in build_grid() if args.only in c["name"]]

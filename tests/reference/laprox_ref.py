@@ -34,8 +34,8 @@ Baselines (policy["kind"] != "LAPROX")
         numeric_mode       "EXACT" | "KVPRESS_COMPAT" (default EXACT; ignored by LAPROX)
         pyramid_beta 20.0, alpha_safeguard 0.2, epsilon 1e-4, first_stage_ratio 0.5,
         cake_tau1 1.6, cake_tau2 0.6, cake_gamma 200.0
-        allocation, indicator, gqa_value, min_per_head, head_uniform_layers: accepted, checked
-                           for valid values, ignored by baselines.
+        allocation, indicator, gqa_value, pool_target, min_per_head, head_uniform_layers:
+                           accepted, checked for valid values, ignored by baselines.
     Layer dicts may carry "keys_dtype": "f32" | "f16" | "bf16" (None/absent = "f32"): the dtype
     the keys were stored in.  load_case() sets it from the keys' tensor reference, so case.json
     needs nothing new besides the policy fields above, e.g.
@@ -114,6 +114,7 @@ ALLOCATIONS = ("GLOBAL_NORMALIZED", "GLOBAL_RAW", "PER_LAYER", "UNIFORM")
 INDICATORS = ("ATTENTION_X_PROJECTED_VALUE", "ATTENTION_X_VALUE", "ATTENTION")
 GQA_VALUES = ("MEAN_HEAD_NORM", "SUMMED_PROJECTION", "MEAN_HEAD_PRODUCT", "EXACT_BLOCK")
 POOLINGS = ("AVG", "MAX", "NONE")
+POOL_TARGETS = ("ATTENTION", "SCORE")
 
 # Defaults from DESIGN.md section 2 for policy fields a caller leaves out.
 POLICY_DEFAULTS = {
@@ -123,6 +124,7 @@ POLICY_DEFAULTS = {
     "window": 32,
     "pooling": "AVG",
     "pool_kernel": 7,
+    "pool_target": None,             # None: the mode's placement (effective_pool_target)
     "sinks": 0,
     "min_per_head": 0,
     "head_uniform_layers": False,
@@ -220,6 +222,9 @@ def validate_policy(policy):
                           ("numeric_mode", NUMERIC_MODES)):
         if p[name] not in allowed:
             raise ValueError(f"policy.{name} = {p[name]!r} is not one of {allowed}")
+    if p["pool_target"] is not None and p["pool_target"] not in POOL_TARGETS:
+        raise ValueError(f"policy.pool_target = {p['pool_target']!r} is not None or one of "
+                         f"{POOL_TARGETS}")
     for name, ok, what in (
             ("pyramid_beta", lambda x: x >= 1.0, ">= 1"),
             ("alpha_safeguard", lambda x: 0.0 <= x <= 1.0, "in [0, 1]"),
@@ -355,6 +360,17 @@ def pool1d(x, pooling, k):
     raise ValueError(f"unknown pooling {pooling!r}")
 
 
+def effective_pool_target(policy):
+    """Where pooling applies (SEMANTICS.md, "Scores"): the policy's pool_target, or when it is
+    None SCORE for ATTENTION_X_PROJECTED_VALUE with MEAN_HEAD_PRODUCT or EXACT_BLOCK and
+    ATTENTION otherwise."""
+    if policy["pool_target"] is not None:
+        return policy["pool_target"]
+    per_head = policy["indicator"] == "ATTENTION_X_PROJECTED_VALUE" and \
+        policy["gqa_value"] in ("MEAN_HEAD_PRODUCT", "EXACT_BLOCK")
+    return "SCORE" if per_head else "ATTENTION"
+
+
 def layer_raw_scores(A, values, o_proj, policy, geometry_t, nx, scratch=None):
     """p over the pooled domain [0, nx) (sinks included, window excluded): [Hkv, nx].
 
@@ -368,6 +384,7 @@ def layer_raw_scores(A, values, o_proj, policy, geometry_t, nx, scratch=None):
     Ax = A[:, :, :nx].reshape(Hkv, G, we, nx)        # heads of KV group g: h = g*G .. g*G+G-1
     indicator, gqa, pooling, k = (policy["indicator"], policy["gqa_value"], policy["pooling"],
                                   policy["pool_kernel"])
+    pool_attention = effective_pool_target(policy) == "ATTENTION"
 
     def proj(g):
         """Explicit v_i W_O^h for the heads of group g: [G, nx, D] (written into `scratch`,
@@ -387,36 +404,45 @@ def layer_raw_scores(A, values, o_proj, policy, geometry_t, nx, scratch=None):
             "ATTENTION_X_PROJECTED_VALUE":
         Abar = Ax.mean(axis=1)                                       # [Hkv, we, nx]
         c = np.sqrt((Abar ** 2).sum(axis=1))                         # [Hkv, nx]
-        pc = pool1d(c, pooling, k)
         if indicator == "ATTENTION":
-            return pc
-        if indicator == "ATTENTION_X_VALUE":
-            return pc * row_norm(values[:, :nx, :])
-        r = np.empty((Hkv, nx))
-        for g in range(Hkv):
-            if gqa == "MEAN_HEAD_NORM":
-                r[g] = row_norm(proj(g)).mean(axis=0)
-            else:  # SUMMED_PROJECTION: ||v_i (sum_h W_O^h)||
-                Wsum = sum(o_proj[:, h * d:(h + 1) * d].T for h in range(g * G, (g + 1) * G))
-                r[g] = row_norm(values[g, :nx, :] @ Wsum)
-        return pc * r
+            r = np.ones((Hkv, nx))
+        elif indicator == "ATTENTION_X_VALUE":
+            r = row_norm(values[:, :nx, :])
+        else:
+            r = np.empty((Hkv, nx))
+            for g in range(Hkv):
+                if gqa == "MEAN_HEAD_NORM":
+                    r[g] = row_norm(proj(g)).mean(axis=0)
+                else:  # SUMMED_PROJECTION: ||v_i (sum_h W_O^h)||
+                    Wsum = sum(o_proj[:, h * d:(h + 1) * d].T for h in range(g * G, (g + 1) * G))
+                    r[g] = row_norm(values[g, :nx, :] @ Wsum)
+        if pool_attention:                                           # pool(c) * r
+            return pool1d(c, pooling, k) * r
+        return pool1d(c * r, pooling, k)                             # pool(c * r)
 
     x = np.empty((Hkv, nx))
     for g in range(Hkv):
         P = proj(g)                                                  # [G, nx, D]
+        c_h = np.sqrt((Ax[g] ** 2).sum(axis=1))                      # [G, nx]: ||A^h[:, i]||
+        pooled = pool1d(c_h, pooling, k) if pool_attention else c_h
         if gqa == "MEAN_HEAD_PRODUCT":
-            a_norm = np.sqrt((Ax[g] ** 2).sum(axis=1))               # [G, nx]: ||A^h[:, i]||
-            x[g] = (a_norm * row_norm(P)).mean(axis=0)
+            x[g] = (pooled * row_norm(P)).mean(axis=0)
         else:  # EXACT_BLOCK: || sum_h A^h[:, i] (outer) P_h[i] ||_F, no 1/G
-            # ||sum_h a_h (outer) b_h||_F^2 = sum_{h,h'} (a_h . a_h') (b_h . b_h')
+            # ||sum_h a_h (outer) b_h||_F^2 = sum_{h,h'} (a_h . a_h') (b_h . b_h'); with the
+            # ATTENTION target a_h . a_h' = rho c_h c_h' with c_h pooled and rho kept.
             sq = np.zeros(nx)
             for a in range(G):
                 for b in range(G):
                     a_dot = (Ax[g, a] * Ax[g, b]).sum(axis=0)        # [nx]: A^a[:, i] . A^b[:, i]
                     p_dot = np.einsum("nD,nD->n", P[a], P[b])        # [nx]: P_a[i] . P_b[i]
+                    if pool_attention:
+                        norms = c_h[a] * c_h[b]
+                        rho = np.ones(nx) if a == b else np.divide(
+                            a_dot, norms, out=np.zeros(nx), where=norms > 0)
+                        a_dot = rho * pooled[a] * pooled[b]
                     sq += a_dot * p_dot
             x[g] = np.sqrt(np.maximum(0.0, sq))
-    return pool1d(x, pooling, k)
+    return x if pool_attention else pool1d(x, pooling, k)
 
 
 def _fsum(a):

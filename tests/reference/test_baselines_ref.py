@@ -1038,9 +1038,15 @@ class Validation(unittest.TestCase):
         with self.assertRaises(ValueError):
             ref.keep_plan(geo(), {"kind": "SNAPKV", "window": 2, "tokens_per_head": 3},
                           [{"values": np.ones((1, 6, 1))}], 6)        # no window tensors
-        # baselines ignore the LAPROX-only combination rule
+        # baselines ignore the LAPROX-only combination rule, and pool_target (still checked)
         ref.keep_plan(geo(), {"kind": "SNAPKV", "window": 2, "tokens_per_head": 3,
                               "indicator": "ATTENTION", "gqa_value": "EXACT_BLOCK"}, [layer], 6)
+        P = {"kind": "SNAPKV", "window": 2, "tokens_per_head": 3}
+        plain = ref.keep_plan(geo(), P, [layer], 6)
+        score = ref.keep_plan(geo(), dict(P, pool_target="SCORE"), [layer], 6)
+        np.testing.assert_array_equal(plain["scores"], score["scores"])
+        with self.assertRaises(ValueError):
+            ref.keep_plan(geo(), dict(P, pool_target="BOTH"), [layer], 6)
 
 
 class Cli(unittest.TestCase):

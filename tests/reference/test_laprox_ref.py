@@ -172,6 +172,23 @@ class HandWorkedSingleHead(unittest.TestCase):
         np.testing.assert_allclose(p["raw"][0, 0, :4], [.05, .1, .15, .2], rtol=1e-13)
         self.assertEqual(kept_sets(p), [[[2, 3, 4]]])
 
+    def test_pool_target(self):
+        # SCORE pools p = c * r = [.5, .2, .3, .4]: avg k=3 gives [.7/3, 1/3, .9/3, .7/3], so
+        # q = 2 keeps 1 and 2 where ATTENTION (pool(c) * r, test_avg_pooling) keeps 0 and 2;
+        # max k=3 gives [.5, .5, .4, .4] (0 and 1) where ATTENTION gives [1, .3, .4, .4].  At
+        # G = 1 every gqa_value is the same score.
+        for gv in ref.GQA_VALUES:
+            for pooling, target, raw, kept in (
+                    ("AVG", "SCORE", [.7 / 3, 1 / 3, .3, .7 / 3], [1, 2, 4]),
+                    ("AVG", "ATTENTION", [.5, .2, .3, .7 / 3], [0, 2, 4]),
+                    ("MAX", "SCORE", [.5, .5, .4, .4], [0, 1, 4]),
+                    ("MAX", "ATTENTION", [1.0, .3, .4, .4], [0, 2, 4])):
+                p = self.plan(tokens_per_head=3, pooling=pooling, pool_kernel=3, gqa_value=gv,
+                              pool_target=target)
+                np.testing.assert_allclose(p["raw"][0, 0, :4], raw, rtol=1e-13,
+                                           err_msg=f"{gv} {pooling} {target}")
+                self.assertEqual(kept_sets(p), [[kept]], f"{gv} {pooling} {target}")
+
     def test_n_at_most_budget_keeps_everything(self):
         for B in (5, 6, 100, 2**31 - 1):
             p = self.plan(tokens_per_head=B)
@@ -293,6 +310,34 @@ class Gqa(unittest.TestCase):
                                    [2.0, math.sqrt(.9), math.sqrt(.34), math.sqrt(.34)],
                                    rtol=1e-13)
         self.assertEqual(kept_sets(p), [[[0, 1, 4]]])
+
+    def test_pool_target_per_head(self):
+        """Values [1, 2, 1, 1 | 1], AVG k=3.  c^0 = [.4, .1, .1, .1], c^1 = [0, .5, .1, .1] pool
+        to P^0 = [.5, .6, .3, .2] / 3, P^1 = [.5, .6, .7, .2] / 3; r^0 = 5|v|, r^1 = |v|."""
+        layer = att_layer(self.ATT, [[1, 2, 1, 1, 1]], self.O)
+        run = lambda gv, target: ref.keep_plan(  # noqa: E731
+            geo(H=2, D=2), pol(tokens_per_head=3, gqa_value=gv, pooling="AVG", pool_kernel=3,
+                               pool_target=target), [layer], 5)["raw"][0, 0, :4]
+        # MEAN_HEAD_PRODUCT, ATTENTION: (5 |v| P^0 + |v| P^1) / 2; SCORE: pool of
+        # (5 |v| c^0 + |v| c^1) / 2 = [1, 1, .3, .3].
+        np.testing.assert_allclose(run("MEAN_HEAD_PRODUCT", "ATTENTION"),
+                                   [.5, 1.2, 2.2 / 6, .2], rtol=1e-13)
+        np.testing.assert_allclose(run("MEAN_HEAD_PRODUCT", "SCORE"),
+                                   [2 / 3, 2.3 / 3, 1.6 / 3, .2], rtol=1e-13)
+        # EXACT_BLOCK, ATTENTION: v^2 (25 P0^2 + P1^2 + 2 rho 4 P0 P1) with rho = 0 at token 0
+        # (c^1 = 0 there, while P^1 > 0 keeps its own term) and 1 elsewhere (one window row).
+        np.testing.assert_allclose(
+            run("EXACT_BLOCK", "ATTENTION"),
+            [math.sqrt(26) / 6, math.sqrt(4 * 1.36), math.sqrt(.25 + .49 / 9 + .56 / 3),
+             math.sqrt(34 * .04 / 9)], rtol=1e-13)
+        # SCORE: pool of ||[3 A0, 4 A0 + A1]|| |v| = [2, 2 sqrt(.9), sqrt(.34), sqrt(.34)].
+        x = [2.0, 2 * math.sqrt(.9), math.sqrt(.34), math.sqrt(.34)]
+        np.testing.assert_allclose(
+            run("EXACT_BLOCK", "SCORE"),
+            [(x[0] + x[1]) / 3, sum(x[:3]) / 3, sum(x[1:]) / 3, (x[2] + x[3]) / 3], rtol=1e-13)
+        # Not set: SCORE for both (the historic placement).
+        for gv in ("MEAN_HEAD_PRODUCT", "EXACT_BLOCK"):
+            np.testing.assert_array_equal(run(gv, None), run(gv, "SCORE"))
 
     def test_group_mapping(self):
         """H=4, Hkv=2: heads 0,1 -> KV head 0, heads 2,3 -> KV head 1 (h // G, not h % Hkv).
@@ -535,6 +580,90 @@ class ScoreFormulas(unittest.TestCase):
                                    rtol=1e-12)
 
 
+class PoolTarget(unittest.TestCase):
+    """pool_target on random inputs (G = 3; G = 1 for the identities)."""
+
+    def setUp(self):
+        rng = np.random.default_rng(9)
+        self.g = geo(L=2, H=6, Hkv=2, d=3, D=5, scale=0.6)
+        self.layers = random_layers(rng, 2, 6, 2, 3, 5, 40, 5)
+        self.g1 = geo(L=2, H=3, Hkv=3, d=4, D=7, scale=0.5)
+        self.layers1 = random_layers(rng, 2, 3, 3, 4, 7, 30, 5)
+
+    def raw(self, g, layers, n, **kw):
+        P = pol(window=5, sinks=2, tokens_per_head=12, **kw)
+        return ref.keep_plan(g, P, layers, n)["raw"]
+
+    MODES = [("ATTENTION_X_PROJECTED_VALUE", gv) for gv in ref.GQA_VALUES] + \
+        [("ATTENTION_X_VALUE", "MEAN_HEAD_NORM"), ("ATTENTION", "MEAN_HEAD_NORM")]
+
+    def test_no_effect_without_pooling_or_values(self):
+        for ind, gv in self.MODES:
+            a, s = (self.raw(self.g, self.layers, 40, indicator=ind, gqa_value=gv,
+                             pooling="NONE", pool_target=t) for t in ref.POOL_TARGETS)
+            np.testing.assert_allclose(a, s, rtol=1e-12, err_msg=f"{ind} {gv}")
+        for pooling in ("AVG", "MAX"):
+            a, s = (self.raw(self.g, self.layers, 40, indicator="ATTENTION", pooling=pooling,
+                             pool_kernel=5, pool_target=t) for t in ref.POOL_TARGETS)
+            np.testing.assert_array_equal(a, s)
+
+    def test_targets_differ_when_pooling(self):
+        for ind, gv in self.MODES[:-1]:
+            for pooling in ("AVG", "MAX"):
+                a, s = (self.raw(self.g, self.layers, 40, indicator=ind, gqa_value=gv,
+                                 pooling=pooling, pool_kernel=5, pool_target=t)
+                        for t in ref.POOL_TARGETS)
+                cand = ~np.isnan(a)
+                self.assertGreater(np.abs(a[cand] - s[cand]).max(), 1e-3 * np.abs(a[cand]).max(),
+                                   f"{ind} {gv} {pooling}")
+
+    def test_unset_is_the_historic_placement(self):
+        for ind, gv in self.MODES:
+            target = "SCORE" if gv in ("MEAN_HEAD_PRODUCT", "EXACT_BLOCK") else "ATTENTION"
+            kw = dict(indicator=ind, gqa_value=gv, pooling="AVG", pool_kernel=5)
+            np.testing.assert_array_equal(self.raw(self.g, self.layers, 40, **kw),
+                                          self.raw(self.g, self.layers, 40, pool_target=target,
+                                                   **kw))
+
+    def test_g1_identities(self):
+        # G = 1: MEAN_HEAD_PRODUCT and EXACT_BLOCK equal MEAN_HEAD_NORM with the same target
+        # (EXACT_BLOCK with ATTENTION: sqrt(pool(c)^2 v M v^T) = pool(c) * r).
+        for pooling in ("AVG", "MAX"):
+            for target in ref.POOL_TARGETS:
+                run = lambda gv: self.raw(self.g1, self.layers1, 30, gqa_value=gv,  # noqa: E731
+                                          pooling=pooling, pool_kernel=3, pool_target=target)
+                mhn = run("MEAN_HEAD_NORM")
+                for gv in ("SUMMED_PROJECTION", "MEAN_HEAD_PRODUCT", "EXACT_BLOCK"):
+                    np.testing.assert_allclose(run(gv), mhn, rtol=1e-12,
+                                               err_msg=f"{gv} {pooling} {target}")
+
+    def test_exact_block_attention_against_loops(self):
+        """The ATTENTION formula with explicit loops: per token the Gram entries of the heads'
+        attention columns and of v W_O^h, the correlations, and the pooled norms."""
+        g, layer, n = self.g, self.layers[0], 40
+        H, Hkv, d = g["H"], g["Hkv"], g["d"]
+        G, we, se = H // Hkv, 5, 2
+        nx = n - we
+        A = [loop_attention(layer["queries"][h], layer["keys"][h // G], g["scale"], n, we)
+             for h in range(H)]
+        W = [layer["o_proj"][:, h * d:(h + 1) * d].T for h in range(H)]
+        got = self.raw(g, self.layers, n, gqa_value="EXACT_BLOCK", pooling="AVG", pool_kernel=5,
+                       pool_target="ATTENTION")[0]
+        for kv in range(Hkv):
+            heads = list(range(kv * G, (kv + 1) * G))
+            c = np.array([[np.linalg.norm(A[h][:, i]) for i in range(nx)] for h in heads])
+            P = ref.pool1d(c, "AVG", 5)
+            for i in range(se, nx):
+                v = layer["values"][kv, i]
+                total = 0.0
+                for a, ha in enumerate(heads):
+                    for b, hb in enumerate(heads):
+                        rho = 1.0 if a == b else float(A[ha][:, i] @ A[hb][:, i]) / (c[a, i] *
+                                                                                   c[b, i])
+                        total += rho * P[a, i] * P[b, i] * float((v @ W[ha]) @ (v @ W[hb]))
+                self.assertAlmostEqual(got[kv, i] / math.sqrt(total), 1.0, places=11)
+
+
 class Validation(unittest.TestCase):
 
     def setUp(self):
@@ -553,6 +682,8 @@ class Validation(unittest.TestCase):
         self.bad(pooling="AVG", pool_kernel=4)
         self.bad(pooling="MAX", pool_kernel=0)
         self.bad(allocation="NOPE")
+        self.bad(pool_target="NOPE")
+        self.bad(pool_target="score")
         self.bad(sinks=-1)
         self.bad(min_per_head=-1)
         self.bad(tokens_per_head=-1)

@@ -32,7 +32,27 @@
 namespace laprox::service {
 namespace {
 
-using GrpcIntegrationTest = ServerTest;
+class GrpcIntegrationTest : public ServerTest {
+ protected:
+  // `policy` on a good request through the server and `expected` through the library, on the
+  // same prefill: the plans must be equal. Returns the policy the response echoes.
+  v1::Policy PlanAsTheLibrary(int seed, const v1::Policy& policy,
+                              const kernels::PolicySpec& expected) {
+    Prefill prefill(seed);
+    const uint64_t region = RegisterRegion(prefill);
+    const uint64_t model = RegisterModel(prefill);
+    v1::ComputeKeepMaskRequest request = GoodRequest(model, region, prefill);
+    *request.mutable_policy() = policy;
+    v1::ComputeKeepMaskResponse response;
+    grpc::Status s = Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    const kernels::KeepPlan direct = DirectPlan(prefill, expected);
+    EXPECT_THAT(response.counts(), ::testing::ElementsAreArray(direct.counts));
+    EXPECT_THAT(response.positions(), ::testing::ElementsAreArray(direct.positions));
+    EXPECT_EQ(response.window(), direct.window);
+    return response.effective_policy();
+  }
+};
 
 TEST_F(GrpcIntegrationTest, ServerInfoDescribesTheBackend) {
   v1::GetServerInfoResponse info;
@@ -67,28 +87,40 @@ TEST_F(GrpcIntegrationTest, KeepPlanOverSharedMemoryEqualsTheLibrary) {
 
 // A baseline with its options unset runs with the kind's defaults, which the response echoes.
 TEST_F(GrpcIntegrationTest, BaselineWithUnsetOptionsUsesTheKindsDefaults) {
-  Prefill prefill(5);
-  const uint64_t region = RegisterRegion(prefill);
-  const uint64_t model = RegisterModel(prefill);
-  v1::ComputeKeepMaskRequest request = GoodRequest(model, region, prefill);
-  request.mutable_policy()->set_kind(v1::POLICY_KIND_CAKE);
-  request.mutable_policy()->set_cake_gamma(50);
-  v1::ComputeKeepMaskResponse response;
-  grpc::Status s = Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response);
-  ASSERT_TRUE(s.ok()) << s.error_message();
+  v1::Policy policy;
+  policy.set_kind(v1::POLICY_KIND_CAKE);
+  policy.set_cake_gamma(50);
   kernels::PolicySpec cake = kernels::PolicySpec::ForKind(kernels::PolicyKind::kCake);
   cake.baseline.cake_gamma = 50;
-  const kernels::KeepPlan direct = DirectPlan(prefill, cake);
-  EXPECT_THAT(response.counts(), ::testing::ElementsAreArray(direct.counts));
-  EXPECT_THAT(response.positions(), ::testing::ElementsAreArray(direct.positions));
-  const v1::Policy& applied = response.effective_policy();
+  const v1::Policy applied = PlanAsTheLibrary(5, policy, cake);
   EXPECT_EQ(applied.kind(), v1::POLICY_KIND_CAKE);
   EXPECT_EQ(applied.numeric_mode(), v1::NUMERIC_MODE_EXACT);
   EXPECT_EQ(applied.window(), 32);
   EXPECT_EQ(applied.pool_kernel(), 5);
   EXPECT_EQ(applied.cake_gamma(), 50);
   EXPECT_EQ(applied.cake_tau1(), 1.6);
-  EXPECT_EQ(response.window(), 32);
+}
+
+// The PAPER preset fills the fields the request leaves unset (an explicit field wins), the plan
+// is the library's for those fields, and the response echoes them, pool_target resolved.
+TEST_F(GrpcIntegrationTest, PaperPresetFillsTheUnsetFields) {
+  v1::Policy policy;
+  policy.set_preset(v1::POLICY_PRESET_PAPER);
+  policy.set_sinks(2);
+  kernels::PolicySpec paper;
+  paper.gqa_value = kernels::GqaValue::kSummedProjection;
+  paper.pooling = kernels::Pooling::kNone;
+  paper.sinks = 2;
+  const v1::Policy applied = PlanAsTheLibrary(6, policy, paper);
+  EXPECT_EQ(applied.indicator(), v1::INDICATOR_ATTENTION_X_PROJECTED_VALUE);
+  EXPECT_EQ(applied.allocation(), v1::ALLOCATION_GLOBAL_NORMALIZED);
+  EXPECT_EQ(applied.gqa_value(), v1::GQA_VALUE_SUMMED_PROJECTION);
+  EXPECT_EQ(applied.pooling(), v1::POOLING_NONE);
+  EXPECT_EQ(applied.pool_target(), v1::POOL_TARGET_ATTENTION);
+  EXPECT_EQ(applied.window(), 32);
+  EXPECT_EQ(applied.sinks(), 2);
+  EXPECT_EQ(applied.min_per_head(), 0);
+  EXPECT_EQ(applied.preset(), v1::POLICY_PRESET_UNSPECIFIED);
 }
 
 // Each case breaks one thing in a good request; the server answers with the code and a message
@@ -147,6 +179,20 @@ TEST_F(GrpcIntegrationTest, BadRequestsGetPreciseStatusesAndLeakNothing) {
       {"unknown policy kind",
        [](auto& r) { r.mutable_policy()->set_kind(static_cast<v1::PolicyKind>(99)); },
        grpc::StatusCode::INVALID_ARGUMENT, "policy.kind = 99"},
+      {"unknown pool target",
+       [](auto& r) { r.mutable_policy()->set_pool_target(static_cast<v1::PoolTarget>(3)); },
+       grpc::StatusCode::INVALID_ARGUMENT, "policy.pool_target = 3"},
+      {"unknown preset",
+       [](auto& r) { r.mutable_policy()->set_preset(static_cast<v1::PolicyPreset>(5)); },
+       grpc::StatusCode::INVALID_ARGUMENT, "policy.preset = 5"},
+      {"preset with a baseline kind",
+       [](auto& r) {
+         r.mutable_policy()->set_kind(v1::POLICY_KIND_CAKE);
+         r.mutable_policy()->set_preset(v1::POLICY_PRESET_PAPER);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "policy.preset = POLICY_PRESET_PAPER needs policy.kind = POLICY_KIND_LAPROX, got "
+       "POLICY_KIND_CAKE"},
       {"baseline default window above the rows given",
        [](auto& r) { r.mutable_policy()->set_kind(v1::POLICY_KIND_SNAPKV); },
        grpc::StatusCode::INVALID_ARGUMENT, "policy.window = 64 is larger than the 32"},

@@ -2,7 +2,8 @@
 # End-to-end with the real binaries: laproxd starts on a temporary Unix socket (mode 0660);
 # laprox-cli talks to it (info; demo --save; plan of the saved safetensors dump under LAPROX and
 # three baselines, whose kept sets must equal the library computing in-process on the same
-# file); flags from LAPROXD_* environment variables; /metrics counts the calls and the health
+# file; policy flags of every type change the plan the same way both ways, bad values are
+# refused naming the flag); flags from LAPROXD_* environment variables; /metrics counts the calls and the health
 # port answers; SIGTERM stops laproxd cleanly (exit 0, socket removed). Usage: laproxd_e2e_test.sh PATH/TO/laproxd PATH/TO/laprox-cli
 set -euo pipefail
 laproxd=$1
@@ -40,12 +41,50 @@ for policy in streaming_llm critical_adakv cake; do
   cmp "$dir/remote.json" "$dir/local.json" || { echo "FAIL: $policy plan differs"; exit 1; }
 done
 
+# Every kind of policy flag reaches laproxd: with FLAG added to BASE the plan changes, and
+# laproxd plans what the library plans in-process.
+remote_plans=0
+check_flag() {  # BASE FLAG (BASE: flags separated by spaces)
+  local -a base
+  read -r -a base <<<"$1"
+  local args=(plan "$dir/demo.safetensors" --json --budget=200 "${base[@]}")
+  "$cli" "${args[@]}" "$2" --target="$target" >"$dir/remote.json"
+  "$cli" "${args[@]}" "$2" --local >"$dir/local.json"
+  "$cli" "${args[@]}" --local >"$dir/without.json"
+  remote_plans=$((remote_plans + 1))
+  cmp "$dir/remote.json" "$dir/local.json" || { echo "FAIL: $1 $2: laproxd != library"; exit 1; }
+  if cmp -s "$dir/remote.json" "$dir/without.json"; then echo "FAIL: $2 has no effect"; exit 1; fi
+}
+check_flag "--gqa_value=mean_head_product" --pool_target=attention  # an enum
+check_flag "" --gqa_value=exact_block  # an enum that needs cross-Grams
+check_flag "" --preset=paper
+check_flag "" --min_per_head=150  # an integer
+check_flag "--kind=pyramidkv --compression_ratio=0.75" --pyramid_beta=2  # a double
+check_flag "" --head_uniform_layers  # the bool
+# A bad value names the flag and the accepted values; a preset needs kind LAPROX.
+expect_error() {  # MESSAGE FLAG...
+  local message=$1
+  shift
+  if "$cli" plan "$dir/demo.safetensors" --local "$@" 2>"$dir/err"; then
+    echo "FAIL: $* accepted"; exit 1
+  fi
+  grep -qF -- "$message" "$dir/err" || { cat "$dir/err"; echo "FAIL: $* message"; exit 1; }
+}
+expect_error "--gqa_value=exact is not one of mean_head_norm, summed_projection, \
+mean_head_product, exact_block" --gqa_value=exact
+expect_error "--pool_target=both is not one of attention, score" --pool_target=both
+expect_error "policy.preset = POLICY_PRESET_PAPER needs policy.kind = POLICY_KIND_LAPROX" \
+  --preset=paper --kind=snapkv
+expect_error "'pyramid_beta'" --pyramid_beta=steep
+
 metrics_port=$(grep -o 'metrics on http port [0-9]*' "$dir/log" | awk '{print $NF}')
 health_port=$(grep -o 'health on tcp port [0-9]*' "$dir/log" | awk '{print $NF}')
 [[ -n "$metrics_port" && -n "$health_port" ]] || { echo "FAIL: LAPROXD_*_LISTEN ignored"; exit 1; }
 curl -sf "http://127.0.0.1:$metrics_port/metrics" >"$dir/metrics"
-# Remote plans: demo, one LAPROX plan, one per baseline (the --local ones never reach laproxd).
-grep -qx 'laprox_requests_total{code="OK",method="ComputeKeepMask"} 5' "$dir/metrics" ||
+# Remote plans: demo, one LAPROX plan, one per baseline, one per checked flag (the --local ones
+# never reach laproxd).
+grep -qx "laprox_requests_total{code=\"OK\",method=\"ComputeKeepMask\"} $((5 + remote_plans))" \
+  "$dir/metrics" ||
   { grep ComputeKeepMask "$dir/metrics"; echo "FAIL: metrics"; exit 1; }
 "$cli" health --target="127.0.0.1:$health_port" || { echo "FAIL: liveness"; exit 1; }
 if "$cli" health --target="127.0.0.1:$health_port" --service=laprox.v1.Laprox; then

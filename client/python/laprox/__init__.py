@@ -16,15 +16,16 @@ See client/python/README.md and proto/laprox/v1/laprox.proto (every option is do
 from .client import DEFAULT_TARGET, Client
 from .errors import LaproxError
 from .types import (Allocation, BackendKind, Budget, DeviceInfo, DType, GqaValue, Indicator,
-                    KeepPlan, ModelGeometry, NumericMode, Outputs, Policy, PolicyKind, Pooling,
-                    RegionInfo, RegionKind, RegionTensor, ServerInfo, ServerLimits, SharedRegion,
-                    Timing)
+                    KeepPlan, ModelGeometry, NumericMode, Outputs, Policy, PolicyKind,
+                    PolicyPreset, Pooling, PoolTarget, RegionInfo, RegionKind, RegionTensor,
+                    ServerInfo, ServerLimits, SharedRegion, Timing)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Allocation", "BackendKind", "Budget", "Client", "DEFAULT_TARGET", "DType", "DeviceInfo",
     "GqaValue", "Indicator", "KeepPlan", "LaproxError", "ModelGeometry", "NumericMode",
-    "Outputs", "Policy", "PolicyKind", "Pooling", "RegionInfo", "RegionKind", "RegionTensor",
-    "ServerInfo", "ServerLimits", "SharedRegion", "Timing", "__version__",
+    "Outputs", "Policy", "PolicyKind", "PolicyPreset", "Pooling", "PoolTarget", "RegionInfo",
+    "RegionKind", "RegionTensor", "ServerInfo", "ServerLimits", "SharedRegion", "Timing",
+    "__version__",
 ]

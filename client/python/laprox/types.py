@@ -104,6 +104,18 @@ class Pooling(_WireEnum):
     NONE = 3
 
 
+class PoolTarget(_WireEnum):
+    """Where pooling applies: the attention side (pool(c) * r) or the score (pool(c * r))."""
+    ATTENTION = 1
+    SCORE = 2
+
+
+class PolicyPreset(_WireEnum):
+    """A named set of options filling the fields left unset (PAPER: the paper's reading)."""
+    DEFAULT = 1
+    PAPER = 2
+
+
 # The proto name of each enum and the prefix of its values.
 _PREFIXES = {
     DType: "DTYPE_",
@@ -115,6 +127,8 @@ _PREFIXES = {
     Indicator: "INDICATOR_",
     GqaValue: "GQA_VALUE_",
     Pooling: "POOLING_",
+    PoolTarget: "POOL_TARGET_",
+    PolicyPreset: "POLICY_PRESET_",
 }
 
 EnumLike = Union[_WireEnum, str, int]
@@ -141,6 +155,8 @@ class Policy:
     sinks: Optional[int] = None
     min_per_head: Optional[int] = None
     head_uniform_layers: Optional[bool] = None
+    pool_target: Optional[EnumLike] = None     # PoolTarget (LAPROX)
+    preset: Optional[EnumLike] = None          # PolicyPreset (LAPROX): fills unset fields
     numeric_mode: Optional[EnumLike] = None    # NumericMode (baselines)
     pyramid_beta: Optional[float] = None       # PYRAMIDKV
     alpha_safeguard: Optional[float] = None    # ADAKV, CRITICAL_ADAKV
@@ -184,6 +200,8 @@ POLICY_ENUMS = {
     "indicator": Indicator,
     "gqa_value": GqaValue,
     "pooling": Pooling,
+    "pool_target": PoolTarget,
+    "preset": PolicyPreset,
     "numeric_mode": NumericMode,
 }
 

@@ -8,6 +8,7 @@
 #define LAPROX_KERNELS_POLICY_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -64,6 +65,14 @@ enum class GqaValue {
 
 enum class Pooling { kAvg, kMax, kNone };
 
+// Where pooling applies in a LAPROX score, with c^h = ||A^h col||, r^h = ||v W_O^h||, c and r the
+// group's attention and value factors (SEMANTICS.md, "Scores").
+enum class PoolTarget {
+  kAttention,  // pool(c) * r; MEAN_HEAD_PRODUCT mean_h pool(c^h) * r^h; EXACT_BLOCK each c^h
+               // pooled, the heads' attention correlations and value Grams kept at the token
+  kScore,      // pool(c * r); MEAN_HEAD_PRODUCT pool(mean_h c^h * r^h); EXACT_BLOCK pool(||.||_F)
+};
+
 // Budget: average kept tokens per KV head (window and sinks included), or a compression ratio.
 struct Budget {
   enum class Kind { kTokensPerHead, kCompressionRatio };
@@ -88,7 +97,7 @@ struct BaselineParams {
 
 // Every option of a keep-plan request. The baselines use kind, numeric_mode, window, pooling,
 // pool_kernel, budget and `baseline` (STREAMING_LLM: sinks and budget only); they ignore
-// allocation, indicator, gqa_value, min_per_head and head_uniform_layers.
+// allocation, indicator, gqa_value, pool_target, min_per_head and head_uniform_layers.
 struct PolicySpec {
   PolicyKind kind = PolicyKind::kLaprox;
   NumericMode numeric_mode = NumericMode::kExact;
@@ -97,8 +106,9 @@ struct PolicySpec {
   GqaValue gqa_value = GqaValue::kMeanHeadNorm;
   int32_t window = 32;  // w: observation window, 1 <= w <= rows given
   Pooling pooling = Pooling::kAvg;
-  int32_t pool_kernel = 7;           // odd, 1..kMaxPoolKernel
-  int32_t sinks = 0;                 // first positions always kept, outside the competition
+  int32_t pool_kernel = 7;                // odd, 1..kMaxPoolKernel
+  std::optional<PoolTarget> pool_target;  // unset: the mode's placement (EffectivePoolTarget)
+  int32_t sinks = 0;                      // first positions always kept, outside the competition
   int32_t min_per_head = 0;          // candidates each head reserves before the global competition
   bool head_uniform_layers = false;  // keep the layer's share but spread it evenly over heads
   Budget budget;
@@ -117,6 +127,11 @@ struct PolicySpec {
   // whatever the kind) and, for LAPROX, the indicator / gqa_value combination (ATTENTION and
   // ATTENTION_X_VALUE take only MEAN_HEAD_NORM).
   absl::Status Validate() const;
+
+  // Where LAPROX pools: pool_target, or when it is unset the historic placement of the mode,
+  // kScore for ATTENTION_X_PROJECTED_VALUE with MEAN_HEAD_PRODUCT or EXACT_BLOCK, kAttention
+  // otherwise. The placement makes no difference with Pooling::kNone or Indicator::kAttention.
+  PoolTarget EffectivePoolTarget() const;
 };
 
 // Upper-case names as in laprox.v1 without the enum prefix ("SNAPKV", "KVPRESS_COMPAT").
@@ -126,6 +141,7 @@ absl::string_view AllocationName(Allocation a);
 absl::string_view IndicatorName(Indicator i);
 absl::string_view GqaValueName(GqaValue g);
 absl::string_view PoolingName(Pooling p);
+absl::string_view PoolTargetName(PoolTarget t);
 
 }  // namespace laprox::kernels
 

@@ -2,8 +2,9 @@
 // server (service/grpc/convert.cc) and the C++ client.
 //
 // Policy enums travel as the kernels value + 1, with UNSPECIFIED = 0 meaning the default (the
-// first kernels value); static_asserts in policy_wire.cc pin the ends and the proto contract
-// test checks every value's number.
+// first kernels value; for pool_target: unset, the mode's placement); static_asserts in
+// policy_wire.cc pin the ends and the proto contract test checks every value's number. The
+// preset (PolicyPreset) exists on the wire only: PolicyFromProto resolves it into the fields.
 #ifndef LAPROX_PROTO_WIRE_LAPROX_V1_POLICY_WIRE_H_
 #define LAPROX_PROTO_WIRE_LAPROX_V1_POLICY_WIRE_H_
 
@@ -16,14 +17,16 @@
 
 namespace laprox::v1 {
 
-// Every option explicitly (the receiver applies exactly `policy`), budget included.
+// Every option explicitly (the receiver applies exactly `policy`), budget included; pool_target
+// as PolicySpec::EffectivePoolTarget, no preset.
 void PolicyToProto(const kernels::PolicySpec& policy, Policy* proto);
 void BudgetToProto(const kernels::Budget& budget, Budget* proto);
 
 // The policy a request asks for: the kind first, then every field that is set overrides that
-// kind's defaults (PolicySpec::ForKind). INVALID_ARGUMENT naming "policy.<field>" for an enum
-// value the proto does not define, or "budget" when none is given. Ranges are checked later by
-// PolicySpec::Validate.
+// kind's defaults (PolicySpec::ForKind), then the preset fills the fields it names that are not
+// set (tests/reference/SEMANTICS.md, "Presets"). INVALID_ARGUMENT naming "policy.<field>" for an
+// enum value the proto does not define, naming preset and kind for a preset with a kind other
+// than LAPROX, or "budget" when none is given. Ranges are checked later by PolicySpec::Validate.
 absl::StatusOr<kernels::PolicySpec> PolicyFromProto(const Policy& policy, const Budget& budget);
 
 DType DTypeToProto(kernels::DType dtype);
