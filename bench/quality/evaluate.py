@@ -52,9 +52,9 @@ HS_ROWS = 128  # last attention-input rows kept for kvpress (it reads the last 6
 
 MODES = {
     # test prompts per task (spread over the lengths), LM documents, continuation tokens
-    "full": dict(plan={"single_needle": 20, "multi_key": 40, "multi_value": 20,
-                       "multi_query": 20, "variable_tracking": 20},
-                 lengths=[2048] * 5 + [4096], docs=24, doc_lengths=[2048], cont=32,
+    "full": dict(plan={"single_needle": 12, "multi_key": 40, "multi_value": 12,
+                       "multi_query": 12, "variable_tracking": 12},
+                 lengths=[2048] * 3 + [4096], docs=16, doc_lengths=[2048], cont=32,
                  budgets=[64, 128, 256, 512, 1024], seed=2026),
     "quick": dict(plan={"single_needle": 1, "multi_key": 2, "multi_value": 1, "multi_query": 1,
                         "variable_tracking": 1},
@@ -211,13 +211,16 @@ def keep_masks(client, model_id: int, prefix: Prefix, methods: List[M.Method],
                budgets: List[int]) -> Dict[Tuple[str, int], np.ndarray]:
     out = {}
     for name, options in methods:
+        policy = {k: v for k, v in options.items() if k != "budgets"}
         for b in budgets:
-            if "kvpress" in options:
-                out[(name, b)] = kvpress_masks(options["kvpress"], prefix, b)
+            if b not in options.get("budgets", budgets):
+                continue                                   # the method runs at fewer budgets
+            if "kvpress" in policy:
+                out[(name, b)] = kvpress_masks(policy["kvpress"], prefix, b)
             else:
                 plan = client.compute_keep_plan(model_id, prefix.np_keys, prefix.np_values,
                                                 window_queries=prefix.np_queries, budget=b,
-                                                policy=dict(options))
+                                                policy=policy)
                 out[(name, b)] = plan.to_masks()
     return out
 
@@ -404,8 +407,8 @@ def run_document(ctx: Context, d: T.Document) -> Dict[str, Any]:
 
 def _table(values: Dict[Tuple[str, int], Any], methods: List[M.Method],
            budgets: List[int]) -> Dict[str, List[Any]]:
-    """{method: [value per budget]} in budget order."""
-    return {name: [values[(name, b)] for b in budgets] for name, _ in methods}
+    """{method: [value per budget]} in budget order (None where the method did not run)."""
+    return {name: [values.get((name, b)) for b in budgets] for name, _ in methods}
 
 
 def main() -> int:
@@ -445,7 +448,7 @@ def main() -> int:
     info = client.info()
     model_id = lhf.register_model(client, model, name="SmolLM2-135M-Instruct",
                                   prepare_cross_grams=True)
-    methods = [(M.DEFAULT, {})] + M.grid_methods() if args.grid else list(M.MAIN)
+    methods = M.grid_methods() if args.grid else list(M.MAIN)
     doc_methods = methods if args.grid else methods + M.LM_ONLY
     if args.exclude:
         drop = [x for x in args.exclude.split(",") if x]
@@ -460,7 +463,8 @@ def main() -> int:
     if args.limit:
         prompts, docs = prompts[:args.limit], docs[:args.limit]
     log(f"== {mode_name}: {len(prompts)} prompts, {len(docs)} documents, {len(methods)} methods "
-        f"({len(doc_methods)} on documents) x {len(mode['budgets'])} budgets; {len(corpus.texts)} haystack sources; laproxd "
+        f"({len(doc_methods)} on documents) x {len(mode['budgets'])} budgets; "
+        f"{len(corpus.texts)} haystack sources; laproxd "
         f"{info.version} ({info.backend})")
     bar = tqdm(total=len(prompts) + len(docs), unit="prompt", file=sys.stderr,
                dynamic_ncols=True, mininterval=5)

@@ -22,12 +22,15 @@ DEFAULT = "LaProx"
 # answer's log-probability (paired bootstrap over all multi-key prompts). Holm over the four.
 PRIMARY_TASK, PRIMARY_BUDGET, PRIMARY_BASELINES = "multi_key", 128, ("SnapKV", "AdaKV")
 
-ABLATIONS = ["LaProx paper", "LaProx global-raw", "LaProx per-layer", "LaProx uniform",
+ABLATIONS = ["LaProx v1 default", "LaProx paper", "LaProx global-raw", "LaProx per-layer",
+             "LaProx uniform",
              "LaProx A*|v|", "LaProx A", "LaProx exact", "LaProx exact nopool",
              "LaProx A nopool"]
-BASELINES = ["SnapKV", "AdaKV", "CriticalKV", "CAKE", "StreamingLLM", "kvpress SnapKV w=64"]
-PLOTTED = ["LaProx", "LaProx paper", "LaProx A", "LaProx exact", "SnapKV", "AdaKV",
-           "CriticalKV", "StreamingLLM", "CAKE"]
+BASELINES = ["SnapKV", "AdaKV", "CriticalKV", "StreamingLLM", "SnapKV pool=31", "AdaKV pool=31",
+             "kvpress SnapKV w=64"]
+PLOTTED = ["LaProx", "LaProx v1 default", "LaProx paper", "SnapKV", "AdaKV", "CriticalKV",
+           "StreamingLLM",
+           "kvpress SnapKV w=64"]
 
 
 def file_name(base: str, mode: str, ext: str) -> str:
@@ -57,10 +60,19 @@ class Data:
                       solved_only: bool = False) -> np.ndarray:
         ps = [p for p in self.prompts if (task is None or p["task"] == task)
               and (not solved_only or p["full_em"])]
-        return np.array([p[metric][method][self.bi(b)] for p in ps], dtype=np.float64)
+        return _array([p[metric][method][self.bi(b)] for p in ps])
 
     def doc_values(self, metric: str, method: str, b: int) -> np.ndarray:
-        return np.array([d[metric][method][self.bi(b)] for d in self.docs], dtype=np.float64)
+        return _array([d[metric][method][self.bi(b)] for d in self.docs])
+
+
+def _array(values: List[Any]) -> np.ndarray:
+    """float64 values; NaN where the method did not run at that budget (None)."""
+    return np.array([np.nan if v is None else float(v) for v in values], dtype=np.float64)
+
+
+def _ran(*arrays: np.ndarray) -> bool:
+    return all(a.size and not np.isnan(a).any() for a in arrays)
 
 
 def _fmt_ci(d: float, lo: float, hi: float, digits: int = 3) -> str:
@@ -68,6 +80,8 @@ def _fmt_ci(d: float, lo: float, hi: float, digits: int = 3) -> str:
 
 
 def _fmt_p(p: float) -> str:
+    if np.isnan(p):
+        return "–"
     if p <= 2.0 / (stats.BOOTSTRAP + 1):
         return f"≤{2.0 / (stats.BOOTSTRAP + 1):.0e}"   # the bootstrap's resolution
     return "1" if p >= 0.9995 else f"{p:.3f}" if p >= 0.001 else f"{p:.1e}"
@@ -75,13 +89,18 @@ def _fmt_p(p: float) -> str:
 
 def compare_em(data: Data, a: str, b: str, budget: int, task: Optional[str]
                ) -> Tuple[str, float]:
-    x = data.prompt_values("em", a, budget, task, solved_only=True) > 0.5
-    y = data.prompt_values("em", b, budget, task, solved_only=True) > 0.5
+    x = data.prompt_values("em", a, budget, task, solved_only=True)
+    y = data.prompt_values("em", b, budget, task, solved_only=True)
+    if not _ran(x, y):
+        return "–", float("nan")
+    x, y = x > 0.5, y > 0.5
     wa, wb, p = stats.mcnemar_exact(x, y)
     return f"{int(x.sum())}/{x.size} vs {int(y.sum())}/{y.size} (+{wa} −{wb})", p
 
 
 def compare_cont(xa: np.ndarray, xb: np.ndarray, digits: int = 3) -> Tuple[str, float]:
+    if not _ran(xa, xb):
+        return "–", float("nan")
     d, lo, hi, p = stats.paired_bootstrap(xa, xb)
     return _fmt_ci(d, lo, hi, digits), p
 
@@ -176,7 +195,7 @@ def versus(data: Data, others: Sequence[str]) -> List[str]:
                                        data.doc_values("kl", m, b), 3)
             else:
                 text, p = compare_em(data, DEFAULT, m, b, None)
-            return f"{text} p={_fmt_p(p)}"
+            return text if text == "–" else f"{text} p={_fmt_p(p)}"
         available = data.doc_methods if kind == "kl" else data.prompt_methods
         lines += _method_table(data, others, cell, available) + [""]
     return lines
@@ -196,6 +215,8 @@ def per_task(data: Data) -> List[str]:
         def cell(m: str, b: int, task=task) -> str:
             em = data.prompt_values("em", m, b, task, solved_only=True)
             lp = data.prompt_values("lp", m, b, task)
+            if not _ran(lp):
+                return "–"
             return f"{int(em.sum())} / {lp.mean():.2f}"
         lines += _method_table(data, data.prompt_methods, cell) + [""]
     return lines
@@ -220,7 +241,7 @@ def lm_tables(data: Data) -> List[str]:
     for key, title, digits in LM_METRICS:
         def cell(m: str, b: int, key=key, digits=digits) -> str:
             x = data.doc_values(key, m, b)
-            return f"{x.mean():.{digits}f}"
+            return f"{x.mean():.{digits}f}" if _ran(x) else "–"
         lines += [f"**{title}**", ""] + _method_table(data, data.doc_methods, cell) + [""]
     return lines
 
@@ -237,7 +258,7 @@ def objective_check(data: Data) -> List[str]:
         cells = []
         for x in data.budgets:
             text, p = compare_cont(data.doc_values(key, a, x), data.doc_values(key, b, x), 4)
-            cells.append(f"{text} p={_fmt_p(p)}")
+            cells.append(text if text == "–" else f"{text} p={_fmt_p(p)}")
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
     return lines + [""]
 
@@ -264,7 +285,7 @@ def plots(data: Data, out: str, suffix: str) -> List[str]:
             for b in data.budgets:
                 v = data.doc_values(key, m, b) if key == "kl" else \
                     data.prompt_values(key, m, b, solved_only=bool(solved))
-                pts.append(stats.mean_interval(v, samples=2000))
+                pts.append(stats.mean_interval(v, samples=2000) if _ran(v) else (np.nan,) * 3)
             mean = np.array([p[0] for p in pts])
             err = np.array([[p[0] - p[1] for p in pts], [p[2] - p[0] for p in pts]])
             xs = np.array(data.budgets) * (1 + 0.015 * (i - 4))
@@ -303,10 +324,15 @@ def write_results(data: Data, out: str) -> None:
         "default). B = average kept tokens per KV head, window included: K = B − 32 are chosen "
         "by the method. The baselines are laproxd's implementations with kvpress semantics "
         "(tests/crosscheck/kvpress checks them against kvpress) at their published pooling "
-        "(avg 5; GRID.md has them at LaProx's and wider kernels). Every comparison is paired: the same prompts, "
-        "the same prefill.", "",
+        "(avg 5) and, as `… pool=31`, at the default's (GRID.md has more widths). Every "
+        "comparison is paired: the same prompts, the same prefill. `LaProx` is the default "
+        "(MEAN_HEAD_PRODUCT, average pooling of the "
+        "per-token score over 31 tokens); `LaProx v1 default` is the default before this "
+        "evaluation (MEAN_HEAD_NORM, average pooling of the attention factor over 7); `LaProx "
+        "paper` is `preset = PAPER`; the ablations change one option of the default.", "",
         "## Primary endpoint", "",
-        f"Fixed before the full run: `{DEFAULT}` (the server default) vs SnapKV and AdaKV at "
+        f"Fixed before the full run: `{DEFAULT}` (the default, chosen on the dev grid, GRID.md) "
+        "vs SnapKV and AdaKV at "
         f"B = {PRIMARY_BUDGET}, w = 32, on the {PRIMARY_TASK} task; exact-match recovery over "
         "the prompts the full cache solves (exact McNemar, two-sided), and the mean gold-answer "
         "log-probability over every prompt of the task (10,000-sample paired bootstrap, 95% "
@@ -362,7 +388,9 @@ def write_grid(data: Data, out: str) -> None:
         "here and reported there. Rule (fixed before this run): the highest mean gold "
         f"log-prob on {PRIMARY_TASK} at B = {b} (the primary endpoint's continuous half; exact "
         "match at this budget is too rare to rank), reported with its paired interval against "
-        f"the current default `{DEFAULT}` and against the runner-up.", "",
+        f"`{DEFAULT}`, the default when the grid ran (MEAN_HEAD_NORM, average pooling of the "
+        "attention factor over 7), and against the runner-up. Every row is at w = 32 unless "
+        "its name says w=64; `attention` / `score` is pool_target, `avgK` the kernel.", "",
         f"Columns: mean gold log-prob on {PRIMARY_TASK} ({key_n} prompts), its difference from "
         f"`{DEFAULT}` with a paired 95% interval, exact-match recoveries on {PRIMARY_TASK} (of "
         f"{solved_key} solved) and on every task (of {solved_all}), mean gold log-prob over "
