@@ -2,10 +2,12 @@
 //
 // What it measures. For each case (a model geometry and a prompt length n) it times
 // Backend::ComputeKeepPlan of the CPU backend (2 worker threads, single-threaded OpenBLAS
-// inside) on random-normal fp32 keys, values and window queries, with the default LaProx policy
-// (GLOBAL_NORMALIZED, ATTENTION_X_PROJECTED_VALUE, MEAN_HEAD_NORM, w = 32, avg pool 7) and a
-// budget of B = 128 tokens per KV head. PrepareModel (the d x d factors of o_proj) runs once,
-// untimed, as it does when a model is registered. Every case is warmed up with one untimed call.
+// inside) on random-normal fp32 keys, values and window queries, with the LaProx policy that
+// bench/numpy_laprox.py implements (GLOBAL_NORMALIZED, ATTENTION_X_PROJECTED_VALUE,
+// MEAN_HEAD_NORM, w = 32, avg pool 7 of the attention factor: the default before bench/quality's
+// dev grid, set explicitly) and a budget of B = 128 tokens per KV head. PrepareModel (the d x d
+// factors of o_proj) runs once, untimed, as it does when a model is registered. Every case is
+// warmed up with one untimed call.
 //
 // Beside each time it reports the floor of this machine, measured in the same process
 // (DESIGN.md section 8):
@@ -305,6 +307,7 @@ class CaseData {
 
     request_.n = c.n;
     request_.policy.window = kWindow;
+    request_.policy.gqa_value = GqaValue::kMeanHeadNorm;
     request_.policy.pool_kernel = kPoolKernel;
     request_.policy.budget = Budget::TokensPerHead(kTokensPerHead);
     for (int l = 0; l < g.L; ++l) {

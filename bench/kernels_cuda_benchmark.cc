@@ -2,7 +2,9 @@
 //
 // What it measures (issue "CUDA backend", DESIGN.md section 8). Llama-3.1-8B geometry (L32,
 // H32, Hkv8, d128, D4096), bf16 keys, values and window queries in device memory (as cuda_ipc
-// regions give them), the default LaProx policy with window w, budget B = 1024 tokens per head.
+// regions give them), the LaProx policy of bench/cuda_reference.py (MEAN_HEAD_NORM, avg pool 7
+// of the attention factor: the default before bench/quality's dev grid, set explicitly so that
+// v1 takes it) with window w, budget B = 1024 tokens per head.
 // For each n, w and kernel version it times Backend::ComputeKeepPlan — a synchronous call, so
 // the time is the wall time from the call to the plan in host memory (input checks, scoring,
 // selection, the copy of the plan back), measured with steady_clock after a device
@@ -214,6 +216,8 @@ int main(int argc, char** argv) {
         KeepPlanRequest request;
         request.n = n;
         request.policy.window = static_cast<int32_t>(w);
+        request.policy.gqa_value = laprox::kernels::GqaValue::kMeanHeadNorm;
+        request.policy.pool_kernel = 7;
         request.policy.budget = laprox::kernels::Budget::TokensPerHead(1024);
         for (int l = 0; l < kL; ++l) {
           laprox::kernels::LayerInputs layer;

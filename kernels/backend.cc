@@ -60,7 +60,7 @@ absl::StatusOr<PlanShape> ValidateKeepPlanRequest(const ModelGeometry& geometry,
         absl::StrCat("L*Hkv*n = ", L * Hkv * n, " exceeds the 2^32 tokens one request may score"));
   }
   const PolicyKind kind = request.policy.kind;
-  if (kind == PolicyKind::kLaprox && request.policy.gqa_value == GqaValue::kExactBlock &&
+  if (kind == PolicyKind::kLaprox && request.policy.EffectiveGqaValue() == GqaValue::kExactBlock &&
       !prepared.cross_grams) {
     return absl::FailedPreconditionError(
         "policy.gqa_value = EXACT_BLOCK needs a model prepared with cross_grams");

@@ -70,6 +70,7 @@ PolicySpec PolicySpec::ForKind(PolicyKind kind) {
       break;
     case PolicyKind::kStreamingLlm:
       spec.sinks = 4;
+      spec.pool_kernel = 7;  // unused by STREAMING_LLM; effective_policy keeps showing 7
       break;
     case PolicyKind::kSnapKv:
     case PolicyKind::kPyramidKv:
@@ -142,11 +143,18 @@ absl::string_view PoolTargetName(PoolTarget t) {
   return t == PoolTarget::kScore ? "SCORE" : "ATTENTION";
 }
 
+GqaValue PolicySpec::EffectiveGqaValue() const {
+  if (gqa_value) return *gqa_value;
+  return kind == PolicyKind::kLaprox && indicator == Indicator::kAttentionXProjectedValue
+             ? GqaValue::kMeanHeadProduct
+             : GqaValue::kMeanHeadNorm;
+}
+
 PoolTarget PolicySpec::EffectivePoolTarget() const {
   if (pool_target) return *pool_target;
-  const bool per_head =
-      indicator == Indicator::kAttentionXProjectedValue &&
-      (gqa_value == GqaValue::kMeanHeadProduct || gqa_value == GqaValue::kExactBlock);
+  const GqaValue gqa = EffectiveGqaValue();
+  const bool per_head = indicator == Indicator::kAttentionXProjectedValue &&
+                        (gqa == GqaValue::kMeanHeadProduct || gqa == GqaValue::kExactBlock);
   return per_head ? PoolTarget::kScore : PoolTarget::kAttention;
 }
 
@@ -169,9 +177,9 @@ absl::Status PolicySpec::Validate() const {
   if (absl::Status s = ValidateBaseline(baseline); !s.ok()) return s;
   // Baselines ignore indicator and gqa_value, so their combination does not matter there.
   if (kind == PolicyKind::kLaprox && indicator != Indicator::kAttentionXProjectedValue &&
-      gqa_value != GqaValue::kMeanHeadNorm) {
+      EffectiveGqaValue() != GqaValue::kMeanHeadNorm) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "policy.gqa_value = ", GqaValueName(gqa_value), " needs indicator ",
+        "policy.gqa_value = ", GqaValueName(EffectiveGqaValue()), " needs indicator ",
         IndicatorName(Indicator::kAttentionXProjectedValue), ", got ", IndicatorName(indicator)));
   }
   switch (budget.kind) {

@@ -72,7 +72,8 @@ ABSL_FLAG(std::optional<std::string>, allocation, std::nullopt,
 ABSL_FLAG(std::optional<std::string>, indicator, std::nullopt,
           "LAPROX: attention_x_projected_value|attention_x_value|attention");
 ABSL_FLAG(std::optional<std::string>, gqa_value, std::nullopt,
-          "LAPROX: mean_head_norm|summed_projection|mean_head_product|exact_block");
+          "LAPROX: mean_head_norm|summed_projection|mean_head_product|exact_block (unset: "
+          "mean_head_product, mean_head_norm with the other indicators)");
 ABSL_FLAG(std::optional<std::string>, pool_target, std::nullopt,
           "LAPROX: attention|score (unset: the gqa_value's placement)");
 ABSL_FLAG(std::optional<std::string>, preset, std::nullopt,
@@ -83,7 +84,7 @@ ABSL_FLAG(std::optional<std::string>, numeric_mode, std::nullopt,
 ABSL_FLAG(std::optional<int>, window, std::nullopt,
           "observation window w (unset: the policy's default, 32 or 64)");
 ABSL_FLAG(std::optional<int>, pool_kernel, std::nullopt,
-          "pooling kernel (unset: the policy's default, 7 or 5)");
+          "pooling kernel (unset: the policy's default, 31 for laprox, 5 for the baselines)");
 ABSL_FLAG(std::optional<int>, sinks, std::nullopt,
           "attention sinks (unset: the policy's default, 0 or 4 for streaming_llm)");
 ABSL_FLAG(std::optional<int>, min_per_head, std::nullopt,
@@ -238,7 +239,7 @@ absl::StatusOr<kernels::PolicySpec> Policy() {
 // EXACT_BLOCK needs the model's cross-Grams (PrepareOptions::cross_grams).
 bool NeedsCrossGrams(const kernels::PolicySpec& policy) {
   return policy.kind == kernels::PolicyKind::kLaprox &&
-         policy.gqa_value == kernels::GqaValue::kExactBlock;
+         policy.EffectiveGqaValue() == kernels::GqaValue::kExactBlock;
 }
 
 // In-process: views straight over the loaded bytes.

@@ -258,11 +258,11 @@ int64_t CpuBackend::KeepPlanWorkspaceBytes(const ModelGeometry& geometry, const 
   const int64_t rows = SatMul(G, std::max(shape.window_rows, shape.window));
   const bool projected = policy.kind == PolicyKind::kLaprox &&
                          policy.indicator == Indicator::kAttentionXProjectedValue;
-  const bool exact = projected && policy.gqa_value == GqaValue::kExactBlock;
+  const GqaValue gqa = policy.EffectiveGqaValue();
+  const bool exact = projected && gqa == GqaValue::kExactBlock;
   // pool_target ATTENTION with per-head attention statistics pools each head's factor apart.
-  const bool per_head_pool =
-      (exact || (projected && policy.gqa_value == GqaValue::kMeanHeadProduct)) &&
-      policy.EffectivePoolTarget() == PoolTarget::kAttention;
+  const bool per_head_pool = (exact || (projected && gqa == GqaValue::kMeanHeadProduct)) &&
+                             policy.EffectivePoolTarget() == PoolTarget::kAttention;
   // Factor blocks of the value product, and attention statistics per token (8 bytes each, so
   // that fp64 accumulators are covered).
   const int64_t blocks = exact ? SatAdd(G, SatMul(G, G - 1) / 2) : std::max<int64_t>(G, 2);

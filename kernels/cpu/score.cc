@@ -50,7 +50,7 @@ Modes ChooseModes(const PolicySpec& policy, int64_t group) {
     case Indicator::kAttentionXProjectedValue:
       break;
   }
-  switch (policy.gqa_value) {
+  switch (policy.EffectiveGqaValue()) {
     case GqaValue::kMeanHeadNorm:
       return {AttentionStat::kGroupMean, ValueStat::kPerHead, 1, group};
     case GqaValue::kSummedProjection:

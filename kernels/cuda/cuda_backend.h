@@ -32,7 +32,8 @@
 namespace laprox::kernels::cuda {
 
 // Which kernels compute plans: v0 (cuBLAS, radix sort) or v1 (fused kernel, histogram select;
-// requests v1 cannot take — fp32 inputs, given window attention — run on v0).
+// requests v1 cannot take — MEAN_HEAD_PRODUCT (the default gqa_value) or EXACT_BLOCK, fp32
+// inputs, given window attention — run on v0).
 enum class KernelVersion { kV0, kV1 };
 
 class CudaBackend final : public Backend {

@@ -28,9 +28,9 @@ class Scorer {
 
   virtual absl::string_view name() const = 0;
 
-  // Whether Score handles this request (every LAPROX option for v0; v1 needs bf16 or fp16
-  // keys, values and queries with unit innermost stride, and window_queries, not
-  // window_attention).
+  // Whether Score handles this request (every LAPROX option for v0; v1 needs a group-mean
+  // gqa_value, not MEAN_HEAD_PRODUCT (the default) or EXACT_BLOCK, bf16 or fp16 keys, values
+  // and queries with unit innermost stride, and window_queries, not window_attention).
   virtual bool Supports(const PlanShape& shape, const PolicySpec& policy,
                         const std::vector<LayerInputs>& layers) const = 0;
 

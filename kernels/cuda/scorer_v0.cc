@@ -59,7 +59,7 @@ Modes ChooseModes(const PolicySpec& policy, int64_t group) {
     case Indicator::kAttentionXProjectedValue:
       break;
   }
-  switch (policy.gqa_value) {
+  switch (policy.EffectiveGqaValue()) {
     case GqaValue::kMeanHeadNorm:
       return {AttentionStatKind::kGroupMean, ValueStatKind::kPerHead, 1, group, 1};
     case GqaValue::kSummedProjection:

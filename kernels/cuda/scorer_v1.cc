@@ -9,7 +9,8 @@
 // indicator ATTENTION, ATTENTION_X_VALUE, or ATTENTION_X_PROJECTED_VALUE with MEAN_HEAD_NORM or
 // SUMMED_PROJECTION; any pooling, kernel, pool_target, sinks, allocation; window_lse (any dtype)
 // or not.
-// Everything else (MEAN_HEAD_PRODUCT, EXACT_BLOCK, fp32 inputs, ...) runs on v0.
+// Everything else (MEAN_HEAD_PRODUCT, the default gqa_value, EXACT_BLOCK, fp32 inputs, ...) runs
+// on v0.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -33,14 +34,14 @@ bool ChooseValueMode(const PolicySpec& policy, FusedValueMode* mode) {
   switch (policy.indicator) {
     case Indicator::kAttention:
       *mode = FusedValueMode::kNone;
-      return policy.gqa_value == GqaValue::kMeanHeadNorm;
+      return policy.EffectiveGqaValue() == GqaValue::kMeanHeadNorm;
     case Indicator::kAttentionXValue:
       *mode = FusedValueMode::kNorm;
-      return policy.gqa_value == GqaValue::kMeanHeadNorm;
+      return policy.EffectiveGqaValue() == GqaValue::kMeanHeadNorm;
     case Indicator::kAttentionXProjectedValue:
       break;
   }
-  switch (policy.gqa_value) {
+  switch (policy.EffectiveGqaValue()) {
     case GqaValue::kMeanHeadNorm:
       *mode = FusedValueMode::kMeanHead;
       return true;

@@ -14,12 +14,12 @@ static_assert(POOLING_NONE == static_cast<int>(k::Pooling::kNone) + 1);
 static_assert(POOL_TARGET_SCORE == static_cast<int>(k::PoolTarget::kScore) + 1);
 static_assert(POLICY_KIND_CAKE == static_cast<int>(k::PolicyKind::kCake) + 1);
 static_assert(NUMERIC_MODE_KVPRESS_COMPAT == static_cast<int>(k::NumericMode::kKvpressCompat) + 1);
-// UNSPECIFIED (0) decodes to the first kernels value, which must be the default.
+// UNSPECIFIED (0) decodes to the first kernels value, which must be the default (gqa_value and
+// pool_target: UNSPECIFIED leaves them unset, PolicySpec resolves them).
 static_assert(k::PolicySpec().kind == k::PolicyKind{} &&
               k::PolicySpec().numeric_mode == k::NumericMode{} &&
               k::PolicySpec().allocation == k::Allocation{} &&
               k::PolicySpec().indicator == k::Indicator{} &&
-              k::PolicySpec().gqa_value == k::GqaValue{} &&
               k::PolicySpec().pooling == k::Pooling{});
 
 template <typename Wire>
@@ -55,7 +55,8 @@ absl::Status ApplyPreset(const Policy& p, k::PolicySpec* spec) {
   if (p.allocation() == ALLOCATION_UNSPECIFIED) {
     spec->allocation = k::Allocation::kGlobalNormalized;
   }
-  // A gqa_value combines projected values only: with another indicator it keeps its default.
+  // A gqa_value combines projected values only: with another indicator it stays unset
+  // (MEAN_HEAD_NORM, PolicySpec::EffectiveGqaValue).
   if (p.gqa_value() == GQA_VALUE_UNSPECIFIED &&
       spec->indicator == k::Indicator::kAttentionXProjectedValue) {
     spec->gqa_value = k::GqaValue::kSummedProjection;
@@ -74,7 +75,7 @@ void PolicyToProto(const kernels::PolicySpec& policy, Policy* p) {
   p->set_numeric_mode(EnumToWire<NumericMode>(policy.numeric_mode));
   p->set_allocation(EnumToWire<Allocation>(policy.allocation));
   p->set_indicator(EnumToWire<Indicator>(policy.indicator));
-  p->set_gqa_value(EnumToWire<GqaValue>(policy.gqa_value));
+  p->set_gqa_value(EnumToWire<GqaValue>(policy.EffectiveGqaValue()));
   p->set_pooling(EnumToWire<Pooling>(policy.pooling));
   p->set_pool_target(EnumToWire<PoolTarget>(policy.EffectivePoolTarget()));
   p->set_window(policy.window);
@@ -121,7 +122,7 @@ absl::StatusOr<kernels::PolicySpec> PolicyFromProto(const Policy& p, const Budge
   spec.numeric_mode = *numeric_mode;
   spec.allocation = *allocation;
   spec.indicator = *indicator;
-  spec.gqa_value = *gqa_value;
+  if (p.gqa_value() != GQA_VALUE_UNSPECIFIED) spec.gqa_value = *gqa_value;
   spec.pooling = *pooling;
   if (p.pool_target() != POOL_TARGET_UNSPECIFIED) spec.pool_target = *pool_target;
   if (p.has_window()) spec.window = p.window();

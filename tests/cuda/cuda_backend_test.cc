@@ -9,9 +9,9 @@
 //     of the selection threshold of their competition (DESIGN.md section 5);
 //   - counts add up, layer sums agree to 1e-4, the bitmask matches the positions.
 // With LAPROX_CUDA_TEST_SMALL set, cases above n = 4096 are left out (for compute-sanitizer).
-// Runs with both kernel versions (v1 falls back to v0 for requests it does not take), with host
-// inputs (staged by the backend) and with device inputs (copies in the client library's
-// DeviceAllocation).
+// Runs with both kernel versions (v1 falls back to v0 for requests it does not take, among them
+// the default MEAN_HEAD_PRODUCT), with host inputs (staged by the backend) and with device
+// inputs (copies in the client library's DeviceAllocation).
 //
 // Without a CUDA device every test is skipped with the reason. Run on a GPU machine through
 // tests/gpu/run.sh, or directly: build/tests/cuda/laprox_cuda_backend_test. To add a case,
@@ -62,10 +62,10 @@ struct Case {
         "L", L, " H", H, " Hkv", Hkv, " d", d, " D", D, " n", n, " wq", wq, " w", policy.window,
         " ", DTypeName(dtype), " layout ", static_cast<int>(layout), " ",
         AllocationName(policy.allocation), " ", IndicatorName(policy.indicator), " ",
-        GqaValueName(policy.gqa_value), " ", PoolingName(policy.pooling), policy.pool_kernel,
-        " pool ", PoolTargetName(policy.EffectivePoolTarget()), " sinks ", policy.sinks, " min ",
-        policy.min_per_head, policy.head_uniform_layers ? " uniform" : "", " B ",
-        policy.budget.tokens_per_head, lse ? " lse" : "",
+        GqaValueName(policy.EffectiveGqaValue()), " ", PoolingName(policy.pooling),
+        policy.pool_kernel, " pool ", PoolTargetName(policy.EffectivePoolTarget()), " sinks ",
+        policy.sinks, " min ", policy.min_per_head, policy.head_uniform_layers ? " uniform" : "",
+        " B ", policy.budget.tokens_per_head, lse ? " lse" : "",
         std::isnan(lse_value) ? "" : absl::StrCat(" lse_value ", lse_value),
         tiny == Tiny::kNone ? "" : absl::StrCat(" tiny ", static_cast<int>(tiny)), " seed ", seed);
   }
@@ -441,9 +441,16 @@ void ExpectSamePlan(const Case& c, const KeepPlan& cpu, const KeepPlan& gpu) {
 std::vector<Case> Cases() {
   std::vector<Case> cases;
   uint32_t seed = 1000;
+  // A case that leaves gqa_value unset runs twice: with the default (MEAN_HEAD_PRODUCT, which v1
+  // hands to v0) and with MEAN_HEAD_NORM, so that v1 still sees every shape and option.
   auto add = [&](Case c) {
     c.seed = ++seed;
     cases.push_back(c);
+    if (!c.policy.gqa_value && c.policy.indicator == Indicator::kAttentionXProjectedValue) {
+      c.seed = ++seed;
+      c.policy.gqa_value = GqaValue::kMeanHeadNorm;
+      cases.push_back(c);
+    }
   };
   // GQA 1 / 4 / 8, dtypes, layouts, windows, n from 1 up.
   for (int G : {1, 4, 8}) {

@@ -191,7 +191,9 @@ void ComputeKeepMaskSeeds(SeedWriter& w) {
     r.mutable_policy()->set_allocation(allocation);
     w.Write(t, name, r);
   }
-  for (auto [name, gqa] : {std::pair{"gqa_summed", v1::GQA_VALUE_SUMMED_PROJECTION},
+  // gqa_value unset is MEAN_HEAD_PRODUCT (the default); the others explicitly.
+  for (auto [name, gqa] : {std::pair{"gqa_mean_head_norm", v1::GQA_VALUE_MEAN_HEAD_NORM},
+                           std::pair{"gqa_summed", v1::GQA_VALUE_SUMMED_PROJECTION},
                            std::pair{"gqa_product", v1::GQA_VALUE_MEAN_HEAD_PRODUCT},
                            std::pair{"gqa_exact_block", v1::GQA_VALUE_EXACT_BLOCK}}) {
     auto r = KeepMaskRequest({});

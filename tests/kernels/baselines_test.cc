@@ -9,6 +9,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -67,9 +68,21 @@ class BaselinesTest : public ::testing::Test {
 };
 
 TEST(PolicySpecTest, ForKindGivesEachKindsDefaults) {
-  EXPECT_EQ(PolicySpec::ForKind(PolicyKind::kLaprox).window, 32);
-  EXPECT_EQ(PolicySpec::ForKind(PolicyKind::kLaprox).pool_kernel, 7);
-  EXPECT_EQ(PolicySpec::ForKind(PolicyKind::kStreamingLlm).sinks, 4);
+  // LAPROX: the defaults chosen on bench/quality's dev grid, the same as a default PolicySpec.
+  const PolicySpec laprox = PolicySpec::ForKind(PolicyKind::kLaprox);
+  EXPECT_EQ(laprox.window, 32);
+  EXPECT_EQ(laprox.pooling, Pooling::kAvg);
+  EXPECT_EQ(laprox.pool_kernel, 31);
+  EXPECT_EQ(laprox.sinks, 0);
+  EXPECT_EQ(laprox.EffectiveGqaValue(), GqaValue::kMeanHeadProduct);
+  EXPECT_EQ(laprox.EffectivePoolTarget(), PoolTarget::kScore);
+  EXPECT_EQ(PolicySpec().pool_kernel, 31);
+  EXPECT_EQ(PolicySpec().EffectiveGqaValue(), GqaValue::kMeanHeadProduct);
+  // The baselines keep kvpress's defaults and none of LAPROX's new ones.
+  const PolicySpec streaming = PolicySpec::ForKind(PolicyKind::kStreamingLlm);
+  EXPECT_EQ(streaming.sinks, 4);
+  EXPECT_EQ(streaming.window, 32);
+  EXPECT_EQ(streaming.pool_kernel, 7);
   for (PolicyKind k : {PolicyKind::kSnapKv, PolicyKind::kPyramidKv, PolicyKind::kAdaKv,
                        PolicyKind::kCriticalKv, PolicyKind::kCriticalAdaKv}) {
     const PolicySpec p = PolicySpec::ForKind(k);
@@ -85,6 +98,37 @@ TEST(PolicySpecTest, ForKindGivesEachKindsDefaults) {
   EXPECT_EQ(cake.baseline.cake_gamma, 200.0);
   EXPECT_EQ(cake.baseline.pyramid_beta, 20.0);
   EXPECT_EQ(cake.numeric_mode, NumericMode::kExact);
+  for (PolicyKind k : {PolicyKind::kStreamingLlm, PolicyKind::kSnapKv, PolicyKind::kCake}) {
+    EXPECT_EQ(PolicySpec::ForKind(k).EffectiveGqaValue(), GqaValue::kMeanHeadNorm)
+        << PolicyKindName(k);
+    EXPECT_EQ(PolicySpec::ForKind(k).EffectivePoolTarget(), PoolTarget::kAttention)
+        << PolicyKindName(k);
+  }
+}
+
+// gqa_value not set follows the indicator; set, it is used as given (and checked against it).
+TEST(PolicySpecTest, UnsetGqaValueFollowsTheIndicator) {
+  PolicySpec p;
+  for (auto [indicator, gqa] :
+       {std::pair{Indicator::kAttentionXProjectedValue, GqaValue::kMeanHeadProduct},
+        {Indicator::kAttentionXValue, GqaValue::kMeanHeadNorm},
+        {Indicator::kAttention, GqaValue::kMeanHeadNorm}}) {
+    p.indicator = indicator;
+    EXPECT_EQ(p.EffectiveGqaValue(), gqa) << IndicatorName(indicator);
+    EXPECT_TRUE(p.Validate().ok()) << IndicatorName(indicator) << ": " << p.Validate();
+  }
+  EXPECT_EQ(p.EffectivePoolTarget(), PoolTarget::kAttention);
+  p.gqa_value = GqaValue::kMeanHeadNorm;
+  EXPECT_TRUE(p.Validate().ok());
+  p.gqa_value = GqaValue::kExactBlock;
+  const absl::Status s = p.Validate();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(s.message(), "policy.gqa_value = EXACT_BLOCK")) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "got ATTENTION")) << s;
+  p.indicator = Indicator::kAttentionXProjectedValue;
+  p.gqa_value = GqaValue::kMeanHeadNorm;
+  EXPECT_EQ(p.EffectiveGqaValue(), GqaValue::kMeanHeadNorm);
+  EXPECT_EQ(p.EffectivePoolTarget(), PoolTarget::kAttention);
 }
 
 TEST(PolicySpecTest, RejectsBaselineParametersOutOfRangeNamingThem) {

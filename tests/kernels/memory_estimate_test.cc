@@ -101,7 +101,8 @@ std::vector<Case> Cases() {
            everything});
     }
   }
-  PolicySpec attention;
+  cases.push_back({"laprox_default", PolicySpec(), everything});  // MEAN_HEAD_PRODUCT, pool 31
+  PolicySpec attention;                                           // gqa_value unset: MEAN_HEAD_NORM
   attention.indicator = Indicator::kAttention;
   cases.push_back({"laprox_attention_only", attention, {}});
   PolicySpec per_layer;

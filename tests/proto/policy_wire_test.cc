@@ -1,5 +1,6 @@
 // PolicyFromProto / PolicyToProto (proto/wire/policy_wire.cc): how a wire Policy becomes the
-// PolicySpec the kernels run, pool_target and the presets included (SEMANTICS.md, "Presets").
+// PolicySpec the kernels run, the defaults, pool_target and the presets included (SEMANTICS.md,
+// "Defaults" and "Presets").
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -23,8 +24,79 @@ absl::StatusOr<PolicySpec> FromProto(const v1::Policy& policy) {
   return v1::PolicyFromProto(policy, budget);
 }
 
+TEST(PolicyWireTest, UnsetFieldsTakeTheLaproxDefaultsAndTheEchoShowsThem) {
+  const PolicySpec spec = *FromProto(v1::Policy());
+  EXPECT_FALSE(spec.gqa_value.has_value());
+  EXPECT_EQ(spec.EffectiveGqaValue(), GqaValue::kMeanHeadProduct);
+  EXPECT_EQ(spec.EffectivePoolTarget(), PoolTarget::kScore);
+  EXPECT_EQ(spec.pooling, Pooling::kAvg);
+  EXPECT_EQ(spec.pool_kernel, 31);
+  EXPECT_EQ(spec.window, 32);
+  EXPECT_EQ(spec.sinks, 0);
+  v1::Policy echo;
+  v1::PolicyToProto(spec, &echo);
+  EXPECT_EQ(echo.kind(), v1::POLICY_KIND_LAPROX);
+  EXPECT_EQ(echo.indicator(), v1::INDICATOR_ATTENTION_X_PROJECTED_VALUE);
+  EXPECT_EQ(echo.gqa_value(), v1::GQA_VALUE_MEAN_HEAD_PRODUCT);
+  EXPECT_EQ(echo.pool_target(), v1::POOL_TARGET_SCORE);
+  EXPECT_EQ(echo.pooling(), v1::POOLING_AVG);
+  EXPECT_EQ(echo.pool_kernel(), 31);
+  EXPECT_EQ(echo.window(), 32);
+}
+
+// ATTENTION and ATTENTION_X_VALUE take only MEAN_HEAD_NORM: an unset gqa_value is that one, an
+// explicit other one is still INVALID_ARGUMENT naming both.
+TEST(PolicyWireTest, UnsetGqaValueWithAnotherIndicatorIsMeanHeadNorm) {
+  for (v1::Indicator indicator : {v1::INDICATOR_ATTENTION, v1::INDICATOR_ATTENTION_X_VALUE}) {
+    SCOPED_TRACE(v1::Indicator_Name(indicator));
+    v1::Policy policy;
+    policy.set_indicator(indicator);
+    const PolicySpec spec = *FromProto(policy);
+    EXPECT_TRUE(spec.Validate().ok()) << spec.Validate();
+    EXPECT_EQ(spec.EffectiveGqaValue(), GqaValue::kMeanHeadNorm);
+    v1::Policy echo;
+    v1::PolicyToProto(spec, &echo);
+    EXPECT_EQ(echo.gqa_value(), v1::GQA_VALUE_MEAN_HEAD_NORM);
+    EXPECT_EQ(echo.pool_target(), v1::POOL_TARGET_ATTENTION);
+    EXPECT_EQ(echo.pool_kernel(), 31);
+    EXPECT_TRUE(FromProto(echo)->Validate().ok());
+  }
+  v1::Policy policy;
+  policy.set_indicator(v1::INDICATOR_ATTENTION);
+  policy.set_gqa_value(v1::GQA_VALUE_EXACT_BLOCK);
+  const absl::Status s = FromProto(policy)->Validate();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(),
+              AllOf(HasSubstr("policy.gqa_value = EXACT_BLOCK"), HasSubstr("got ATTENTION")));
+}
+
+// The baselines keep kvpress's defaults; LAPROX's gqa_value and pool_kernel do not reach them.
+TEST(PolicyWireTest, BaselinesKeepTheirDefaults) {
+  struct Expected {
+    v1::PolicyKind kind;
+    int window, pool_kernel, sinks;
+  };
+  for (const Expected& e : {Expected{v1::POLICY_KIND_SNAPKV, 64, 5, 0},
+                            Expected{v1::POLICY_KIND_CRITICAL_ADAKV, 64, 5, 0},
+                            Expected{v1::POLICY_KIND_CAKE, 32, 5, 0},
+                            Expected{v1::POLICY_KIND_STREAMING_LLM, 32, 7, 4}}) {
+    SCOPED_TRACE(v1::PolicyKind_Name(e.kind));
+    v1::Policy policy;
+    policy.set_kind(e.kind);
+    v1::Policy echo;
+    v1::PolicyToProto(*FromProto(policy), &echo);
+    EXPECT_EQ(echo.window(), e.window);
+    EXPECT_EQ(echo.pool_kernel(), e.pool_kernel);
+    EXPECT_EQ(echo.sinks(), e.sinks);
+    EXPECT_EQ(echo.pooling(), v1::POOLING_AVG);
+    EXPECT_EQ(echo.gqa_value(), v1::GQA_VALUE_MEAN_HEAD_NORM);
+    EXPECT_EQ(echo.pool_target(), v1::POOL_TARGET_ATTENTION);
+  }
+}
+
 TEST(PolicyWireTest, PoolTargetUnsetIsTheModesPlacementAndTravelsResolved) {
   v1::Policy policy;
+  policy.set_gqa_value(v1::GQA_VALUE_MEAN_HEAD_NORM);
   PolicySpec spec = *FromProto(policy);
   EXPECT_FALSE(spec.pool_target.has_value());
   EXPECT_EQ(spec.EffectivePoolTarget(), PoolTarget::kAttention);
@@ -87,12 +159,13 @@ TEST(PolicyWireTest, PaperPresetFillsTheFieldsLeftUnset) {
   EXPECT_EQ(spec.min_per_head, 2);
   EXPECT_EQ(spec.allocation, kernels::Allocation::kPerLayer);
 
-  // Another indicator keeps gqa_value's default (it takes only MEAN_HEAD_NORM).
+  // Another indicator leaves gqa_value unset: MEAN_HEAD_NORM, the only one it takes.
   v1::Policy attention;
   attention.set_preset(v1::POLICY_PRESET_PAPER);
   attention.set_indicator(v1::INDICATOR_ATTENTION);
   spec = *FromProto(attention);
-  EXPECT_EQ(spec.gqa_value, GqaValue::kMeanHeadNorm);
+  EXPECT_FALSE(spec.gqa_value.has_value());
+  EXPECT_EQ(spec.EffectiveGqaValue(), GqaValue::kMeanHeadNorm);
   EXPECT_EQ(spec.pooling, Pooling::kNone);
   EXPECT_TRUE(spec.Validate().ok());
 }

@@ -39,7 +39,7 @@ def tearDownModule():
         SERVER.stop()
 
 
-LAPROX_POLICY = dict(window=16, pool_kernel=7)
+LAPROX_POLICY = dict(window=16)  # the case has 16 window rows; the rest are the defaults
 BUDGET = 64
 
 
@@ -187,7 +187,7 @@ class OracleTest(ClientTestCase):
         self.assertEqual(plan.sinks, 4)
 
     def test_snapkv_baseline_by_name_matches_oracle(self):
-        plan = self.plan(kind="snapkv", pool_kernel=None)
+        plan = self.plan(kind="snapkv")
         ref = support.oracle(self.case, dict(kind="SNAPKV", window=16,
                                              tokens_per_head=BUDGET))
         self.assertMatchesOracle(plan, ref)
@@ -203,7 +203,26 @@ class OracleTest(ClientTestCase):
             self.assertMatchesOracle(plan, ref)
             self.assertEqual(plan.effective_policy.pool_target, laprox.PoolTarget[target])
         # Not set: the mode's placement, which the response names.
-        self.assertEqual(self.plan().effective_policy.pool_target, laprox.PoolTarget.ATTENTION)
+        self.assertEqual(self.plan().effective_policy.pool_target, laprox.PoolTarget.SCORE)
+        self.assertEqual(self.plan(gqa_value="mean_head_norm").effective_policy.pool_target,
+                         laprox.PoolTarget.ATTENTION)
+
+    def test_unset_options_are_the_defaults_and_the_response_names_them(self):
+        applied = self.plan().effective_policy
+        self.assertEqual((applied.gqa_value, applied.pooling, applied.pool_kernel,
+                          applied.pool_target),
+                         (laprox.GqaValue.MEAN_HEAD_PRODUCT, laprox.Pooling.AVG, 31,
+                          laprox.PoolTarget.SCORE))
+        # Indicator ATTENTION takes only MEAN_HEAD_NORM: an unset gqa_value is that one.
+        plan = self.plan(indicator="attention")
+        ref = support.oracle(self.case, dict(LAPROX_POLICY, indicator="ATTENTION",
+                                             tokens_per_head=BUDGET))
+        self.assertMatchesOracle(plan, ref)
+        self.assertEqual(plan.effective_policy.gqa_value, laprox.GqaValue.MEAN_HEAD_NORM)
+        with self.assertRaises(laprox.LaproxError) as e:
+            self.plan(indicator="attention", gqa_value="exact_block")
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("EXACT_BLOCK", e.exception.message)
 
     def test_paper_preset_fills_unset_fields(self):
         # The case has 16 window rows: the explicit window wins over the preset's 32.

@@ -13,6 +13,7 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -41,6 +42,17 @@ absl::Status ParseEnum(const json& j, const char* key, const std::map<std::strin
   if (it == names.end()) return absl::InvalidArgumentError(absl::StrCat(key, "=", value));
   *out = it->second;
   return absl::OkStatus();
+}
+
+// An optional field: left unset when the key is missing or null.
+template <typename Enum>
+absl::Status ParseOptionalEnum(const json& j, const char* key,
+                               const std::map<std::string, Enum>& names, std::optional<Enum>* out) {
+  if (!j.contains(key) || j.at(key).is_null()) return absl::OkStatus();
+  Enum value{};
+  absl::Status s = ParseEnum(j, key, names, &value);
+  if (s.ok()) *out = value;
+  return s;
 }
 
 absl::StatusOr<kernels::PolicySpec> ParsePolicy(const json& p) {
@@ -80,23 +92,19 @@ absl::StatusOr<kernels::PolicySpec> ParsePolicy(const json& p) {
                             {"ATTENTION_X_VALUE", Indicator::kAttentionXValue},
                             {"ATTENTION", Indicator::kAttention}},
                            &spec.indicator));
-  s.Update(ParseEnum<GqaValue>(p, "gqa_value",
-                               {{"MEAN_HEAD_NORM", GqaValue::kMeanHeadNorm},
-                                {"SUMMED_PROJECTION", GqaValue::kSummedProjection},
-                                {"MEAN_HEAD_PRODUCT", GqaValue::kMeanHeadProduct},
-                                {"EXACT_BLOCK", GqaValue::kExactBlock}},
-                               &spec.gqa_value));
+  s.Update(ParseOptionalEnum<GqaValue>(p, "gqa_value",
+                                       {{"MEAN_HEAD_NORM", GqaValue::kMeanHeadNorm},
+                                        {"SUMMED_PROJECTION", GqaValue::kSummedProjection},
+                                        {"MEAN_HEAD_PRODUCT", GqaValue::kMeanHeadProduct},
+                                        {"EXACT_BLOCK", GqaValue::kExactBlock}},
+                                       &spec.gqa_value));
   s.Update(ParseEnum<Pooling>(
       p, "pooling", {{"AVG", Pooling::kAvg}, {"MAX", Pooling::kMax}, {"NONE", Pooling::kNone}},
       &spec.pooling));
-  if (p.contains("pool_target") && !p.at("pool_target").is_null()) {
-    kernels::PoolTarget target = kernels::PoolTarget::kAttention;
-    s.Update(ParseEnum<kernels::PoolTarget>(
-        p, "pool_target",
-        {{"ATTENTION", kernels::PoolTarget::kAttention}, {"SCORE", kernels::PoolTarget::kScore}},
-        &target));
-    spec.pool_target = target;
-  }
+  s.Update(ParseOptionalEnum<kernels::PoolTarget>(
+      p, "pool_target",
+      {{"ATTENTION", kernels::PoolTarget::kAttention}, {"SCORE", kernels::PoolTarget::kScore}},
+      &spec.pool_target));
   if (!s.ok()) return s;
   spec.window = p.value("window", spec.window);
   spec.pool_kernel = p.value("pool_kernel", spec.pool_kernel);

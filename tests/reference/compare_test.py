@@ -20,11 +20,12 @@ Run it
     ctest -R reference_compare         (from the build tree), or
     /usr/bin/python3 tests/reference/compare_test.py --runner build/tests/reference/laprox_case_runner
     Options: --seed N, --only SUBSTRING (case names), --keep DIR (keep the case directories),
-    --plant-bug raw|reserve|pool|pool_target (sends C++ a wrong policy: GLOBAL_RAW while the
-    oracle normalises, min_per_head 10 while the oracle has 0, for baselines pool_kernel 1 while
-    the oracle pools over 5 or 7, or the other pool_target where a case sets one; the script
-    then succeeds only if cases fail, which proves the score and the kept-set comparisons can
-    fail).
+    --plant-bug raw|reserve|pool|pool_target|defaults (sends C++ a wrong policy: GLOBAL_RAW
+    while the oracle normalises, min_per_head 10 while the oracle has 0, for baselines
+    pool_kernel 1 while the oracle pools over 5 or 7, the other pool_target where a case sets
+    one, or the old LAPROX defaults MEAN_HEAD_NORM and pool_kernel 7 where a case leaves
+    gqa_value out; the script then succeeds only if cases fail, which proves the score and the
+    kept-set comparisons can fail).
 
     Baseline policies (cases named "bl-...", built by build_baseline_grid()) are compared the
     same way with their own rules (compare_baseline): scores are the ranking scores with
@@ -72,6 +73,14 @@ def case(name, policy=None, **kw):
     c.update(kw)
     c["policy"].update(policy or {})
     c["name"] = name
+    return c
+
+
+def default_case(name, policy=None, **kw):
+    """A LAPROX case whose policy has only `policy` and a budget: every other field takes its
+    default on both sides (SEMANTICS.md, "Defaults")."""
+    c = case(name, **kw)
+    c["policy"] = {"tokens_per_head": 64, **(policy or {})}
     return c
 
 
@@ -161,6 +170,16 @@ def build_grid():
                 grid.append(case(f"chunks-n{n}-w{w}-{inputs}-{gqa}", n=n, H=6, Hkv=2,
                                  inputs=inputs, policy=dict(window=w, gqa_value=gqa,
                                                             tokens_per_head=n // 4)))
+    # The defaults themselves (gqa_value by the indicator, AVG pool 31 of the placement that
+    # gives, window 32, no sinks), with each indicator, MHA and GQA, and with sinks and a budget
+    # below the window.
+    for ind in (None,) + laprox_ref.INDICATORS:
+        for G, (H, Hkv) in ((1, (3, 3)), (3, (6, 2)), (4, (8, 2))):
+            policy = dict(indicator=ind) if ind else {}
+            grid.append(default_case(f"default-{ind or 'unset'}-G{G}", policy, H=H, Hkv=Hkv,
+                                     n=257))
+    grid.append(default_case("default-s3-B20", dict(sinks=3, tokens_per_head=20), H=6, Hkv=2,
+                             n=1000))
     # Degenerate data: an all-zero value layer (uniform layer), identical keys (ties).
     grid.append(case("zero-values-layer", special="zero_values", policy=dict(sinks=2)))
     grid.append(case("equal-scores", special="equal", policy=dict(pooling="NONE")))
@@ -401,7 +420,8 @@ def write_case(case_dir, c, rng, plant_bug):
         # head reserve 10 candidates (same scores, only the selection changes).
         with open(os.path.join(case_dir, "ref_case.json"), "w") as fh:
             json.dump(doc, fh)
-        if plant_bug == "raw" and policy["allocation"] == "GLOBAL_NORMALIZED":
+        if plant_bug == "raw" and policy.get("allocation",
+                                             "GLOBAL_NORMALIZED") == "GLOBAL_NORMALIZED":
             doc["policy"] = dict(policy, allocation="GLOBAL_RAW")
         if plant_bug == "reserve":
             doc["policy"] = dict(policy, min_per_head=10)
@@ -411,6 +431,8 @@ def write_case(case_dir, c, rng, plant_bug):
         if plant_bug == "pool_target" and policy.get("pool_target") is not None:
             swapped = {"ATTENTION": "SCORE", "SCORE": "ATTENTION"}[policy["pool_target"]]
             doc["policy"] = dict(policy, pool_target=swapped)
+        if plant_bug == "defaults" and "gqa_value" not in policy:
+            doc["policy"] = dict(policy, gqa_value="MEAN_HEAD_NORM", pool_kernel=7)
         with open(os.path.join(case_dir, "case.json"), "w") as fh:
             json.dump(doc, fh)
 
@@ -420,7 +442,7 @@ def write_case(case_dir, c, rng, plant_bug):
 # ----------------------------------------------------------------------------------------------
 
 def scope_of(policy, l, g):
-    """The competition a selected candidate took part in."""
+    """The competition a selected candidate took part in (`policy` with its defaults filled)."""
     if policy["allocation"] == "UNIFORM" or policy["head_uniform_layers"]:
         return (l, g)
     if policy["allocation"] == "PER_LAYER":
@@ -454,6 +476,7 @@ def compare(case_dir, c):
         return ["case was expected to be rejected"]
     if policy.get("kind", "LAPROX") != "LAPROX":
         return compare_baseline(case_dir, c, policy, layers, ref)
+    policy = laprox_ref.validate_policy(policy)
 
     load = lambda name: np.load(os.path.join(case_dir, name))  # noqa: E731
     counts, kept = load("cpp_counts.npy"), load("cpp_kept.npy").astype(bool)
@@ -581,7 +604,7 @@ def main():
     ap.add_argument("--seed", type=int, default=20261130)
     ap.add_argument("--only", default="")
     ap.add_argument("--keep", default="")
-    ap.add_argument("--plant-bug", choices=("raw", "reserve", "pool", "pool_target"),
+    ap.add_argument("--plant-bug", choices=("raw", "reserve", "pool", "pool_target", "defaults"),
                     default=None)
     args = ap.parse_args()
 

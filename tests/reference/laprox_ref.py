@@ -28,8 +28,9 @@ Baselines (policy["kind"] != "LAPROX")
         kind               "LAPROX" | "STREAMING_LLM" | "SNAPKV" | "PYRAMIDKV" | "ADAKV" |
                            "CRITICALKV" | "CRITICAL_ADAKV" | "CAKE"            (default LAPROX)
         tokens_per_head | compression_ratio   exactly one (as for LAPROX)
-        window, pool_kernel, pooling   LAPROX 32/7/AVG; SNAPKV, PYRAMIDKV, ADAKV, CRITICALKV,
-                           CRITICAL_ADAKV 64/5/AVG; CAKE 32/5/AVG (pooling MAX/NONE also accepted)
+        window, pool_kernel, pooling   LAPROX 32/31/AVG; STREAMING_LLM 32/7/AVG (unused);
+                           SNAPKV, PYRAMIDKV, ADAKV, CRITICALKV, CRITICAL_ADAKV 64/5/AVG;
+                           CAKE 32/5/AVG (pooling MAX/NONE also accepted)
         sinks              LAPROX 0; STREAMING_LLM 4; ignored by the other baselines
         numeric_mode       "EXACT" | "KVPRESS_COMPAT" (default EXACT; ignored by LAPROX)
         pyramid_beta 20.0, alpha_safeguard 0.2, epsilon 1e-4, first_stage_ratio 0.5,
@@ -116,14 +117,15 @@ GQA_VALUES = ("MEAN_HEAD_NORM", "SUMMED_PROJECTION", "MEAN_HEAD_PRODUCT", "EXACT
 POOLINGS = ("AVG", "MAX", "NONE")
 POOL_TARGETS = ("ATTENTION", "SCORE")
 
-# Defaults from DESIGN.md section 2 for policy fields a caller leaves out.
+# Defaults for policy fields a caller leaves out: DESIGN.md section 2, except gqa_value and
+# pool_kernel, chosen on bench/quality's dev grid (SEMANTICS.md, "Defaults").
 POLICY_DEFAULTS = {
     "allocation": "GLOBAL_NORMALIZED",
     "indicator": "ATTENTION_X_PROJECTED_VALUE",
-    "gqa_value": "MEAN_HEAD_NORM",
+    "gqa_value": None,               # None: by the indicator (effective_gqa_value)
     "window": 32,
     "pooling": "AVG",
-    "pool_kernel": 7,
+    "pool_kernel": 31,
     "pool_target": None,             # None: the mode's placement (effective_pool_target)
     "sinks": 0,
     "min_per_head": 0,
@@ -159,7 +161,7 @@ BASELINE_FIELD_DEFAULTS = {
 _SNAP_DEFAULTS = {"window": 64, "pool_kernel": 5, "pooling": "AVG"}
 KIND_DEFAULTS = {
     "LAPROX": {},
-    "STREAMING_LLM": {"sinks": 4},
+    "STREAMING_LLM": {"sinks": 4, "pool_kernel": 7},
     "SNAPKV": _SNAP_DEFAULTS,
     "PYRAMIDKV": _SNAP_DEFAULTS,
     "ADAKV": _SNAP_DEFAULTS,
@@ -204,8 +206,9 @@ def validate_policy(policy):
     """Checks a policy dict; returns a complete copy (defaults filled in).
 
     Defaults: POLICY_DEFAULTS, then BASELINE_FIELD_DEFAULTS, then KIND_DEFAULTS[kind], then
-    what the caller gave.  Fields a kind ignores are still checked for well-formedness, except
-    that the indicator/gqa_value combination rule applies to LAPROX only.
+    what the caller gave; a gqa_value that is None is then resolved (effective_gqa_value).
+    Fields a kind ignores are still checked for well-formedness, except that the
+    indicator/gqa_value combination rule applies to LAPROX only.
     """
     unknown = set(policy) - set(POLICY_DEFAULTS) - set(BASELINE_FIELD_DEFAULTS)
     if unknown:
@@ -217,6 +220,7 @@ def validate_policy(policy):
     p.update(BASELINE_FIELD_DEFAULTS)
     p.update(KIND_DEFAULTS[kind])
     p.update(policy)
+    p["gqa_value"] = effective_gqa_value(p)
     for name, allowed in (("allocation", ALLOCATIONS), ("indicator", INDICATORS),
                           ("gqa_value", GQA_VALUES), ("pooling", POOLINGS),
                           ("numeric_mode", NUMERIC_MODES)):
@@ -358,6 +362,17 @@ def pool1d(x, pooling, k):
         windows = np.lib.stride_tricks.sliding_window_view(padded, k, axis=-1)
         return windows.max(axis=-1)
     raise ValueError(f"unknown pooling {pooling!r}")
+
+
+def effective_gqa_value(policy):
+    """The gqa_value applied (SEMANTICS.md, "Defaults"): the policy's, or when it is None
+    MEAN_HEAD_PRODUCT for LAPROX with ATTENTION_X_PROJECTED_VALUE and MEAN_HEAD_NORM otherwise
+    (the only one the other indicators accept; the baselines ignore it)."""
+    if policy["gqa_value"] is not None:
+        return policy["gqa_value"]
+    projected = policy.get("kind", "LAPROX") == "LAPROX" and \
+        policy["indicator"] == "ATTENTION_X_PROJECTED_VALUE"
+    return "MEAN_HEAD_PRODUCT" if projected else "MEAN_HEAD_NORM"
 
 
 def effective_pool_target(policy):

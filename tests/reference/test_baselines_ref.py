@@ -249,7 +249,7 @@ class Budgets(unittest.TestCase):
             self.assertEqual(p["counts"].tolist(), [[99]], kind)
 
     def test_defaults_per_kind(self):
-        for kind, (w, k, sinks) in (("LAPROX", (32, 7, 0)), ("STREAMING_LLM", (32, 7, 4)),
+        for kind, (w, k, sinks) in (("LAPROX", (32, 31, 0)), ("STREAMING_LLM", (32, 7, 4)),
                                      ("SNAPKV", (64, 5, 0)), ("PYRAMIDKV", (64, 5, 0)),
                                      ("ADAKV", (64, 5, 0)), ("CRITICALKV", (64, 5, 0)),
                                      ("CRITICAL_ADAKV", (64, 5, 0)), ("CAKE", (32, 5, 0))):
@@ -260,6 +260,8 @@ class Budgets(unittest.TestCase):
                               p["epsilon"], p["first_stage_ratio"], p["cake_tau1"],
                               p["cake_tau2"], p["cake_gamma"]),
                              ("EXACT", 20.0, 0.2, 1e-4, 0.5, 1.6, 0.6, 200.0))
+            if kind != "LAPROX":  # an unset gqa_value never becomes LAPROX's default
+                self.assertEqual(p["gqa_value"], "MEAN_HEAD_NORM", kind)
         self.assertEqual(ref.validate_policy({"tokens_per_head": 1})["kind"], "LAPROX")
 
 

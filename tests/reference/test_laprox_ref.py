@@ -664,6 +664,47 @@ class PoolTarget(unittest.TestCase):
                 self.assertAlmostEqual(got[kv, i] / math.sqrt(total), 1.0, places=11)
 
 
+class Defaults(unittest.TestCase):
+    """SEMANTICS.md, "Defaults": what a policy that leaves a field out gets."""
+
+    def test_laprox_defaults(self):
+        p = ref.validate_policy({"tokens_per_head": 1})
+        self.assertEqual((p["indicator"], p["gqa_value"], p["pooling"], p["pool_kernel"],
+                          p["window"], p["sinks"], p["allocation"]),
+                         ("ATTENTION_X_PROJECTED_VALUE", "MEAN_HEAD_PRODUCT", "AVG", 31, 32, 0,
+                          "GLOBAL_NORMALIZED"))
+        self.assertEqual(ref.effective_pool_target(p), "SCORE")
+
+    def test_unset_gqa_value_follows_the_indicator(self):
+        for indicator, gqa in (("ATTENTION_X_PROJECTED_VALUE", "MEAN_HEAD_PRODUCT"),
+                               ("ATTENTION_X_VALUE", "MEAN_HEAD_NORM"),
+                               ("ATTENTION", "MEAN_HEAD_NORM")):
+            for given in ({}, {"gqa_value": None}):
+                p = ref.validate_policy(dict(given, indicator=indicator, tokens_per_head=1))
+                self.assertEqual(p["gqa_value"], gqa, indicator)
+        # Set explicitly, it is used as given: with ATTENTION only MEAN_HEAD_NORM is valid.
+        p = ref.validate_policy({"indicator": "ATTENTION_X_PROJECTED_VALUE",
+                                 "gqa_value": "MEAN_HEAD_NORM", "tokens_per_head": 1})
+        self.assertEqual(p["gqa_value"], "MEAN_HEAD_NORM")
+        with self.assertRaisesRegex(ValueError, "ATTENTION.*EXACT_BLOCK"):
+            ref.validate_policy({"indicator": "ATTENTION", "gqa_value": "EXACT_BLOCK",
+                                 "tokens_per_head": 1})
+
+    def test_default_plan_is_mean_head_product_pooled_over_31(self):
+        rng = np.random.default_rng(5)
+        g = geo(L=1, H=4, Hkv=2, d=4, D=8)
+        n = 120
+        layers = random_layers(rng, 1, 4, 2, 4, 8, n, 32)
+        default = ref.keep_plan(g, {"tokens_per_head": 60}, layers, n)
+        spelled = ref.keep_plan(g, pol(window=32, gqa_value="MEAN_HEAD_PRODUCT", pooling="AVG",
+                                       pool_kernel=31, pool_target="SCORE", tokens_per_head=60),
+                                layers, n)
+        np.testing.assert_array_equal(default["kept"], spelled["kept"])
+        np.testing.assert_array_equal(default["scores"], spelled["scores"])
+        before = ref.keep_plan(g, pol(window=32, pooling="AVG", tokens_per_head=60), layers, n)
+        self.assertFalse(np.allclose(default["scores"], before["scores"], equal_nan=True))
+
+
 class Validation(unittest.TestCase):
 
     def setUp(self):

@@ -101,6 +101,33 @@ TEST_F(GrpcIntegrationTest, BaselineWithUnsetOptionsUsesTheKindsDefaults) {
   EXPECT_EQ(applied.cake_tau1(), 1.6);
 }
 
+// LAPROX with its options unset runs with the defaults chosen on bench/quality's dev grid
+// (MEAN_HEAD_PRODUCT, avg pool 31 of the score), which the response echoes; with indicator
+// ATTENTION an unset gqa_value is MEAN_HEAD_NORM, the only one it takes.
+TEST_F(GrpcIntegrationTest, LaproxWithUnsetOptionsUsesTheDefaults) {
+  kernels::PolicySpec spelled_out;
+  spelled_out.gqa_value = kernels::GqaValue::kMeanHeadProduct;
+  spelled_out.pool_target = kernels::PoolTarget::kScore;
+  v1::Policy applied = PlanAsTheLibrary(7, v1::Policy(), spelled_out);
+  EXPECT_EQ(applied.kind(), v1::POLICY_KIND_LAPROX);
+  EXPECT_EQ(applied.indicator(), v1::INDICATOR_ATTENTION_X_PROJECTED_VALUE);
+  EXPECT_EQ(applied.gqa_value(), v1::GQA_VALUE_MEAN_HEAD_PRODUCT);
+  EXPECT_EQ(applied.pooling(), v1::POOLING_AVG);
+  EXPECT_EQ(applied.pool_kernel(), 31);
+  EXPECT_EQ(applied.pool_target(), v1::POOL_TARGET_SCORE);
+  EXPECT_EQ(applied.window(), 32);
+
+  v1::Policy attention;
+  attention.set_indicator(v1::INDICATOR_ATTENTION);
+  kernels::PolicySpec norm;
+  norm.indicator = kernels::Indicator::kAttention;
+  norm.gqa_value = kernels::GqaValue::kMeanHeadNorm;
+  applied = PlanAsTheLibrary(8, attention, norm);
+  EXPECT_EQ(applied.indicator(), v1::INDICATOR_ATTENTION);
+  EXPECT_EQ(applied.gqa_value(), v1::GQA_VALUE_MEAN_HEAD_NORM);
+  EXPECT_EQ(applied.pool_kernel(), 31);
+}
+
 // The PAPER preset fills the fields the request leaves unset (an explicit field wins), the plan
 // is the library's for those fields, and the response echoes them, pool_target resolved.
 TEST_F(GrpcIntegrationTest, PaperPresetFillsTheUnsetFields) {

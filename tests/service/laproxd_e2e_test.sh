@@ -33,6 +33,12 @@ grep -q "budget share" "$dir/table" || { echo "FAIL: demo table"; exit 1; }
 "$cli" plan "$dir/demo.safetensors" --local --json --budget=200 >"$dir/local.json"
 cmp "$dir/remote.json" "$dir/local.json" || { echo "FAIL: laproxd plan != library plan"; exit 1; }
 grep -q '"kept":\[\[\[0,' "$dir/remote.json" || { echo "FAIL: unexpected JSON"; exit 1; }
+# The LAPROX defaults spelled out (MEAN_HEAD_PRODUCT, avg pool 31 of the score, window 32) plan
+# what no flags plan.
+"$cli" plan "$dir/demo.safetensors" --target="$target" --json --budget=200 \
+  --gqa_value=mean_head_product --pooling=avg --pool_kernel=31 --pool_target=score --window=32 \
+  >"$dir/spelled.json"
+cmp "$dir/spelled.json" "$dir/local.json" || { echo "FAIL: not the default policy"; exit 1; }
 # A baseline with options left at the policy's defaults (window 64, pool 5), the same both ways.
 for policy in streaming_llm critical_adakv cake; do
   flags=(--json --compression_ratio=0.75 --policy="$policy" --numeric_mode=kvpress_compat)
@@ -55,7 +61,8 @@ check_flag() {  # BASE FLAG (BASE: flags separated by spaces)
   cmp "$dir/remote.json" "$dir/local.json" || { echo "FAIL: $1 $2: laproxd != library"; exit 1; }
   if cmp -s "$dir/remote.json" "$dir/without.json"; then echo "FAIL: $2 has no effect"; exit 1; fi
 }
-check_flag "--gqa_value=mean_head_product" --pool_target=attention  # an enum
+check_flag "" --gqa_value=mean_head_norm  # an enum (the default before bench/quality's grid)
+check_flag "" --pool_target=attention  # the default pools the score
 check_flag "" --gqa_value=exact_block  # an enum that needs cross-Grams
 check_flag "" --preset=paper
 check_flag "" --min_per_head=150  # an integer
@@ -81,9 +88,9 @@ metrics_port=$(grep -o 'metrics on http port [0-9]*' "$dir/log" | awk '{print $N
 health_port=$(grep -o 'health on tcp port [0-9]*' "$dir/log" | awk '{print $NF}')
 [[ -n "$metrics_port" && -n "$health_port" ]] || { echo "FAIL: LAPROXD_*_LISTEN ignored"; exit 1; }
 curl -sf "http://127.0.0.1:$metrics_port/metrics" >"$dir/metrics"
-# Remote plans: demo, one LAPROX plan, one per baseline, one per checked flag (the --local ones
+# Remote plans: demo, two LAPROX plans, one per baseline, one per checked flag (the --local ones
 # never reach laproxd).
-grep -qx "laprox_requests_total{code=\"OK\",method=\"ComputeKeepMask\"} $((5 + remote_plans))" \
+grep -qx "laprox_requests_total{code=\"OK\",method=\"ComputeKeepMask\"} $((6 + remote_plans))" \
   "$dir/metrics" ||
   { grep ComputeKeepMask "$dir/metrics"; echo "FAIL: metrics"; exit 1; }
 "$cli" health --target="127.0.0.1:$health_port" || { echo "FAIL: liveness"; exit 1; }

@@ -139,8 +139,11 @@ class Policy:
     """Every option of the eviction policy (laprox.proto message Policy).
 
     None means "not set": the server applies the policy kind's default (the proto documents
-    each one; KeepPlan.effective_policy shows what was applied). Enum fields take a member, a
-    name ("snapkv", "per_layer", "avg") or a wire number.
+    each one; KeepPlan.effective_policy shows what was applied). LAPROX's defaults, chosen on
+    bench/quality's dev grid: gqa_value MEAN_HEAD_PRODUCT (MEAN_HEAD_NORM with indicator
+    ATTENTION or ATTENTION_X_VALUE), AVG pooling of the per-token score over 31 tokens, window
+    32; preset="paper" is the paper's literal method. Enum fields take a member, a name
+    ("snapkv", "per_layer", "avg") or a wire number.
 
     `extra` maps proto field names to values for Policy fields newer than this client; they are
     set on the message as given.
@@ -148,10 +151,10 @@ class Policy:
     kind: Optional[EnumLike] = None            # PolicyKind; not set: LAPROX
     allocation: Optional[EnumLike] = None      # Allocation (LAPROX)
     indicator: Optional[EnumLike] = None       # Indicator (LAPROX)
-    gqa_value: Optional[EnumLike] = None       # GqaValue (LAPROX)
+    gqa_value: Optional[EnumLike] = None       # GqaValue (LAPROX; defaults above)
     window: Optional[int] = None               # observation window w
     pooling: Optional[EnumLike] = None         # Pooling
-    pool_kernel: Optional[int] = None          # odd
+    pool_kernel: Optional[int] = None          # odd (31 for LAPROX, 5 for the baselines)
     sinks: Optional[int] = None
     min_per_head: Optional[int] = None
     head_uniform_layers: Optional[bool] = None

@@ -103,10 +103,10 @@ struct PolicySpec {
   NumericMode numeric_mode = NumericMode::kExact;
   Allocation allocation = Allocation::kGlobalNormalized;
   Indicator indicator = Indicator::kAttentionXProjectedValue;
-  GqaValue gqa_value = GqaValue::kMeanHeadNorm;
-  int32_t window = 32;  // w: observation window, 1 <= w <= rows given
+  std::optional<GqaValue> gqa_value;  // unset: the indicator's default (EffectiveGqaValue)
+  int32_t window = 32;                // w: observation window, 1 <= w <= rows given
   Pooling pooling = Pooling::kAvg;
-  int32_t pool_kernel = 7;                // odd, 1..kMaxPoolKernel
+  int32_t pool_kernel = 31;               // odd, 1..kMaxPoolKernel
   std::optional<PoolTarget> pool_target;  // unset: the mode's placement (EffectivePoolTarget)
   int32_t sinks = 0;                      // first positions always kept, outside the competition
   int32_t min_per_head = 0;          // candidates each head reserves before the global competition
@@ -118,19 +118,26 @@ struct PolicySpec {
   static constexpr int32_t kMaxPoolKernel = 1025;
   static constexpr int64_t kMaxTokensPerHead = (int64_t{1} << 31) - 1;
 
-  // The defaults of `kind`: LAPROX as above (window 32, avg pool 7, no sinks); STREAMING_LLM
-  // sinks 4; SNAPKV, PYRAMIDKV, ADAKV, CRITICALKV, CRITICAL_ADAKV window 64, avg pool 5; CAKE
-  // window 32, avg pool 5. The budget is the default budget.
+  // The defaults of `kind`: LAPROX as above (window 32, gqa_value unset: MEAN_HEAD_PRODUCT with
+  // the default indicator, avg pool 31 of the score, no sinks); STREAMING_LLM sinks 4 (window 32
+  // and pool 7, which it does not use); SNAPKV, PYRAMIDKV, ADAKV, CRITICALKV, CRITICAL_ADAKV
+  // window 64, avg pool 5; CAKE window 32, avg pool 5. The budget is the default budget.
   static PolicySpec ForKind(PolicyKind kind);
 
   // OK, or INVALID_ARGUMENT naming the option and its value: ranges above (baseline parameters
   // whatever the kind) and, for LAPROX, the indicator / gqa_value combination (ATTENTION and
-  // ATTENTION_X_VALUE take only MEAN_HEAD_NORM).
+  // ATTENTION_X_VALUE take only MEAN_HEAD_NORM, or gqa_value unset).
   absl::Status Validate() const;
 
+  // The GQA value combination: gqa_value, or when it is unset kMeanHeadProduct for LAPROX with
+  // ATTENTION_X_PROJECTED_VALUE and kMeanHeadNorm otherwise (the only one the other indicators
+  // take; the baselines ignore it). Every backend reads this, never gqa_value itself.
+  GqaValue EffectiveGqaValue() const;
+
   // Where LAPROX pools: pool_target, or when it is unset the historic placement of the mode,
-  // kScore for ATTENTION_X_PROJECTED_VALUE with MEAN_HEAD_PRODUCT or EXACT_BLOCK, kAttention
-  // otherwise. The placement makes no difference with Pooling::kNone or Indicator::kAttention.
+  // kScore for ATTENTION_X_PROJECTED_VALUE with MEAN_HEAD_PRODUCT or EXACT_BLOCK (the effective
+  // gqa_value), kAttention otherwise. The placement makes no difference with Pooling::kNone or
+  // Indicator::kAttention.
   PoolTarget EffectivePoolTarget() const;
 };
 

@@ -2,9 +2,10 @@
 // server (service/grpc/convert.cc) and the C++ client.
 //
 // Policy enums travel as the kernels value + 1, with UNSPECIFIED = 0 meaning the default (the
-// first kernels value; for pool_target: unset, the mode's placement); static_asserts in
-// policy_wire.cc pin the ends and the proto contract test checks every value's number. The
-// preset (PolicyPreset) exists on the wire only: PolicyFromProto resolves it into the fields.
+// first kernels value; for gqa_value and pool_target: unset, which PolicySpec resolves with
+// EffectiveGqaValue and EffectivePoolTarget); static_asserts in policy_wire.cc pin the ends and
+// the proto contract test checks every value's number. The preset (PolicyPreset) exists on the
+// wire only: PolicyFromProto resolves it into the fields.
 #ifndef LAPROX_PROTO_WIRE_LAPROX_V1_POLICY_WIRE_H_
 #define LAPROX_PROTO_WIRE_LAPROX_V1_POLICY_WIRE_H_
 
@@ -17,8 +18,8 @@
 
 namespace laprox::v1 {
 
-// Every option explicitly (the receiver applies exactly `policy`), budget included; pool_target
-// as PolicySpec::EffectivePoolTarget, no preset.
+// Every option explicitly (the receiver applies exactly `policy`), budget included; gqa_value
+// and pool_target as PolicySpec::EffectiveGqaValue and EffectivePoolTarget, no preset.
 void PolicyToProto(const kernels::PolicySpec& policy, Policy* proto);
 void BudgetToProto(const kernels::Budget& budget, Budget* proto);
 
