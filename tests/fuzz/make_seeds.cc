@@ -13,6 +13,7 @@
 #include <fstream>
 #include <initializer_list>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/common/half.h"
@@ -200,6 +201,24 @@ void ComputeKeepMaskSeeds(SeedWriter& w) {
     r.mutable_policy()->set_gqa_value(gqa);
     r.mutable_policy()->set_pooling(v1::POOLING_NONE);
     w.Write(t, name, r);
+  }
+  // pool_target on both sides of each placement, and the PAPER preset.
+  for (auto [name, gqa, target] :
+       {std::tuple{"pool_attention_product", v1::GQA_VALUE_MEAN_HEAD_PRODUCT,
+                   v1::POOL_TARGET_ATTENTION},
+        std::tuple{"pool_attention_exact_block", v1::GQA_VALUE_EXACT_BLOCK,
+                   v1::POOL_TARGET_ATTENTION},
+        std::tuple{"pool_score_mean_head_norm", v1::GQA_VALUE_MEAN_HEAD_NORM,
+                   v1::POOL_TARGET_SCORE}}) {
+    auto r = KeepMaskRequest({});
+    r.mutable_policy()->set_gqa_value(gqa);
+    r.mutable_policy()->set_pool_target(target);
+    w.Write(t, name, r);
+  }
+  {
+    auto r = KeepMaskRequest({});
+    r.mutable_policy()->set_preset(v1::POLICY_PRESET_PAPER);
+    w.Write(t, "preset_paper", r);
   }
   for (auto [name, indicator] : {std::pair{"indicator_value", v1::INDICATOR_ATTENTION_X_VALUE},
                                  std::pair{"indicator_attention", v1::INDICATOR_ATTENTION}}) {
