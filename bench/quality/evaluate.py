@@ -52,13 +52,13 @@ HS_ROWS = 128  # last attention-input rows kept for kvpress (it reads the last 6
 
 MODES = {
     # test prompts per task (spread over the lengths), LM documents, continuation tokens
-    "full": dict(plan={"single_needle": 12, "multi_key": 40, "multi_value": 12,
-                       "multi_query": 12, "variable_tracking": 12},
-                 lengths=[2048] * 3 + [4096], docs=16, doc_lengths=[2048], cont=32,
-                 budgets=[64, 128, 256, 512, 1024], seed=2026),
+    "full": dict(plan={"single_needle": 20, "multi_key": 48, "multi_value": 16,
+                       "multi_query": 20, "variable_tracking": 16},
+                 lengths=[2048] * 5 + [4096], docs=24, doc_lengths=[2048], cont=32,
+                 budgets=[64, 96, 128, 256, 512, 1024], seed=2026),
     "quick": dict(plan={"single_needle": 1, "multi_key": 2, "multi_value": 1, "multi_query": 1,
                         "variable_tracking": 1},
-                  lengths=[2048], docs=2, doc_lengths=[2048], cont=32,
+                  lengths=[2048, 4096], docs=2, doc_lengths=[2048], cont=32,
                   budgets=[64, 128, 1024], seed=2026),
     # the dev grid: another seed, fewer prompts, one budget
     "grid": dict(plan={"single_needle": 1, "multi_key": 12, "multi_value": 1, "multi_query": 1,
@@ -128,12 +128,14 @@ class Prefix:
         cache = DynamicCache(config=model.config)
         try:
             with torch.no_grad(), lhf.capture_window_queries(model, WQ + extra) as queries:
-                out = model(ids.unsqueeze(0), past_key_values=cache, use_cache=True)
+                # logits of the last `extra` positions only (0 would mean all of them)
+                out = model(ids.unsqueeze(0), past_key_values=cache, use_cache=True,
+                            logits_to_keep=max(extra, 1))
         finally:
             for h in handles:
                 h.remove()
         # log-probs of tokens n+1 .. N-1 given everything before (the continuation's targets)
-        self.full_cont = torch.log_softmax(out.logits[0, n:-1].float(), -1) if extra else None
+        self.full_cont = torch.log_softmax(out.logits[0, :-1].float(), -1) if extra else None
         L = len(modules)
         kv = [lhf.cache_layer_kv(cache, l) for l in range(L)]
         self.keys = [k[:, :, :n].contiguous() for k, _ in kv]
@@ -147,64 +149,99 @@ class Prefix:
         self.np_values = [v[0].numpy() for v in self.values]
         self.np_queries = [q[0].numpy() for q in self.queries]
 
-    def cache(self, batch: int):
-        """A fresh DynamicCache holding the prefix `batch` times."""
-        from transformers import DynamicCache
-        cache = DynamicCache()
-        for l, (k, v) in enumerate(zip(self.keys, self.values)):
-            cache.update(k.expand(batch, -1, -1, -1).contiguous(),
-                         v.expand(batch, -1, -1, -1).contiguous(), l)
-        return cache
+
+SHARED_PREFIX = "laprox_eval_shared_prefix"
+
+
+def _shared_prefix_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """Attention of the fed tokens (query, key, value: [B, H or Hkv, T, d], no cache) over the
+    prefix, shared by every batch row ([1, Hkv, n, d], each row's evicted keys at -inf), and
+    causally over the fed tokens themselves: no row holds a copy of the prefix."""
+    keys, values, bias = module._eval_prefix
+    b, heads, t, d = query.shape
+    hkv = key.shape[1]
+    q = query.reshape(b, hkv, heads // hkv * t, d)           # query head h = kv * G + j
+    scale = module.scaling if scaling is None else scaling
+    on_prefix = (q @ keys.transpose(-1, -2)) * scale          # [B, Hkv, G*T, n]
+    if bias is not None:
+        on_prefix = on_prefix + bias                          # [B, Hkv, 1, n]
+    on_fed = (q @ key.transpose(-1, -2)) * scale              # [B, Hkv, G*T, T]
+    rows = (torch.arange(q.shape[2]) % t).unsqueeze(1)
+    on_fed.masked_fill_(torch.arange(t).unsqueeze(0) > rows, float("-inf"))
+    p = torch.softmax(torch.cat([on_prefix, on_fed], -1), -1)
+    n = keys.shape[2]
+    out = p[..., :n] @ values + p[..., n:] @ value            # [B, Hkv, G*T, d]
+    return out.reshape(b, heads, t, d).transpose(1, 2).contiguous(), None
 
 
 def teacher_forced(model, prefix: Prefix, tokens: torch.Tensor,
-                   masks: Optional[List[np.ndarray]]) -> torch.Tensor:
-    """Log-probs [B, T, V] of feeding `tokens` [T] after the prefix, one batch row per mask set
-    (None: the full cache, batch 1)."""
-    import laprox.hf as lhf
-    batch = 1 if masks is None else len(masks)
+                   masks: List[Optional[np.ndarray]]) -> torch.Tensor:
+    """Log-probs [B, T, V] of feeding `tokens` [T] at positions n, n+1, ... after the prefix, one
+    batch row per mask set [L, Hkv, n] (None: keep everything)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(SHARED_PREFIX, _shared_prefix_attention)
+    AttentionMaskInterface.register(SHARED_PREFIX, sdpa_mask)   # built, then not read
+    batch, L = len(masks), len(prefix.modules)
+    shapes = {m.shape for m in masks if m is not None}
+    n_kv = prefix.keys[0].shape[1]
+    if shapes - {(L, n_kv, prefix.n)}:
+        raise ValueError(f"mask sets of shapes {shapes}, expected {(L, n_kv, prefix.n)}")
+    keep = np.stack([np.ones((L, n_kv, prefix.n), bool) if m is None else m for m in masks], 1)
+    for l, module in enumerate(prefix.modules):
+        bias = None
+        if not keep[l].all():
+            bias = torch.zeros(keep[l].shape, dtype=torch.float32)
+            bias.masked_fill_(torch.from_numpy(~keep[l]), float("-inf"))
+            bias = bias.unsqueeze(2)                               # [B, Hkv, 1, n]
+        module._eval_prefix = (prefix.keys[l], prefix.values[l], bias)
     ids = tokens.unsqueeze(0).expand(batch, -1)
     pos = torch.arange(prefix.n, prefix.n + tokens.shape[0]).unsqueeze(0).expand(batch, -1)
-    cache = prefix.cache(batch)
-    with torch.no_grad():
-        if masks is None:
-            out = model(ids, past_key_values=cache, position_ids=pos, use_cache=True)
-        else:
-            stacked = np.stack(masks, axis=1)                            # [L, B, Hkv, n]
-            with lhf.masked(model, [torch.from_numpy(m) for m in stacked]):
-                out = model(ids, past_key_values=cache, position_ids=pos, use_cache=True)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(SHARED_PREFIX)
+    try:
+        with torch.no_grad():
+            out = model(ids, position_ids=pos, use_cache=False)
+    finally:
+        model.set_attn_implementation(previous)
+        for module in prefix.modules:
+            module.__dict__.pop("_eval_prefix", None)
     return torch.log_softmax(out.logits.float(), dim=-1)
+
+
+def check_full_row(prefix: Prefix, lp: torch.Tensor, what: str) -> None:
+    """The keep-everything row of a teacher-forced batch must give the prefill's own log-probs
+    (a check of the shared-prefix attention on every item)."""
+    gap = float((lp - prefix.full_cont).abs().max())
+    if not gap < 1e-3:
+        raise AssertionError(f"{what}: the full-cache row differs from the prefill by {gap:.2e}")
 
 
 # --------------------------------------------------------------------------------------------
 # Keep masks
 # --------------------------------------------------------------------------------------------
 
-def kvpress_masks(name: str, prefix: Prefix, budget: int) -> np.ndarray:
-    """kvpress's own press, `compress` called on the inputs its forward hook would see."""
+def kvpress_masks(name: str, prefix: Prefix, budgets: List[int]) -> Dict[int, np.ndarray]:
+    """kvpress's own press: its `score` on the inputs its forward hook would see (the scores do
+    not depend on the compression ratio), then, per budget, the selection of its `compress`
+    (top n_kept = compute_n_kept(n, ratio) = budget scores per KV head)."""
     from kvpress import SnapKVPress
-    cr = 1.0 - (budget + 0.5) / prefix.n          # n_kept = int(n * (1 - cr)) = budget
-    press = {"SnapKV": lambda: SnapKVPress(compression_ratio=cr)}[name]()
+    from kvpress.presses.scorer_press import compute_n_kept
+    press = {"SnapKV": SnapKVPress}[name]()
     L, hkv = len(prefix.keys), prefix.keys[0].shape[1]
-    masks = np.zeros((L, hkv, prefix.n), dtype=bool)
+    masks = {b: np.zeros((L, hkv, prefix.n), dtype=bool) for b in budgets}
     with torch.no_grad():
         for l, module in enumerate(prefix.modules):
-            keys, values = prefix.keys[l], prefix.values[l]
             kwargs = {"position_embeddings": prefix.pos_emb[l], "hidden_states": prefix.hidden[l]}
-            k_out, _ = press.compress(module, prefix.hidden[l], keys, values, None, kwargs)
-            masks[l][np.arange(hkv)[:, None], _rows_to_positions(keys[0], k_out[0])] = True
+            scores = press.score(module, prefix.hidden[l], prefix.keys[l], prefix.values[l], None,
+                                 kwargs)[0]                                  # [Hkv, n]
+            for b in budgets:
+                kept = compute_n_kept(prefix.n, 1.0 - (b + 0.5) / prefix.n)   # = b
+                assert kept == b, (kept, b)
+                index = scores.topk(kept, dim=-1).indices.numpy()
+                masks[b][l][np.arange(hkv)[:, None], index] = True
     return masks
-
-
-def _rows_to_positions(keys: torch.Tensor, out: torch.Tensor) -> np.ndarray:
-    """Positions [Hkv, k] of the rows of out [Hkv, k, d] in keys [Hkv, n, d], by exact bytes
-    (RoPE makes every row of a head distinct)."""
-    keys_np, out_np = np.ascontiguousarray(keys.numpy()), np.ascontiguousarray(out.numpy())
-    pos = np.empty(out_np.shape[:2], dtype=np.int64)
-    for h in range(keys_np.shape[0]):
-        index = {row.tobytes(): i for i, row in enumerate(keys_np[h])}
-        pos[h] = [index[row.tobytes()] for row in out_np[h]]
-    return pos
 
 
 def keep_masks(client, model_id: int, prefix: Prefix, methods: List[M.Method],
@@ -212,16 +249,16 @@ def keep_masks(client, model_id: int, prefix: Prefix, methods: List[M.Method],
     out = {}
     for name, options in methods:
         policy = {k: v for k, v in options.items() if k != "budgets"}
-        for b in budgets:
-            if b not in options.get("budgets", budgets):
-                continue                                   # the method runs at fewer budgets
-            if "kvpress" in policy:
-                out[(name, b)] = kvpress_masks(policy["kvpress"], prefix, b)
-            else:
-                plan = client.compute_keep_plan(model_id, prefix.np_keys, prefix.np_values,
-                                                window_queries=prefix.np_queries, budget=b,
-                                                policy=policy)
-                out[(name, b)] = plan.to_masks()
+        runs = [b for b in budgets if b in options.get("budgets", budgets)]  # some run at fewer
+        if "kvpress" in policy:
+            for b, m in kvpress_masks(policy["kvpress"], prefix, runs).items():
+                out[(name, b)] = m
+            continue
+        for b in runs:
+            plan = client.compute_keep_plan(model_id, prefix.np_keys, prefix.np_values,
+                                            window_queries=prefix.np_queries, budget=b,
+                                            policy=policy)
+            out[(name, b)] = plan.to_masks()
     return out
 
 
@@ -326,37 +363,68 @@ def _timed(ctx: Context, key: str, t0: float) -> None:
     ctx.timings[key] = ctx.timings.get(key, 0.0) + time.time() - t0
 
 
+def forward_all(ctx: Context, prefix: Prefix, feed: torch.Tensor,
+                masks: Dict[Tuple[str, int], np.ndarray]) -> Dict[Tuple[str, int], torch.Tensor]:
+    """Log-probs [T, V] of the continuation under every configuration's masks: each distinct
+    mask set runs once, ctx.batch per forward; the first batch also runs the full cache, which
+    must reproduce the prefill (check_full_row)."""
+    groups = unique(masks)
+    sets: List[Any] = [None] + list(groups)
+    out: Dict[Tuple[str, int], torch.Tensor] = {}
+    for chunk in batched(sets, ctx.batch):
+        lp = teacher_forced(ctx.model, prefix, feed,
+                            [None if h is None else masks[groups[h][0]] for h in chunk])
+        for i, h in enumerate(chunk):
+            if h is None:
+                check_full_row(prefix, lp[i], "teacher-forced forward")
+                continue
+            for key in groups[h]:
+                out[key] = lp[i]
+    return out
+
+
+def span_stats(mask: np.ndarray, spans: List[Tuple[int, int]], window: int
+               ) -> Tuple[float, float, float]:
+    """Of one mask set [L, Hkv, n]: the gold facts' tokens kept (mean over (layer, KV head) of
+    the fraction kept), the share of (layer, KV head) that keep every gold token, and the mean
+    length of the kept runs before the window (kept tokens / runs, over the whole model)."""
+    gold = np.concatenate([np.arange(a, b) for a, b in spans])
+    kept_gold = mask[..., gold]
+    body = mask[..., :mask.shape[-1] - window]
+    runs = int(body[..., 0].sum() + (body[..., 1:] & ~body[..., :-1]).sum())
+    return (float(kept_gold.mean()), float(kept_gold.all(-1).mean()),
+            float(body.sum() / runs) if runs else 0.0)
+
+
 def run_prompt(ctx: Context, p: T.Prompt) -> Dict[str, Any]:
     """Exact match and gold log-prob of every (method, budget), and of the full cache."""
     t0 = time.time()
-    prefix = Prefix(ctx.model, p.context, p.context.shape[0])
-    full = teacher_forced(ctx.model, prefix, p.tail, None)[0]
+    # one prefill of the context and the tail: the tail's log-probs are the full cache's
+    prefix = Prefix(ctx.model, torch.cat([p.context, p.tail]), p.context.shape[0])
     answer = p.answer
     index = torch.arange(answer.shape[0])
 
     def score(lp: torch.Tensor) -> Tuple[bool, float]:
-        return (bool((lp[:-1].argmax(-1) == answer).all()),
-                float(lp[:-1][index, answer].sum()))
+        return bool((lp.argmax(-1) == answer).all()), float(lp[index, answer].sum())
 
-    full_em, full_lp = score(full)
+    full_em, full_lp = score(prefix.full_cont)
     _timed(ctx, "prefill", t0)
     t0 = time.time()
     masks = keep_masks(ctx.client, ctx.model_id, prefix, ctx.methods, ctx.budgets)
     _timed(ctx, "plans", t0)
     t0 = time.time()
-    em, lp = {}, {}
-    groups = unique(masks)
-    for chunk in batched(list(groups), ctx.batch * 2):
-        out = teacher_forced(ctx.model, prefix, p.tail, [masks[groups[h][0]] for h in chunk])
-        for i, h in enumerate(chunk):
-            e, l = score(out[i])
-            for key in groups[h]:
-                em[key], lp[key] = e, l
+    res: Dict[str, Dict[Any, Any]] = {k: {} for k in ("em", "lp", "recall", "cover", "run")}
+    for key, out in forward_all(ctx, prefix, p.tail[:-1], masks).items():
+        res["em"][key], res["lp"][key] = score(out)
+    for key, m in masks.items():
+        res["recall"][key], res["cover"][key], res["run"][key] = span_stats(m, p.gold_spans,
+                                                                            M.WINDOW)
     _timed(ctx, "forward", t0)
     ctx.bar.update(1)
     return {"task": p.task, "source": p.source, "n": p.n, "depths": p.depths,
-            "answer_tokens": int(answer.shape[0]), "full_em": full_em, "full_lp": full_lp,
-            "em": _table(em, ctx.methods, ctx.budgets), "lp": _table(lp, ctx.methods, ctx.budgets)}
+            "gold_spans": p.gold_spans, "answer_tokens": int(answer.shape[0]),
+            "full_em": full_em, "full_lp": full_lp,
+            **{k: _table(v, ctx.methods, ctx.budgets) for k, v in res.items()}}
 
 
 def run_document(ctx: Context, d: T.Document) -> Dict[str, Any]:
@@ -365,7 +433,6 @@ def run_document(ctx: Context, d: T.Document) -> Dict[str, Any]:
     t0 = time.time()
     prefix = Prefix(ctx.model, d.ids, d.n)
     full = prefix.full_cont                                              # [cont - 1, V]
-    feed = d.ids[d.n:-1]
     _timed(ctx, "prefill", t0)
     t0 = time.time()
     masks = keep_masks(ctx.client, ctx.model_id, prefix, ctx.doc_methods, ctx.budgets)
@@ -391,14 +458,10 @@ def run_document(ctx: Context, d: T.Document) -> Dict[str, Any]:
     t0 = time.time()
     res["kl"], res["top1"] = {}, {}
     top = full.argmax(-1)
-    for chunk in batched(list(groups), ctx.batch):
-        out = teacher_forced(ctx.model, prefix, feed, [masks[groups[h][0]] for h in chunk])
-        for i, h in enumerate(chunk):
-            lp = out[i]
-            kl = float((full.exp() * (full - lp)).sum(-1).mean())
-            top1 = float((lp.argmax(-1) == top).float().mean())
-            for key in groups[h]:
-                res["kl"][key], res["top1"][key] = kl, top1
+    forwarded = {k: m for k, m in masks.items() if k[0] not in M.OBJECTIVE_ONLY}
+    for key, lp in forward_all(ctx, prefix, d.ids[d.n:-1], forwarded).items():
+        res["kl"][key] = float((full.exp() * (full - lp)).sum(-1).mean())
+        res["top1"][key] = float((lp.argmax(-1) == top).float().mean())
     _timed(ctx, "forward", t0)
     ctx.bar.update(1)
     return {"source": d.source, "n": d.n,

@@ -225,6 +225,52 @@ def per_task(data: Data) -> List[str]:
     return lines
 
 
+RECALL_BINS = [0.0, 0.25, 0.5, 0.75, 0.9, 1.0]
+
+
+def kept_spans(data: Data) -> List[str]:
+    """What the keep-sets do to the facts the answer needs: the share of their tokens kept and
+    how contiguous the kept tokens are, and exact match as a function of that share."""
+    if not data.prompts or "recall" not in data.prompts[0]:
+        return []
+
+    def cell(m: str, b: int) -> str:
+        recall = data.prompt_values("recall", m, b)
+        cover = data.prompt_values("cover", m, b)
+        run = data.prompt_values("run", m, b)
+        if not _ran(recall, cover, run):
+            return "–"
+        return f"{recall.mean():.2f} / {cover.mean():.2f} / {run.mean():.1f}"
+    lines = ["Per method and budget, means over every retrieval prompt: the share of the gold "
+             "facts' tokens kept (mean over layers and KV heads) / the share of (layer, KV "
+             "head) that keep every gold token / the mean length of the kept runs before the "
+             "window (tokens).", ""]
+    lines += _method_table(data, PLOTTED + ["LaProx exact", "LaProx A"], cell,
+                           data.prompt_methods) + [""]
+    # exact match against the share kept, pooled over methods and budgets
+    rows = []
+    for m in data.prompt_methods:
+        for b in data.budgets:
+            em = data.prompt_values("em", m, b, solved_only=True)
+            recall = data.prompt_values("recall", m, b, solved_only=True)
+            keep = ~np.isnan(em)
+            rows += list(zip(recall[keep], em[keep]))
+    if rows:
+        r = np.array(rows)
+        lines += ["Exact match against the share of gold-fact tokens kept, pooled over every "
+                  "method and budget (prompts the full cache solves; Wilson 95% intervals):",
+                  "", "| gold tokens kept | configurations | exact match |", "|---|---|---|"]
+        for lo, hi in zip(RECALL_BINS[:-1], RECALL_BINS[1:]):
+            inside = (r[:, 0] >= lo) & ((r[:, 0] < hi) | ((hi == 1.0) & (r[:, 0] <= hi)))
+            k, n = int(r[inside, 1].sum()), int(inside.sum())
+            if n:
+                a, c = stats.wilson(k, n)
+                lines.append(f"| [{lo:.2f}, {hi:.2f}{']' if hi == 1.0 else ')'} | {n} | "
+                             f"{k / n:.2f} [{a:.2f}, {c:.2f}] |")
+        lines.append("")
+    return lines
+
+
 LM_METRICS = [
     ("kl", "Next-token KL(full || compressed) over the continuation (lower is better)", 4),
     ("top1", "Top-1 agreement with the full cache over the continuation", 3),
@@ -354,6 +400,9 @@ def write_results(data: Data, out: str) -> None:
                   "built to minimise the unrenormalised objective; if it does not beat "
                   "attention alone there, something is wrong. Both objectives per method are in "
                   "the language-model tables below.", ""] + check
+    spans = kept_spans(data)
+    if spans:
+        lines += ["## Kept spans: the facts the answer needs", ""] + spans
     lines += ["## Per task", ""] + per_task(data)
     if data.docs:
         lines += ["## Language modelling and layer-local metrics (means over documents)", ""]

@@ -127,6 +127,8 @@ class Prompt:
     context: torch.Tensor
     tail: torch.Tensor   # the question's last token, then the answer
     depths: List[float]  # where the facts were inserted (fraction of the haystack)
+    # token spans [start, end) in the context of the facts the answer needs (the gold facts)
+    gold_spans: List[Tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def answer(self) -> torch.Tensor:
@@ -138,7 +140,7 @@ class Builder:
 
     def __init__(self, tok, rng: random.Random, corpus: Corpus, length: int, index: int):
         self.tok, self.rng, self.corpus, self.length, self.index = tok, rng, corpus, length, index
-        self.facts: List[Tuple[float, List[int]]] = []
+        self.facts: List[Tuple[float, List[int], bool]] = []   # depth, tokens, gold
         self._words = rng.sample(WORDS, len(WORDS))
         self._numbers: set = set()
 
@@ -158,32 +160,41 @@ class Builder:
                 return x
 
     def insert(self, sentence: str, depth: Optional[float] = None,
-               between: Tuple[float, float] = (0.05, 0.95)) -> float:
-        """Queue `sentence` at `depth` (random in `between` if not given); returns the depth."""
+               between: Tuple[float, float] = (0.05, 0.95), gold: bool = True) -> float:
+        """Queue `sentence` at `depth` (random in `between` if not given); returns the depth.
+        gold: the answer needs this fact (False for distractors)."""
         if depth is None:
             depth = self.rng.uniform(*between)
-        self.facts.append((depth, self.encode("\n" + sentence.strip() + "\n")))
+        self.facts.append((depth, self.encode("\n" + sentence.strip() + "\n"), gold))
         return depth
+
+    def set_gold(self, which: Sequence[int]) -> None:
+        """Only the facts inserted `which`-th (0-based) are gold."""
+        self.facts = [(d, f, i in which) for i, (d, f, _) in enumerate(self.facts)]
 
     def build(self, task: str, question: str, answer: str) -> Prompt:
         """The haystack of `length` tokens in all (facts and question included)."""
         q = self.encode("\n\n" + question)
         a = self.encode(answer)
-        body = self.length - len(q) - sum(len(f) for _, f in self.facts)
+        body = self.length - len(q) - sum(len(f) for _, f, _ in self.facts)
         if body < self.length // 2:
             raise ValueError(f"{task}: the facts and question leave {body} of {self.length}")
         label, hay = self.corpus.span(self.rng, body, self.index)
         hay = hay.tolist()
         ids: List[int] = []
         last = 0
-        for depth, fact in sorted(self.facts, key=lambda f: f[0]):
+        spans = []
+        for depth, fact, gold in sorted(self.facts, key=lambda f: f[0]):
             cut = max(last, int(body * depth))
-            ids += hay[last:cut] + fact
+            ids += hay[last:cut]
+            if gold:
+                spans.append((len(ids), len(ids) + len(fact)))
+            ids += fact
             last = cut
         ids += hay[last:] + q
         context = torch.tensor(ids[:-1])
         return Prompt(task, label, len(ids) - 1, context, torch.tensor([ids[-1]] + a),
-                      sorted(d for d, _ in self.facts))
+                      sorted(d for d, _, _ in self.facts), spans)
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,7 +213,7 @@ def multi_key(b: Builder, distractors: int = 3) -> Prompt:
     target, number = b.key(), b.number()
     b.insert(f"The special magic number for {target} is {number}.")
     for _ in range(distractors):
-        b.insert(f"The special magic number for {b.key()} is {b.number()}.")
+        b.insert(f"The special magic number for {b.key()} is {b.number()}.", gold=False)
     return b.build("multi_key", f"What is the special magic number for {target}? The special "
                    f"magic number for {target} is", f" {number}")
 
@@ -214,7 +225,7 @@ def multi_value(b: Builder, values: int = 3) -> Prompt:
     depths = sorted(b.rng.uniform(0.05, 0.95) for _ in range(values))
     for depth, number in zip(depths, numbers):
         b.insert(f"One of the special magic numbers for {target} is {number}.", depth)
-    b.insert(f"The special magic number for {b.key()} is {b.number()}.")
+    b.insert(f"The special magic number for {b.key()} is {b.number()}.", gold=False)
     return b.build("multi_value", f"What are all the special magic numbers for {target}, in "
                    f"order? The special magic numbers for {target} are",
                    " " + ", ".join(numbers) + ".")
@@ -226,6 +237,7 @@ def multi_query(b: Builder, keys: int = 4) -> Prompt:
     for key, number in pairs:
         b.insert(f"The special magic number for {key} is {number}.")
     (k1, n1), (k2, n2) = b.rng.sample(pairs, 2)
+    b.set_gold([pairs.index((k1, n1)), pairs.index((k2, n2))])
     return b.build("multi_query", f"What are the special magic numbers for {k1} and {k2}? The "
                    f"special magic numbers for {k1} and {k2} are", f" {n1} and {n2}.")
 
@@ -239,9 +251,9 @@ def variable_tracking(b: Builder, hops: int = 2, chains: int = 2) -> Prompt:
         chain = names[c * (hops + 1):(c + 1) * (hops + 1)]
         value = b.number(5)
         depths = sorted(b.rng.uniform(0.05, 0.95) for _ in chain)
-        b.insert(f"VAR {chain[0]} = {value}", depths[0])
+        b.insert(f"VAR {chain[0]} = {value}", depths[0], gold=c == 0)
         for prev, name, depth in zip(chain, chain[1:], depths[1:]):
-            b.insert(f"VAR {name} = VAR {prev}", depth)
+            b.insert(f"VAR {name} = VAR {prev}", depth, gold=c == 0)
         if c == 0:
             asked, answer = chain[-1], value
     return b.build("variable_tracking", f"What number does VAR {asked} hold? VAR {asked} holds",
