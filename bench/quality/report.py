@@ -79,10 +79,11 @@ def _fmt_ci(d: float, lo: float, hi: float, digits: int = 3) -> str:
     return f"{d:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]"
 
 
-def _fmt_p(p: float) -> str:
+def _fmt_p(p: float, exact: bool = False) -> str:
+    """A p-value; a bootstrap's (exact False) only down to its resolution."""
     if np.isnan(p):
         return "–"
-    if p <= 2.0 / (stats.BOOTSTRAP + 1):
+    if not exact and p <= 2.0 / (stats.BOOTSTRAP + 1):
         return f"≤{2.0 / (stats.BOOTSTRAP + 1):.0e}"   # the bootstrap's resolution
     return "1" if p >= 0.9995 else f"{p:.3f}" if p >= 0.001 else f"{p:.1e}"
 
@@ -150,7 +151,9 @@ def _method_table(data: Data, methods: Sequence[str], cell,
              "|---" * (len(data.budgets) + 1) + "|"]
     for m in methods:
         if m in (data.methods if available is None else available):
-            lines.append(f"| {m} | " + " | ".join(cell(m, b) for b in data.budgets) + " |")
+            cells = [cell(m, b) for b in data.budgets]
+            if any(c != "–" for c in cells):   # objective-only methods have no KL, for one
+                lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -170,7 +173,9 @@ def primary(data: Data) -> List[str]:
     adjusted = stats.holm(pvals)
     lines = ["| comparison at B = 128, w = 32 | result | p | Holm p |", "|---|---|---|---|"]
     for key, text in rows:
-        lines.append(f"| {key} | {text} | {_fmt_p(pvals[key])} | {_fmt_p(adjusted[key])} |")
+        exact = "exact-match" in key
+        lines.append(f"| {key} | {text} | {_fmt_p(pvals[key], exact)} | "
+                     f"{_fmt_p(adjusted[key], exact)} |")
     return lines + [""]
 
 
@@ -198,7 +203,7 @@ def versus(data: Data, others: Sequence[str]) -> List[str]:
                                        data.doc_values("kl", m, b), 3)
             else:
                 text, p = compare_em(data, DEFAULT, m, b, None)
-            return text if text == "–" else f"{text} p={_fmt_p(p)}"
+            return text if text == "–" else f"{text} p={_fmt_p(p, kind == 'em')}"
         available = data.doc_methods if kind == "kl" else data.prompt_methods
         lines += _method_table(data, others, cell, available) + [""]
     return lines
@@ -264,8 +269,34 @@ def kept_spans(data: Data) -> List[str]:
             inside = (r[:, 0] >= lo) & ((r[:, 0] < hi) | ((hi == 1.0) & (r[:, 0] <= hi)))
             k, n = int(r[inside, 1].sum()), int(inside.sum())
             if n:
-                a, c = stats.wilson(k, n)
+                a, c = (max(0.0, x) for x in stats.wilson(k, n))
                 lines.append(f"| [{lo:.2f}, {hi:.2f}{']' if hi == 1.0 else ')'} | {n} | "
+                             f"{k / n:.2f} [{a:.2f}, {c:.2f}] |")
+        lines.append("")
+    # at one budget, where every method keeps as many tokens: does a complete fact in some heads
+    # (cover), rather than the share of fact tokens kept (recall), go with exact match?
+    for b in [x for x in (PRIMARY_BUDGET, 512) if x in data.budgets]:
+        rows = []
+        for m in data.prompt_methods:
+            em = data.prompt_values("em", m, b, solved_only=True)
+            cover = data.prompt_values("cover", m, b, solved_only=True)
+            recall = data.prompt_values("recall", m, b, solved_only=True)
+            keep = ~np.isnan(em)
+            rows += list(zip(cover[keep], recall[keep], em[keep]))
+        if not rows:
+            continue
+        r = np.array(rows)
+        lines += [f"At B = {b}, every method and prompt the full cache solves pooled: exact match "
+                  "by the share of (layer, KV head) that keep a complete gold fact (cover), with "
+                  "the mean share of gold tokens kept (recall) in each bin:", "",
+                  "| cover | configurations | mean recall | exact match |", "|---|---|---|---|"]
+        for label, lo, hi in (("0", -1.0, 0.0), ("(0, 0.05]", 0.0, 0.05),
+                              ("(0.05, 0.15]", 0.05, 0.15), ("(0.15, 1]", 0.15, 1.0)):
+            inside = (r[:, 0] > lo) & (r[:, 0] <= hi)
+            k, n = int(r[inside, 2].sum()), int(inside.sum())
+            if n:
+                a, c = (max(0.0, x) for x in stats.wilson(k, n))
+                lines.append(f"| {label} | {n} | {r[inside, 1].mean():.2f} | "
                              f"{k / n:.2f} [{a:.2f}, {c:.2f}] |")
         lines.append("")
     return lines

@@ -15,8 +15,9 @@
 #    prompt's values) and *.png; --quick (the same code path on 6 prompts and 2 documents)
 #    RESULTS_quick.md, results_quick.json, *_quick.png; --grid (the dev grid the default is
 #    chosen on, other prompts) GRID.md and results_grid.json.
-# Wall time on 2 cores (first venv build not counted: ~2.5 GB of downloads): --quick ~8 min,
-# --grid ~15 min, the full mode ~60-70 min (RESULTS.md gives the measured time).
+# Wall time on 2 cores (first venv build not counted: ~2.5 GB of downloads): --quick ~4 min,
+# --grid ~15 min (timed before the shared-prefix forwards), the full mode ~83 min (RESULTS.md
+# gives the measured time).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
