@@ -14,6 +14,7 @@ packages=(
   libprotobuf-dev protobuf-compiler libgrpc++-dev protobuf-compiler-grpc
   python3 python3-numpy python3-grpcio python3-protobuf python3-yaml python3-venv
   prometheus-cpp-dev libmicrohttpd-dev prometheus curl systemd
+  openssl  # tests/python/test_tls.py makes its CA and certificates with it
 )
 
 missing=()

@@ -1,11 +1,13 @@
 // laproxd: the laprox sidecar. Serves laprox.v1.Laprox, the standard grpc.health.v1 service and
-// server reflection on a Unix domain socket (mode 0660) by default, TCP only when asked for;
+// server reflection on a Unix domain socket (mode 0660; /run/laprox/laproxd.sock as root,
+// $XDG_RUNTIME_DIR/laprox/laproxd.sock otherwise) by default, TCP only when asked for;
 // Prometheus metrics over HTTP on --metrics_listen; optionally grpc.health.v1 alone on a TCP
 // port (--health_listen) for Kubernetes probes. Every flag can also be set through the
 // environment as LAPROXD_<FLAG> (LAPROXD_METRICS_LISTEN=...); the command line wins.
-// SIGTERM or SIGINT stops accepting calls, lets in-flight calls finish, and exits 0.
+// SIGTERM or SIGINT stops accepting calls, lets in-flight calls finish for --shutdown_timeout,
+// then cancels them, and exits 0. A live socket is never taken over (see socket_path.h).
 //
-//   laproxd --socket=/tmp/laproxd.sock --backend=cpu --threads=2
+//   laproxd --socket=/run/laprox/laproxd.sock --backend=cpu --threads=2
 //   laproxd --listen=127.0.0.1:50051        # the whole API over TCP too
 //   laproxd --health_listen=0.0.0.0:9465 --metrics_listen=0.0.0.0:9464   # in a pod
 #include <cctype>
@@ -13,7 +15,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -35,19 +39,39 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "laprox/kernels/registry.h"
 #include "service/core/core.h"
 #include "service/core/fault_guard.h"
 #include "service/core/work_queue.h"
 #include "service/grpc/laprox_service.h"
+#include "service/grpc/socket_path.h"
+#include "service/grpc/tcp_security.h"
 #include "service/metrics/http_exposer.h"
 #include "service/metrics/metrics.h"
 
-ABSL_FLAG(std::string, socket, "/tmp/laproxd.sock",
-          "Unix domain socket to listen on (created with mode 0660); empty to disable");
+ABSL_FLAG(std::string, socket, "auto",
+          "Unix domain socket to listen on, created with --socket_mode (its directory with mode "
+          "0750 when missing); auto: /run/laprox/laproxd.sock as root, "
+          "$XDG_RUNTIME_DIR/laprox/laproxd.sock otherwise; empty to disable. A stale socket "
+          "there is replaced; a live one, or anything that is not a socket, stops start-up");
+ABSL_FLAG(std::string, socket_mode, "0660",
+          "the socket's permission bits, octal (who may connect; see the README's security "
+          "section)");
+ABSL_FLAG(absl::Duration, shutdown_timeout, absl::Seconds(30),
+          "after SIGTERM or SIGINT, how long in-flight calls may take before they are cancelled");
 ABSL_FLAG(std::string, listen, "",
           "also serve the whole API on this TCP address (host:port; port 0 picks one and "
-          "prints it)");
+          "prints it): TLS with --tls_cert_file/--tls_key_file; plaintext only on a loopback "
+          "address unless --allow_insecure_tcp");
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "PEM certificate chain for --listen (with --tls_key_file): the TCP port speaks TLS");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
+ABSL_FLAG(std::string, tls_client_ca_file, "",
+          "PEM CA bundle: --listen then requires a client certificate signed by it (mTLS)");
+ABSL_FLAG(bool, allow_insecure_tcp, false,
+          "let --listen serve plaintext on a non-loopback address (refused otherwise)");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "serve Prometheus metrics over HTTP at /metrics on this address (host:port; port 0 "
           "picks one and prints it); empty to disable");
@@ -112,6 +136,24 @@ bool ApplyEnvironment(int argc, char** argv) {
     }
   }
   return true;
+}
+
+// Prints "laproxd: " and the status's message (without its code); returns main's exit status 1.
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "laproxd: %s\n", absl::StrCat(status.message()).c_str());
+  return 1;
+}
+
+// An octal permission mode ("0660", "660") in [0, 0777].
+std::optional<mode_t> ParseMode(const std::string& text) {
+  if (text.empty() || text.size() > 4) return std::nullopt;
+  mode_t mode = 0;
+  for (char c : text) {
+    if (c < '0' || c > '7') return std::nullopt;
+    mode = mode * 8 + static_cast<mode_t>(c - '0');
+  }
+  if (mode > 0777) return std::nullopt;
+  return mode;
 }
 
 // Blocks SIGTERM and SIGINT in every thread (call before any thread starts) and waits for one.
@@ -270,27 +312,56 @@ int main(int argc, char** argv) {
   grpc::ServerBuilder builder;
   builder.SetMaxReceiveMessageSize(static_cast<int>(absl::GetFlag(FLAGS_max_request_bytes)));
   builder.SetMaxSendMessageSize(-1);
-  const std::string socket = absl::GetFlag(FLAGS_socket);
+  std::string socket = absl::GetFlag(FLAGS_socket);
   const std::string tcp = absl::GetFlag(FLAGS_listen);
+  if (socket == "auto") {
+    absl::StatusOr<std::string> path = laprox::service::DefaultSocketPath();
+    if (!path.ok()) return Fail(path.status());
+    socket = *path;
+  }
   if (socket.empty() && tcp.empty()) {
     std::fprintf(stderr, "laproxd: give --socket or --listen\n");
     return 1;
   }
+  const std::optional<mode_t> socket_mode = ParseMode(absl::GetFlag(FLAGS_socket_mode));
+  if (!socket_mode) {
+    std::fprintf(stderr, "laproxd: --socket_mode=%s is not an octal mode in [0, 0777]\n",
+                 absl::GetFlag(FLAGS_socket_mode).c_str());
+    return 1;
+  }
+  std::optional<laprox::service::SocketClaim> claim;
   if (!socket.empty()) {
-    unlink(socket.c_str());  // a stale socket from a previous run
+    absl::StatusOr<laprox::service::SocketClaim> acquired =
+        laprox::service::SocketClaim::Acquire(socket);
+    if (!acquired.ok()) return Fail(acquired.status());
+    claim.emplace(*std::move(acquired));
     builder.AddListeningPort(absl::StrCat("unix:", socket), grpc::InsecureServerCredentials());
   }
   int tcp_port = 0;
-  if (!tcp.empty()) builder.AddListeningPort(tcp, grpc::InsecureServerCredentials(), &tcp_port);
+  bool tcp_insecure = false;
+  if (!tcp.empty()) {
+    absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+        laprox::service::TcpCredentials(tcp,
+                                        {.cert_file = absl::GetFlag(FLAGS_tls_cert_file),
+                                         .key_file = absl::GetFlag(FLAGS_tls_key_file),
+                                         .client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file),
+                                         .allow_insecure = absl::GetFlag(FLAGS_allow_insecure_tcp)},
+                                        &tcp_insecure);
+    if (!credentials.ok()) return Fail(credentials.status());
+    builder.AddListeningPort(tcp, *credentials, &tcp_port);
+  }
   builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::unique_ptr<grpc::Server> server;
+  {
+    // The socket is born with socket_mode: no moment in which it has other permissions.
+    laprox::service::ScopedUmask umask_for_bind(0777 & ~*socket_mode);
+    server = builder.BuildAndStart();
+  }
   if (server == nullptr) {
     std::fprintf(stderr, "laproxd: cannot listen on %s %s\n", socket.c_str(), tcp.c_str());
     return 1;
   }
-  if (!socket.empty() && chmod(socket.c_str(), 0660) != 0) {
-    std::perror("laproxd: chmod of the socket");
-  }
+  if (claim) claim->Bound();
   {
     absl::MutexLock lock(&health_mu);
     health.push_back(server->GetHealthCheckService());
@@ -318,7 +389,13 @@ int main(int argc, char** argv) {
 
   std::string endpoints;
   if (!socket.empty()) absl::StrAppend(&endpoints, " unix:", socket);
-  if (!tcp.empty()) absl::StrAppend(&endpoints, " tcp port ", tcp_port);
+  if (!tcp.empty()) {
+    const bool mutual = !absl::GetFlag(FLAGS_tls_client_ca_file).empty();
+    absl::StrAppend(&endpoints, " tcp port ", tcp_port,
+                    tcp_insecure ? " (plaintext)"
+                    : mutual     ? " (mTLS)"
+                                 : " (TLS)");
+  }
   if (health_server) absl::StrAppend(&endpoints, "; health on tcp port ", health_port);
   if (exposer) absl::StrAppend(&endpoints, "; metrics on http port ", exposer->port());
   std::printf("laproxd %s: %s; listening on%s\n", kVersion, core.backend().Describe().c_str(),
@@ -333,10 +410,24 @@ int main(int argc, char** argv) {
     for (grpc::HealthCheckServiceInterface* h : health) h->SetServingStatus(false);
   }
   metrics.SetServing(false);
-  server->Shutdown();  // waits for in-flight calls (their jobs still run on the work queue)
+  // In-flight calls get shutdown_timeout, then are cancelled (a computation stops at its next
+  // cancellation check). Should the work still not end, a watchdog exits the process.
+  const absl::Duration grace = absl::GetFlag(FLAGS_shutdown_timeout);
+  absl::Notification stopped;
+  std::thread watchdog([&stopped, grace] {
+    if (stopped.WaitForNotificationWithTimeout(grace + absl::Seconds(10))) return;
+    std::fprintf(stderr,
+                 "laproxd: in-flight work did not stop within %s of the shutdown "
+                 "deadline; exiting\n",
+                 absl::FormatDuration(absl::Seconds(10)).c_str());
+    std::_Exit(1);
+  });
+  server->Shutdown(absl::ToChronoTime(absl::Now() + grace));
   if (health_server) health_server->Shutdown();
-  work.reset();
-  if (!socket.empty()) unlink(socket.c_str());
+  work.reset();  // runs what was accepted: jobs of cancelled calls end at once
+  stopped.Notify();
+  watchdog.join();
+  claim.reset();  // removes the socket this process created, then releases the lock
   std::printf("laproxd: stopped\n");
   return 0;
 }

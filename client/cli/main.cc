@@ -5,7 +5,7 @@
 //   laprox-cli demo [--save=FILE] [--device] generate a realistic sample, plan it, print the table
 //   laprox-cli health [--service=NAME]       exit 0 when the grpc.health.v1 service says SERVING
 //
-// Common flags: --target (default unix:/tmp/laproxd.sock), --budget (tokens per KV head),
+// Common flags: --target (default: DefaultTarget()), --budget (tokens per KV head),
 // --compression_ratio, --json (print {"counts","kept","layer_sums"}), --local (compute
 // in-process with the CPU backend instead of asking laproxd; the same library the server runs),
 // --device (plan and demo: put the tensors in GPU memory and share them with a CUDA laproxd as
@@ -59,7 +59,12 @@
 #include "laprox/v1/laprox.pb.h"
 #include "laprox/v1/policy_wire.h"
 
-ABSL_FLAG(std::string, target, "unix:/tmp/laproxd.sock", "laproxd address");
+ABSL_FLAG(std::string, tls_ca_file, "",
+          "PEM CA bundle that signed laproxd's TLS certificate (a --target host:port with TLS)");
+ABSL_FLAG(std::string, tls_cert_file, "", "PEM client certificate chain, for mutual TLS");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
+ABSL_FLAG(std::string, target, laprox::client::DefaultTarget(),
+          "laproxd address (default: laproxd's own default socket for this user)");
 ABSL_FLAG(int64_t, budget, 128, "kept tokens per KV head (window included)");
 ABSL_FLAG(double, compression_ratio, -1.0, "if >= 0: keep int((1 - cr) * n) per head instead");
 // Policy fields (unset: not set in the request).
@@ -313,12 +318,24 @@ absl::StatusOr<DeviceUpload> UploadToDevice(client::Client& server, const Dump& 
   return DeviceUpload{*std::move(memory), *id};
 }
 
+// The client of --target, over TLS when any --tls_* flag is given.
+absl::StatusOr<std::unique_ptr<client::Client>> Connect() {
+  client::ClientOptions options;
+  const std::string ca = absl::GetFlag(FLAGS_tls_ca_file),
+                    cert = absl::GetFlag(FLAGS_tls_cert_file),
+                    key = absl::GetFlag(FLAGS_tls_key_file);
+  if (!ca.empty() || !cert.empty() || !key.empty()) {
+    LAPROX_ASSIGN_OR_RETURN(options.tls, client::TlsOptionsFromFiles(ca, cert, key));
+  }
+  return client::Client::Connect(absl::GetFlag(FLAGS_target), options);
+}
+
 // Through laproxd: every tensor is copied once into one shared buffer (or, with --device, one
 // device allocation) and sent by reference.
 absl::StatusOr<kernels::KeepPlan> PlanRemote(const Dump& dump) {
   auto policy = Policy();
   if (!policy.ok()) return policy.status();
-  auto client = client::Client::Connect(absl::GetFlag(FLAGS_target));
+  auto client = Connect();
   if (!client.ok()) return client.status();
   size_t total = 0;
   std::map<std::string, int64_t> offsets;
@@ -507,7 +524,7 @@ int Main(int argc, char** argv) {
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   const std::string command = args.size() > 1 ? args[1] : "";
   if (command == "info") {
-    auto client = laprox::client::Client::Connect(absl::GetFlag(FLAGS_target));
+    auto client = Connect();
     if (!client.ok()) return Fail(client.status());
     auto info = (*client)->GetServerInfo();
     if (!info.ok()) return Fail(info.status());

@@ -201,8 +201,8 @@ grpc::ServerUnaryReactor* LaproxService::UnregisterRegion(
     v1::UnregisterRegionResponse*) {
   const uint64_t id = request->region_id();
   const absl::Time deadline = Deadline(context);
-  // Waits for in-flight requests: off the callback threads.
-  return Offload(work_, context, Call(options_.metrics, Method::kUnregisterRegion),
+  // Waits for in-flight requests: off the callback threads, and off the compute queue.
+  return Offload(admin_, context, Call(options_.metrics, Method::kUnregisterRegion),
                  [this, id, deadline](Call&) { return core_.regions().Unregister(id, deadline); });
 }
 
@@ -222,7 +222,7 @@ grpc::ServerUnaryReactor* LaproxService::ListRegions(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* LaproxService::RegisterModel(grpc::CallbackServerContext* context,
                                                        const v1::RegisterModelRequest* request,
                                                        v1::RegisterModelResponse* response) {
-  return Offload(work_, context, Call(options_.metrics, Method::kRegisterModel),
+  return Offload(admin_, context, Call(options_.metrics, Method::kRegisterModel),
                  [this, request, response](Call&) -> absl::Status {
                    auto spec = ModelSpecFromProto(*request);
                    if (!spec.ok()) return spec.status();

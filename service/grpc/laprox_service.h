@@ -1,9 +1,11 @@
 // LaproxService: the laprox.v1.Laprox gRPC service on the callback API. It only translates:
 // proto -> domain types, one Core call, domain result -> proto, absl::Status -> grpc::Status.
-// Blocking work (keep-plans, model preparation, region draining) runs on a WorkQueue, never on
-// gRPC's callback threads; so do region opens, on a queue of their own, so that a slow open
-// never waits behind keep-plans. No exception leaves a call: an allocation that fails anyway
-// (the host is short of memory) answers RESOURCE_EXHAUSTED.
+// Blocking work runs on WorkQueues, never on gRPC's callback threads: keep-plans on the compute
+// queue (`work`, whose backlog bound answers RESOURCE_EXHAUSTED), and the control plane on
+// queues of its own, so that registering and unregistering answer while every compute worker
+// is busy and the backlog is full: region opens on one, model preparation and region draining
+// (which waits for the plans using the region) on another. No exception leaves a call: an
+// allocation that fails anyway (the host is short of memory) answers RESOURCE_EXHAUSTED.
 #ifndef LAPROX_SERVICE_GRPC_LAPROX_SERVICE_H_
 #define LAPROX_SERVICE_GRPC_LAPROX_SERVICE_H_
 
@@ -90,6 +92,9 @@ class LaproxService final : public v1::Laprox::CallbackService {
   Core& core_;
   WorkQueue& work_;
   WorkQueue control_{/*workers=*/1, /*max_pending=*/256};  // region opens
+  // RegisterModel (preparation) and UnregisterRegion (draining): a drain waits for at most the
+  // deadlines of the plans using its region, so a few workers keep the others moving.
+  WorkQueue admin_{/*workers=*/4, /*max_pending=*/256};
   const std::string version_;
   const ServiceOptions options_;
 };

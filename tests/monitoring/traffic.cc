@@ -21,7 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "laprox/client/client.h"
 
-ABSL_FLAG(std::string, target, "unix:/tmp/laproxd.sock", "laproxd address");
+ABSL_FLAG(std::string, target, laprox::client::DefaultTarget(), "laproxd address");
 ABSL_FLAG(int, plans, 6, "keep-plans to compute");
 ABSL_FLAG(int, bad, 6, "refused requests to send");
 ABSL_FLAG(int, regions, 1, "regions to register and leave registered");

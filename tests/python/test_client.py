@@ -10,9 +10,11 @@ Extend: add a test method; use self.client (a fresh Client per test) and support
 import gc
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import textwrap
+import time
 import unittest
 
 import numpy as np
@@ -517,6 +519,86 @@ class TorchTest(ClientTestCase):
         plan = self.plan(keys=keys)
         np.testing.assert_array_equal(plan.positions,
                                       self.plan(keys=bits, dtype="bf16").positions)
+
+
+class _BusyUnregister(_proto.laprox_pb2_grpc.LaproxServicer):
+    """A server whose UnregisterRegion answers `code` for the first `refusals` calls: the busy
+    server a full control queue would be, which laproxd cannot be made into on demand."""
+
+    def __init__(self, refusals, code=grpc.StatusCode.RESOURCE_EXHAUSTED):
+        self.refusals, self.code, self.calls = refusals, code, 0
+
+    def UnregisterRegion(self, request, context):
+        self.calls += 1
+        if self.calls <= self.refusals:
+            context.abort(self.code, "busy")
+        return _proto.pb.UnregisterRegionResponse()
+
+
+class CleanupRetryTest(unittest.TestCase):
+    """Cleanup unregistration retries RESOURCE_EXHAUSTED with backoff, within its bound, over a
+    real gRPC server on a Unix socket; other errors end it at once."""
+
+    def serve(self, servicer):
+        import tempfile
+        from concurrent import futures
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        _proto.laprox_pb2_grpc.add_LaproxServicer_to_server(servicer, server)
+        directory = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, directory, True)
+        socket = os.path.join(directory, "busy.sock")
+        server.add_insecure_port(f"unix:{socket}")
+        server.start()
+        self.addCleanup(server.stop, None)
+        channel = grpc.insecure_channel(f"unix:{socket}")
+        self.addCleanup(channel.close)
+        return _proto.laprox_pb2_grpc.LaproxStub(channel)
+
+    def test_busy_server_is_retried_until_it_answers(self):
+        from laprox import client as client_module
+        busy = _BusyUnregister(refusals=3)
+        stub = self.serve(busy)
+        start = time.monotonic()
+        client_module._unregister(stub, 5.0, 7, retry_for=5.0)
+        self.assertEqual(busy.calls, 4)
+        self.assertGreaterEqual(time.monotonic() - start, 0.05 + 0.1 + 0.2)  # the backoff waited
+
+    def test_retry_gives_up_within_its_bound(self):
+        from laprox import client as client_module
+        busy = _BusyUnregister(refusals=10 ** 6)
+        stub = self.serve(busy)
+        start = time.monotonic()
+        with self.assertRaises(laprox.LaproxError) as raised:
+            client_module._unregister(stub, 5.0, 7, retry_for=0.5)
+        self.assertEqual(raised.exception.code, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        self.assertLess(time.monotonic() - start, 2.0)
+        self.assertGreater(busy.calls, 1)
+
+    def test_other_errors_are_not_retried(self):
+        from laprox import client as client_module
+        gone = _BusyUnregister(refusals=1, code=grpc.StatusCode.NOT_FOUND)
+        stub = self.serve(gone)
+        with self.assertRaises(laprox.LaproxError) as raised:
+            client_module._unregister(stub, 5.0, 7, retry_for=5.0)
+        self.assertEqual(raised.exception.code, grpc.StatusCode.NOT_FOUND)
+        self.assertEqual(gone.calls, 1)
+
+
+class DefaultTargetTest(unittest.TestCase):
+    """The client's default is laproxd's own default socket for the same user."""
+
+    def test_root_and_other_users(self):
+        from unittest import mock
+        from laprox import client as client_module
+        with mock.patch.dict(os.environ, {"XDG_RUNTIME_DIR": "/run/user/1000/"}):
+            with mock.patch.object(os, "geteuid", return_value=0):
+                self.assertEqual(client_module.default_target(), "unix:/run/laprox/laproxd.sock")
+            with mock.patch.object(os, "geteuid", return_value=1000):
+                self.assertEqual(client_module.default_target(),
+                                 "unix:/run/user/1000/laprox/laproxd.sock")
+        with mock.patch.dict(os.environ, {"XDG_RUNTIME_DIR": "relative"}), \
+                mock.patch.object(os, "geteuid", return_value=1000):
+            self.assertEqual(client_module.default_target(), "unix:/run/laprox/laproxd.sock")
 
 
 if __name__ == "__main__":

@@ -20,8 +20,10 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "laprox/kernels/registry.h"
 #include "laprox/v1/laprox.grpc.pb.h"
 #include "service/core/core.h"
@@ -504,6 +506,61 @@ TEST_F(GrpcIntegrationTest, UnregisterWaitsForTheRequestUsingTheRegion) {
   ASSERT_TRUE(plan_status.ok()) << plan_status.error_message();
   EXPECT_EQ(plan.counts_size(), kL * kHkv);
   EXPECT_TRUE(Regions().empty());
+}
+
+// Every compute worker busy and the compute backlog full (jobs that wait on a notification
+// stand for long keep-plans): keep-plans are refused, the control plane still answers.
+TEST_F(GrpcIntegrationTest, ControlPlaneAnswersWhileTheComputeQueueIsFull) {
+  TearDown();
+  StartServer({}, {}, /*workers=*/1, /*max_pending=*/1);
+  Prefill prefill(7);
+  absl::Notification release, busy;
+  // The blocked worker is released on every way out of the test (TearDown joins it).
+  absl::Cleanup unblock = [&] {
+    if (!release.HasBeenNotified()) release.Notify();
+  };
+  ASSERT_TRUE(work_
+                  ->Submit([&] {
+                    busy.Notify();
+                    release.WaitForNotification();
+                  })
+                  .ok());
+  busy.WaitForNotification();
+  ASSERT_TRUE(work_->Submit([] {}).ok());  // the one backlog slot
+  ASSERT_FALSE(work_->Submit([] {}).ok());
+
+  const uint64_t region = RegisterRegion(prefill);
+  ASSERT_NE(region, 0u);
+  const uint64_t model = RegisterModel(prefill);
+  ASSERT_NE(model, 0u);
+  EXPECT_EQ(Regions().size(), 1u);
+  v1::GetServerInfoResponse info;
+  EXPECT_TRUE(Call(&v1::Laprox::Stub::GetServerInfo, v1::GetServerInfoRequest(), &info).ok());
+  v1::ComputeKeepMaskResponse plan;
+  grpc::Status refused =
+      Call(&v1::Laprox::Stub::ComputeKeepMask, GoodRequest(model, region, prefill), &plan);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+  // A second region, unregistered while the queue is still full (draining waits for nothing).
+  const uint64_t second = RegisterRegion(prefill);
+  v1::UnregisterRegionRequest unregister;
+  unregister.set_region_id(second);
+  v1::UnregisterRegionResponse unregistered;
+  grpc::Status s = Call(&v1::Laprox::Stub::UnregisterRegion, unregister, &unregistered,
+                        std::chrono::seconds(10));
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(Regions().size(), 1u);
+
+  std::move(unblock).Invoke();
+  // Once the workers are free again, the same request is served.
+  grpc::Status served = grpc::Status::CANCELLED;
+  for (int tries = 0; tries < 1000 && !served.ok(); ++tries) {
+    served = Call(&v1::Laprox::Stub::ComputeKeepMask, GoodRequest(model, region, prefill), &plan);
+  }
+  EXPECT_TRUE(served.ok()) << served.error_message();
+  v1::UnregisterModelRequest drop_model;
+  drop_model.set_model_id(model);
+  v1::UnregisterModelResponse dropped;
+  EXPECT_TRUE(Call(&v1::Laprox::Stub::UnregisterModel, drop_model, &dropped).ok());
 }
 
 }  // namespace

@@ -84,9 +84,11 @@ class ServerTest : public ::testing::Test {
  protected:
   void SetUp() override { StartServer({}); }
 
-  void StartServer(CoreLimits limits, ServiceOptions options = {}) {
+  // `workers` and `max_pending`: the compute queue's.
+  void StartServer(CoreLimits limits, ServiceOptions options = {}, int workers = 2,
+                   int64_t max_pending = 64) {
     core_ = std::make_unique<Core>(*kernels::CreateBackend("cpu"), limits);
-    work_ = std::make_unique<WorkQueue>(2, 64);
+    work_ = std::make_unique<WorkQueue>(workers, max_pending);
     service_ = std::make_unique<LaproxService>(*core_, *work_, "test", std::move(options));
     static std::atomic<int> counter{0};
     socket_ = absl::StrCat(::testing::TempDir(), "laprox-", getpid(), "-", counter++, ".sock");

@@ -1,8 +1,12 @@
 #include "laprox/client/client.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <utility>
 
 #include <fcntl.h>
@@ -11,6 +15,9 @@
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "laprox/v1/laprox.grpc.pb.h"
 #include "laprox/v1/policy_wire.h"
@@ -46,6 +53,9 @@ void ToProto(const TensorRef& ref, v1::TensorRef* proto) {
   proto->mutable_shape()->Assign(ref.shape.begin(), ref.shape.end());
   proto->mutable_strides()->Assign(ref.strides.begin(), ref.strides.end());
 }
+
+// How long a SharedBuffer going away retries its unregistration on a busy server.
+constexpr absl::Duration kCleanupRetryFor = absl::Seconds(5);
 
 }  // namespace
 
@@ -84,8 +94,15 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   auto impl = std::make_unique<Impl>();
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
-  impl->stub = v1::Laprox::NewStub(
-      grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (options.tls) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options.tls->root_certs_pem;
+    ssl.pem_cert_chain = options.tls->cert_chain_pem;
+    ssl.pem_private_key = options.tls->private_key_pem;
+    credentials = grpc::SslCredentials(ssl);
+  }
+  impl->stub = v1::Laprox::NewStub(grpc::CreateCustomChannel(target, credentials, args));
   impl->options = options;
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
@@ -138,11 +155,47 @@ absl::StatusOr<uint64_t> Client::RegisterCudaIpcRegion(const CudaIpcExport& regi
   return impl_->RegisterRegion(request, writable);
 }
 
+absl::StatusOr<TlsOptions> TlsOptionsFromFiles(const std::string& root_certs_file,
+                                               const std::string& cert_chain_file,
+                                               const std::string& private_key_file) {
+  TlsOptions tls;
+  for (auto [path, out] : {std::pair{&root_certs_file, &tls.root_certs_pem},
+                           std::pair{&cert_chain_file, &tls.cert_chain_pem},
+                           std::pair{&private_key_file, &tls.private_key_pem}}) {
+    if (path->empty()) continue;
+    std::ifstream file(*path, std::ios::binary);
+    if (!file) return absl::NotFoundError(absl::StrCat(*path, " cannot be read"));
+    std::stringstream text;
+    text << file.rdbuf();
+    *out = text.str();
+  }
+  return tls;
+}
+
+std::string DefaultTarget() {
+  const char* runtime = std::getenv("XDG_RUNTIME_DIR");
+  if (geteuid() != 0 && runtime != nullptr && runtime[0] == '/') {
+    return absl::StrCat("unix:", absl::StripSuffix(runtime, "/"), "/laprox/laproxd.sock");
+  }
+  return "unix:/run/laprox/laproxd.sock";
+}
+
 absl::Status Client::UnregisterRegion(uint64_t region_id) {
   v1::UnregisterRegionRequest request;
   request.set_region_id(region_id);
   v1::UnregisterRegionResponse response;
   return impl_->Call(&v1::Laprox::Stub::UnregisterRegion, request, &response);
+}
+
+absl::Status Client::UnregisterRegionForCleanup(uint64_t region_id, absl::Duration retry_for) {
+  const absl::Time give_up = absl::Now() + retry_for;
+  absl::Duration delay = absl::Milliseconds(50);
+  while (true) {
+    absl::Status status = UnregisterRegion(region_id);
+    if (!absl::IsResourceExhausted(status) || absl::Now() + delay > give_up) return status;
+    absl::SleepFor(delay);
+    delay = std::min(delay * 2, absl::Seconds(1));
+  }
 }
 
 absl::StatusOr<SharedBuffer> Client::ShareHostBuffer(const std::string& name, size_t bytes,
@@ -304,7 +357,8 @@ SharedBuffer::~SharedBuffer() { Reset(); }
 
 void SharedBuffer::Reset() {
   if (client_ != nullptr && region_id_ != 0) {
-    client_->UnregisterRegion(region_id_).IgnoreError();  // the server may be gone already
+    // A busy server is retried for a while; any other error ends it (the server may be gone).
+    client_->UnregisterRegionForCleanup(region_id_, kCleanupRetryFor).IgnoreError();
   }
   if (data_ != nullptr) {
     munmap(data_, size_);

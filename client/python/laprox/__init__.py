@@ -2,7 +2,7 @@
 
     import laprox
 
-    with laprox.Client("unix:/tmp/laproxd.sock") as client:
+    with laprox.Client("unix:/run/laprox/laproxd.sock") as client:
         print(client.info().version)
         model = client.register_model("my-model", laprox.ModelGeometry(
             num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576), o_proj)
@@ -13,7 +13,7 @@
 See client/python/README.md and proto/laprox/v1/laprox.proto (every option is documented there).
 """
 
-from .client import DEFAULT_TARGET, Client
+from .client import DEFAULT_TARGET, Client, tls_credentials
 from .errors import LaproxError
 from .types import (Allocation, BackendKind, Budget, DeviceInfo, DType, GqaValue, Indicator,
                     KeepPlan, ModelGeometry, NumericMode, Outputs, Policy, PolicyKind,
@@ -27,5 +27,5 @@ __all__ = [
     "GqaValue", "Indicator", "KeepPlan", "LaproxError", "ModelGeometry", "NumericMode",
     "Outputs", "Policy", "PolicyKind", "PolicyPreset", "Pooling", "PoolTarget", "RegionInfo",
     "RegionKind", "RegionTensor", "ServerInfo", "ServerLimits", "SharedRegion", "Timing",
-    "__version__",
+    "__version__", "tls_credentials",
 ]

@@ -1,6 +1,6 @@
 """laprox.Client: talk to laproxd with numpy arrays or torch tensors in, KeepPlan out.
 
-    with laprox.Client("unix:/tmp/laproxd.sock") as client:
+    with laprox.Client("unix:/run/laprox/laproxd.sock") as client:
         model = client.register_model("smollm2", geometry, o_proj)        # once
         plan = client.compute_keep_plan(model, keys, values, window_queries,
                                         budget=128)                       # per prefill
@@ -23,7 +23,9 @@ Threads: a Client may be shared; calls that stage host arrays or CUDA regions ru
 from __future__ import annotations
 
 import functools
+import os
 import threading
+import time
 import weakref
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -36,7 +38,35 @@ from ._proto import health_pb2, health_pb2_grpc, laprox_pb2_grpc, pb
 from ._proto import policy_from_proto, policy_to_proto
 from .errors import LaproxError, from_rpc_error, invalid_argument
 
-DEFAULT_TARGET = "unix:/tmp/laproxd.sock"
+def tls_credentials(ca_file: Optional[str] = None, cert_file: Optional[str] = None,
+                    key_file: Optional[str] = None) -> grpc.ChannelCredentials:
+    """Channel credentials for laproxd's TLS port: the PEM CA bundle that signed its
+    certificate (None: the system roots) and, for mutual TLS (--tls_client_ca_file), this
+    client's PEM certificate chain and key."""
+    def read(path: Optional[str]) -> Optional[bytes]:
+        if path is None:
+            return None
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise LaproxError(grpc.StatusCode.NOT_FOUND, f"{path} cannot be read: {e}") from None
+    return grpc.ssl_channel_credentials(root_certificates=read(ca_file),
+                                        private_key=read(key_file),
+                                        certificate_chain=read(cert_file))
+
+
+def default_target() -> str:
+    """Where `laproxd` listens when started without --socket: unix:/run/laprox/laproxd.sock for
+    root, unix:$XDG_RUNTIME_DIR/laprox/laproxd.sock for other users (the root path when
+    XDG_RUNTIME_DIR is unset or relative)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if os.geteuid() != 0 and runtime.startswith("/"):
+        return f"unix:{runtime.rstrip('/')}/laprox/laproxd.sock"
+    return "unix:/run/laprox/laproxd.sock"
+
+
+DEFAULT_TARGET = default_target()
 
 # Tensor fields of LayerInputs and the rank of one layer's tensor.
 _LAYER_FIELDS = (("keys", 3), ("values", 3), ("window_queries", 3), ("window_attention", 3),
@@ -65,8 +95,27 @@ def _register_cuda(stub: Any, timeout: float, handle: bytes, device_uuid: str, o
     return _call(stub.RegisterRegion, request, timeout).region_id
 
 
-def _unregister(stub: Any, timeout: float, region_id: int) -> None:
-    _call(stub.UnregisterRegion, pb.UnregisterRegionRequest(region_id=region_id), timeout)
+# How long cleanup (close(), garbage collection) retries a busy server's RESOURCE_EXHAUSTED.
+CLEANUP_RETRY_S = 5.0
+
+
+def _unregister(stub: Any, timeout: float, region_id: int,
+                retry_for: float = CLEANUP_RETRY_S) -> None:
+    """UnregisterRegion for cleanup: RESOURCE_EXHAUSTED (a busy server) is retried with backoff
+    (50 ms, doubling to 1 s) for `retry_for` seconds; any other error is raised at once."""
+    give_up = time.monotonic() + retry_for
+    delay = 0.05
+    while True:
+        try:
+            _call(stub.UnregisterRegion, pb.UnregisterRegionRequest(region_id=region_id),
+                  timeout)
+            return
+        except LaproxError as e:
+            if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or \
+                    time.monotonic() + delay > give_up:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 1.0)
 
 
 def _release(arena: _shm.StagingArena, cuda: _cuda.CudaRegions, channel: grpc.Channel) -> None:
@@ -205,6 +254,8 @@ class Client:
         timeout: deadline of each call in seconds.
         inline_max_bytes: requests whose host tensors total at most this many bytes send them
             inline in the message instead of through shared memory (0: never).
+        credentials: for a TCP target served with TLS (laproxd --tls_cert_file):
+            laprox.tls_credentials(...); None: plaintext (Unix sockets, loopback TCP).
 
     The client owns one shared-memory staging region for host arrays (created on first use,
     registered once, grown when a call needs more) and the CUDA IPC regions of the torch
@@ -213,16 +264,17 @@ class Client:
     """
 
     def __init__(self, target: str = DEFAULT_TARGET, timeout: float = 60.0,
-                 inline_max_bytes: int = 0):
+                 inline_max_bytes: int = 0,
+                 credentials: Optional[grpc.ChannelCredentials] = None):
         if not target:
             raise invalid_argument("target is empty")
         self.target = target
         self.timeout = float(timeout)
         self.inline_max_bytes = int(inline_max_bytes)
-        self._channel = grpc.insecure_channel(target, options=[
-            ("grpc.max_receive_message_length", -1),
-            ("grpc.max_send_message_length", -1),
-        ])
+        options = [("grpc.max_receive_message_length", -1),
+                   ("grpc.max_send_message_length", -1)]
+        self._channel = grpc.insecure_channel(target, options=options) if credentials is None \
+            else grpc.secure_channel(target, credentials, options=options)
         self._stub = laprox_pb2_grpc.LaproxStub(self._channel)
         # ComputeKeepMask's response is decoded here (see _decode_plan), so take raw bytes.
         self._compute_raw = self._channel.unary_unary(

@@ -2,7 +2,7 @@
 
     import laprox, laprox.hf
 
-    client = laprox.Client("unix:/tmp/laproxd.sock")
+    client = laprox.Client("unix:/run/laprox/laproxd.sock")
     press = laprox.hf.Compressor(model, client, budget=128)  # registers o_proj once
     with press:                                                # attention "laprox" inside
         out = model.generate(input_ids, max_new_tokens=64)

@@ -5,7 +5,7 @@
 // references into the shared buffers; no tensor is copied per call. No generated protobuf type
 // appears in this header.
 //
-//   auto client = *laprox::client::Client::Connect("unix:/tmp/laproxd.sock");
+//   auto client = *laprox::client::Client::Connect(laprox::client::DefaultTarget());
 //   auto kv = *client->ShareHostBuffer("laprox-kv-engine0", bytes);  // create + register
 //   std::memcpy(kv.data(), ..., bytes);                                // or write in place
 //   uint64_t model = *client->RegisterModel("smollm2", geometry, o_proj_refs);
@@ -139,14 +139,34 @@ struct ServerTiming {
   double total_seconds = 0;    // from the request's arrival in the handler to the response built
 };
 
+// Where laproxd listens when started without --socket: unix:/run/laprox/laproxd.sock for root,
+// unix:$XDG_RUNTIME_DIR/laprox/laproxd.sock for other users (the root path when
+// XDG_RUNTIME_DIR is unset or relative).
+std::string DefaultTarget();
+
+// TLS for a laproxd --listen with --tls_cert_file (PEM text, not file names).
+struct TlsOptions {
+  std::string root_certs_pem;   // the CA bundle that signed the server's certificate ("": the
+                                // system roots)
+  std::string cert_chain_pem;   // mutual TLS (--tls_client_ca_file): this client's chain
+  std::string private_key_pem;  // and its key
+};
+
 struct ClientOptions {
   absl::Duration deadline = absl::Seconds(60);  // per call
+  std::optional<TlsOptions> tls;                // set: a TLS channel; not set: plaintext
 };
+
+// TlsOptions from PEM files (any may be empty: not given). NOT_FOUND naming the file that
+// cannot be read.
+absl::StatusOr<TlsOptions> TlsOptionsFromFiles(const std::string& root_certs_file,
+                                               const std::string& cert_chain_file,
+                                               const std::string& private_key_file);
 
 class Client {
  public:
-  // `target` is a gRPC target: "unix:/tmp/laproxd.sock" or "127.0.0.1:50051". Connects lazily;
-  // the first call reports UNAVAILABLE if nothing listens.
+  // `target` is a gRPC target: "unix:/run/laprox/laproxd.sock" or "127.0.0.1:50051". Connects
+  // lazily; the first call reports UNAVAILABLE if nothing listens.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& target,
                                                          ClientOptions options = {});
   ~Client();
@@ -164,6 +184,10 @@ class Client {
                                                  bool writable = false);
   // Waits until requests using the region finish.
   absl::Status UnregisterRegion(uint64_t region_id);
+  // UnregisterRegion for cleanup (SharedBuffer uses it): a RESOURCE_EXHAUSTED answer is retried
+  // with backoff (50 ms, doubling to 1 s) until `retry_for` has passed; other statuses return
+  // at once.
+  absl::Status UnregisterRegionForCleanup(uint64_t region_id, absl::Duration retry_for);
 
   // Creates the shared-memory object `name` (must not exist; "laprox-" prefix) of `bytes`
   // bytes, maps it, and registers it (`writable`: the server may write plans into it).
