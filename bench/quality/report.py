@@ -233,6 +233,25 @@ def per_task(data: Data) -> List[str]:
 RECALL_BINS = [0.0, 0.25, 0.5, 0.75, 0.9, 1.0]
 
 
+def _pooled_solved(data: Data, metrics: Sequence[str], budgets: Sequence[int]) -> np.ndarray:
+    """Rows (one per method, budget and prompt the full cache solves, where the method ran) of
+    the given per-prompt metrics, columns in that order."""
+    rows = []
+    for m in data.prompt_methods:
+        for b in budgets:
+            cols = [data.prompt_values(k, m, b, solved_only=True) for k in metrics]
+            ran = ~np.isnan(np.stack(cols)).any(axis=0)
+            rows += list(zip(*(c[ran] for c in cols)))
+    return np.array(rows)
+
+
+def _em_rate(em: np.ndarray) -> str:
+    """The exact-match rate of 0/1 values with its Wilson 95% interval."""
+    k, n = int(em.sum()), em.size
+    lo, hi = (max(0.0, x) for x in stats.wilson(k, n))
+    return f"{k / n:.2f} [{lo:.2f}, {hi:.2f}]"
+
+
 def kept_spans(data: Data) -> List[str]:
     """What the keep-sets do to the facts the answer needs: the share of their tokens kept and
     how contiguous the kept tokens are, and exact match as a function of that share."""
@@ -253,39 +272,23 @@ def kept_spans(data: Data) -> List[str]:
     lines += _method_table(data, PLOTTED + ["LaProx exact", "LaProx A"], cell,
                            data.prompt_methods) + [""]
     # exact match against the share kept, pooled over methods and budgets
-    rows = []
-    for m in data.prompt_methods:
-        for b in data.budgets:
-            em = data.prompt_values("em", m, b, solved_only=True)
-            recall = data.prompt_values("recall", m, b, solved_only=True)
-            keep = ~np.isnan(em)
-            rows += list(zip(recall[keep], em[keep]))
-    if rows:
-        r = np.array(rows)
+    r = _pooled_solved(data, ("recall", "em"), data.budgets)
+    if r.size:
         lines += ["Exact match against the share of gold-fact tokens kept, pooled over every "
                   "method and budget (prompts the full cache solves; Wilson 95% intervals):",
                   "", "| gold tokens kept | configurations | exact match |", "|---|---|---|"]
         for lo, hi in zip(RECALL_BINS[:-1], RECALL_BINS[1:]):
             inside = (r[:, 0] >= lo) & ((r[:, 0] < hi) | ((hi == 1.0) & (r[:, 0] <= hi)))
-            k, n = int(r[inside, 1].sum()), int(inside.sum())
-            if n:
-                a, c = (max(0.0, x) for x in stats.wilson(k, n))
-                lines.append(f"| [{lo:.2f}, {hi:.2f}{']' if hi == 1.0 else ')'} | {n} | "
-                             f"{k / n:.2f} [{a:.2f}, {c:.2f}] |")
+            if inside.any():
+                lines.append(f"| [{lo:.2f}, {hi:.2f}{']' if hi == 1.0 else ')'} | "
+                             f"{int(inside.sum())} | {_em_rate(r[inside, 1])} |")
         lines.append("")
     # at one budget, where every method keeps as many tokens: does a complete fact in some heads
     # (cover), rather than the share of fact tokens kept (recall), go with exact match?
     for b in [x for x in (PRIMARY_BUDGET, 512) if x in data.budgets]:
-        rows = []
-        for m in data.prompt_methods:
-            em = data.prompt_values("em", m, b, solved_only=True)
-            cover = data.prompt_values("cover", m, b, solved_only=True)
-            recall = data.prompt_values("recall", m, b, solved_only=True)
-            keep = ~np.isnan(em)
-            rows += list(zip(cover[keep], recall[keep], em[keep]))
-        if not rows:
+        r = _pooled_solved(data, ("cover", "recall", "em"), [b])
+        if not r.size:
             continue
-        r = np.array(rows)
         lines += [f"At B = {b}, every method and prompt the full cache solves pooled: exact match "
                   "by the share of (layer, KV head) that keep a complete gold fact (cover), with "
                   "the mean share of gold tokens kept (recall) in each bin:", "",
@@ -293,11 +296,9 @@ def kept_spans(data: Data) -> List[str]:
         for label, lo, hi in (("0", -1.0, 0.0), ("(0, 0.05]", 0.0, 0.05),
                               ("(0.05, 0.15]", 0.05, 0.15), ("(0.15, 1]", 0.15, 1.0)):
             inside = (r[:, 0] > lo) & (r[:, 0] <= hi)
-            k, n = int(r[inside, 2].sum()), int(inside.sum())
-            if n:
-                a, c = (max(0.0, x) for x in stats.wilson(k, n))
-                lines.append(f"| {label} | {n} | {r[inside, 1].mean():.2f} | "
-                             f"{k / n:.2f} [{a:.2f}, {c:.2f}] |")
+            if inside.any():
+                lines.append(f"| {label} | {int(inside.sum())} | {r[inside, 1].mean():.2f} | "
+                             f"{_em_rate(r[inside, 2])} |")
         lines.append("")
     return lines
 
