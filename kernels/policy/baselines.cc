@@ -176,25 +176,32 @@ std::vector<double> Cake(const PlanShape& shape, const PolicySpec& policy,
                          const BaselineStatistics& st, Plan& plan) {
   const int64_t L = shape.num_layers, Hkv = shape.num_kv_heads, n = shape.n;
   const int64_t we = shape.window, prefix = n - we, kept = shape.kept_per_head;
-  std::vector<double> preferences(L);
+  std::vector<double> preferences(L), log_preferences(L);
+  const double tau1 = policy.baseline.cake_tau1, tau2 = policy.baseline.cake_tau2;
   for (int64_t l = 0; l < L; ++l) {
     double entropy = 0.0, variance = 0.0;
     for (int64_t g = 0; g < Hkv; ++g) {
       entropy += st.entropy[l * Hkv + g];
       variance += st.variance[l * Hkv + g];
     }
+    entropy = std::max(entropy, 0.0);
+    variance = std::max(variance, 0.0);
     // Each power is in [0, +inf]; a zero factor makes P_l zero even when the other overflowed
     // (inf * 0 would be NaN).
-    const double h = std::pow(std::max(entropy, 0.0), 1.0 / policy.baseline.cake_tau1);
-    const double v = std::pow(std::max(variance, 0.0), 1.0 / policy.baseline.cake_tau2);
+    const double h = std::pow(entropy, 1.0 / tau1);
+    const double v = std::pow(variance, 1.0 / tau2);
     preferences[l] = h == 0.0 || v == 0.0 ? 0.0 : h * v;
+    log_preferences[l] = entropy == 0.0 || variance == 0.0
+                             ? -std::numeric_limits<double>::infinity()
+                             : std::log(entropy) / tau1 + std::log(variance) / tau2;
   }
   // No compression when the window and n_kept more tokens cover the sequence (then n > w, so
   // we = w below).
   const bool keep_all = n <= kept + we;
   const std::vector<int64_t> budgets =
       keep_all ? std::vector<int64_t>(L, prefix)
-               : CakeLayerBudgets(preferences, std::max<int64_t>(0, (kept - we) * L), prefix);
+               : CakeLayerBudgets(preferences, std::max<int64_t>(0, (kept - we) * L), prefix,
+                                  log_preferences);
   for (int64_t l = 0; l < L; ++l) {
     for (int64_t g = 0; g < Hkv; ++g) {
       const float* p = st.prefix_scores.data() + (l * Hkv + g) * n;
@@ -206,6 +213,8 @@ std::vector<double> Cake(const PlanShape& shape, const PolicySpec& policy,
       std::fill(k + prefix, k + n, 1);
     }
   }
+  // The plan reports P_l; one that overflowed is reported as the largest finite double.
+  for (double& p : preferences) p = std::min(p, std::numeric_limits<double>::max());
   return preferences;
 }
 
@@ -236,15 +245,29 @@ std::vector<int64_t> PyramidLayerCounts(int64_t n, int64_t window, double budget
 }
 
 std::vector<int64_t> CakeLayerBudgets(absl::Span<const double> preferences, int64_t total,
-                                      int64_t cap) {
+                                      int64_t cap, absl::Span<const double> log_preferences) {
   const int64_t L = static_cast<int64_t>(preferences.size());
   double sum = 0.0;
   for (double p : preferences) sum += p;
-  const bool equal = !(sum > 0.0) || !std::isfinite(sum);
+  std::vector<double> share(L, 1.0 / static_cast<double>(L));
+  if (sum > 0.0 && std::isfinite(sum)) {
+    for (int64_t l = 0; l < L; ++l) share[l] = preferences[l] / sum;
+  } else if (static_cast<int64_t>(log_preferences.size()) == L) {
+    // P_l or their sum overflowed, or every P_l underflowed: the same shares from log P_l.
+    double top = -std::numeric_limits<double>::infinity();
+    for (double x : log_preferences) top = std::max(top, x);
+    if (std::isfinite(top)) {
+      double total_weight = 0.0;
+      for (int64_t l = 0; l < L; ++l) {
+        share[l] = std::exp(log_preferences[l] - top);
+        total_weight += share[l];
+      }
+      for (double& x : share) x /= total_weight;
+    }
+  }
   std::vector<int64_t> b(L);
   for (int64_t l = 0; l < L; ++l) {
-    const double share = equal ? 1.0 / static_cast<double>(L) : preferences[l] / sum;
-    b[l] = static_cast<int64_t>(share * static_cast<double>(total));  // truncated toward 0
+    b[l] = static_cast<int64_t>(share[l] * static_cast<double>(total));  // truncated toward 0
   }
   // Adds `amount` evenly over the layers below the cap (the remainder one each to the lowest of
   // them), clamps at the cap and spreads what the clamp cut off again, until nothing is left

@@ -65,13 +65,16 @@ std::vector<int64_t> PyramidLayerCounts(int64_t n, int64_t window, double budget
                                         int64_t layers, int64_t fallback_min);
 
 // CAKE's prefix budgets (window excluded) from the layer preferences P_l and the total T >= 0:
-// each layer int(P_l / sum P * T); a sum that is 0 or not finite counts as equal preferences.
+// each layer int(P_l / sum P * T). When the sum is 0 or not finite (P_l overflowed or all
+// underflowed), the shares are exp(log P_l - max) / sum exp(log P_j - max) from
+// `log_preferences` (-inf for P_l = 0); without them, or with every log P_l = -inf, the shares
+// are equal.
 // Budgets above `cap` (= n - w) are cut to it and the excess is spread evenly over the layers
 // below the cap, the remainder one each to the lowest of them, repeated while a spread
 // overflows; then the truncation deficit T - sum is spread the same way. The sum is T unless
 // every layer is at the cap.
 std::vector<int64_t> CakeLayerBudgets(absl::Span<const double> preferences, int64_t total,
-                                      int64_t cap);
+                                      int64_t cap, absl::Span<const double> log_preferences = {});
 
 }  // namespace laprox::kernels::policy
 

@@ -358,6 +358,37 @@ TEST(CakeLayerBudgetsTest, SplitsTheTotalByPreference) {
   EXPECT_THAT(policy::CakeLayerBudgets({1, 3}, 0, 100), ElementsAre(0, 0));
 }
 
+// P_l overflowed to +inf or every P_l underflowed to 0: the shares come from log P_l (3:1 of
+// 10 is 7.5 and 2.5, truncated to 7 and 2; the deficit goes to the lowest layer).
+TEST(CakeLayerBudgetsTest, FollowsLogPreferencesPastOverflow) {
+  const double inf = std::numeric_limits<double>::infinity();
+  EXPECT_THAT(policy::CakeLayerBudgets({inf, 1}, 10, 100, {900, 0}), ElementsAre(10, 0));
+  EXPECT_THAT(policy::CakeLayerBudgets({inf, 1}, 10, 6, {900, 0}), ElementsAre(6, 4));
+  EXPECT_THAT(policy::CakeLayerBudgets({inf, inf}, 10, 100, {800 + std::log(3.0), 800}),
+              ElementsAre(8, 2));
+  EXPECT_THAT(policy::CakeLayerBudgets({0, 0}, 10, 100, {-900, -900 + std::log(3.0)}),
+              ElementsAre(3, 7));
+  EXPECT_THAT(policy::CakeLayerBudgets({0, 0}, 8, 100, {-inf, -inf}), ElementsAre(4, 4));
+  EXPECT_THAT(policy::CakeLayerBudgets({inf, 1}, 8, 100), ElementsAre(4, 4));
+}
+
+// A tiny tau1 overflows P_l = H^(1/tau1) V^(1/tau2): the plan reports the largest finite double
+// (not +inf) and still spends exactly T (a fuzz finding: tests/fuzz/corpus/compute_keep_mask/
+// regress-compute_keep_mask-cake-preference-overflow).
+TEST_F(BaselinesTest, CakeReportsAnOverflowedPreferenceAsTheLargestDouble) {
+  TinyCase c(2, 2, 1, 4, 4, 40, 4);
+  c.Randomize(5);
+  c.policy = PolicySpec::ForKind(PolicyKind::kCake);
+  c.policy.window = 4;
+  c.policy.baseline.cake_tau1 = 1e-4;
+  c.policy.budget = Budget::TokensPerHead(10);
+  KeepPlan plan = Plan(c);
+  ASSERT_EQ(plan.layer_sums.size(), 2u);
+  for (double p : plan.layer_sums) EXPECT_TRUE(std::isfinite(p)) << p;
+  EXPECT_EQ(std::max(plan.layer_sums[0], plan.layer_sums[1]), std::numeric_limits<double>::max());
+  EXPECT_EQ(plan.counts[0] + plan.counts[1], 2 * 10);
+}
+
 // One layer, window 4 of n 10: T = (B - 4) * 1. Key 2 draws most attention -> kept first.
 TEST_F(BaselinesTest, CakeKeepsTheWindowAndItsLayerBudget) {
   TinyCase c(1, 1, 1, 1, 1, 10, 4);

@@ -293,6 +293,12 @@ def build_baseline_grid():
     grid.append(bcase("w1", "CAKE", dict(window=1), n=200, **small))
     grid.append(bcase("tau-gamma", "CAKE", dict(cake_tau1=1.0, cake_tau2=2.0, cake_gamma=0.0),
                       n=300, L=3, **{k: v for k, v in small.items() if k != "L"}))
+    # Exponents that overflow P_l (reported as the largest double) or underflow every P_l to
+    # 0: the budgets follow log P_l.
+    for name, taus in (("tau-overflow", dict(cake_tau1=1e-4)),
+                       ("tau-underflow", dict(cake_tau2=1e-3))):
+        grid.append(bcase(name, "CAKE", dict(taus, tokens_per_head=60), n=200, L=4,
+                          layer_logit_scales=[0.05, 0.3, 4.0, 8.0], H=4, Hkv=2, d=8, D=16))
     # Invalid baseline parameters both sides must reject.
     for field, value in (("pyramid_beta", 0.5), ("alpha_safeguard", 1.5), ("epsilon", -1e-3),
                          ("first_stage_ratio", 2.0), ("cake_tau1", 0.0), ("cake_tau2", -1.0),

@@ -88,7 +88,8 @@ Baselines (policy["kind"] != "LAPROX")
         raw [L,Hkv,n] float64   prefix score before sentinels/safeguard/stages (SnapKV score for
             the five SnapKV-based kinds, the CAKE eviction score for CAKE) on [0, n - we), NaN on
             the window; all NaN for STREAMING_LLM.
-        layer_sums [L] float64   CAKE: the layer preference P_l; other baselines: 0.0.
+        layer_sums [L] float64   CAKE: the layer preference P_l (the largest finite double when it
+            overflowed); other baselines: 0.0.
         selected [L,Hkv,n] bool   CAKE: kept prefix tokens (kept minus window); others: = kept.
         quota int   n_kept, the per-head budget (int((1.0 - cr) * n), at least 1 in
             KVPRESS_COMPAT except for CAKE, or tokens_per_head; clamped to n).
@@ -828,11 +829,13 @@ def _spread(B, r, cap):
     return B
 
 
-def cake_layer_budgets(P, T, cap):
+def cake_layer_budgets(P, T, cap, log_P=None):
     """CAKE prefix budget per layer (window not included).
 
-    1. B_l = int(P_l / sum(P) * T) (float64, truncated; sum by math.fsum).  If sum(P) is 0 or
-       not finite, every P_l counts as 1.
+    1. B_l = int(share_l * T) (float64, truncated), share_l = P_l / sum(P) (sum by
+       math.fsum).  If sum(P) is 0 or not finite (some P_l overflowed, or all underflowed),
+       share_l = exp(log P_l - max log P) / sum_j exp(log P_j - max log P) from log_P (-inf
+       for P_l = 0); without log_P, or with every log P_l = -inf, every share is 1 / L.
     2. Clamp at cap (= n - w); the excess is spread evenly over the layers still below cap,
        remainder one each to the lowest such layers; repeated while a spread overflows.
     3. The truncation deficit T - sum(B) is then spread the same way (a second, separate
@@ -842,9 +845,15 @@ def cake_layer_budgets(P, T, cap):
     L = len(P)
     P = [float(x) for x in P]
     tot = _fsum(P)
-    if not (tot > 0.0 and math.isfinite(tot)):
-        P, tot = [1.0] * L, float(L)
-    B = [int(P[l] / tot * T) for l in range(L)]
+    if tot > 0.0 and math.isfinite(tot):
+        share = [P[l] / tot for l in range(L)]
+    elif log_P is not None and math.isfinite(max(log_P)):
+        top = max(log_P)
+        weight = [math.exp(x - top) for x in log_P]
+        share = [x / _fsum(weight) for x in weight]
+    else:
+        share = [1.0 / L] * L
+    B = [int(share[l] * T) for l in range(L)]
     excess = sum(max(0, b - cap) for b in B)
     B = _spread([min(b, cap) for b in B], excess, cap)
     B = _spread(B, T - sum(B), cap)
@@ -863,6 +872,14 @@ def cake_preference(H_l, V_l, tau1, tau2):
         h = float(np.power(np.float64(H_l), 1.0 / tau1))
         v = float(np.power(np.float64(V_l), 1.0 / tau2))
     return 0.0 if h == 0.0 or v == 0.0 else h * v
+
+
+def cake_log_preference(H_l, V_l, tau1, tau2):
+    """log P_l = log(H_l) / tau1 + log(V_l) / tau2, -inf when H_l or V_l is 0: the budgets'
+    shares when P_l overflows or underflows (cake_layer_budgets)."""
+    if H_l <= 0.0 or V_l <= 0.0:
+        return -math.inf
+    return math.log(H_l) / tau1 + math.log(V_l) / tau2
 
 
 def stage_two(s, eps, u, rd):
@@ -901,6 +918,7 @@ def baseline_plan(gt, pol, layers, n):
     scores = np.full((L, Hkv, n), np.nan)
     raw = np.full((L, Hkv, n), np.nan)
     layer_sums = np.zeros(L)
+    log_sums = np.full(L, -np.inf)
     kept = np.zeros((L, Hkv, n), dtype=bool)
     selected = None
 
@@ -958,6 +976,7 @@ def baseline_plan(gt, pol, layers, n):
                 var_rows = a.var(axis=1, ddof=1) if we > 1 else np.zeros((H, nx))
                 V = _fsum(var_rows)
                 layer_sums[l] = cake_preference(ent, V, pol["cake_tau1"], pol["cake_tau2"])
+                log_sums[l] = cake_log_preference(ent, V, pol["cake_tau1"], pol["cake_tau2"])
                 x = A[:, :, :nx]                                        # eviction score
                 ev = x.mean(axis=1) + pol["cake_gamma"] * (
                     x.var(axis=1, ddof=1) if we > 1 else np.zeros((H, nx)))
@@ -1005,7 +1024,7 @@ def baseline_plan(gt, pol, layers, n):
                 kept[:] = True
             else:                                     # here n > w, so we == w and nx == n - w
                 T = max(0, (n_kept - w) * L)
-                budgets = cake_layer_budgets(layer_sums, T, n - w)
+                budgets = cake_layer_budgets(layer_sums, T, n - w, log_sums)
                 for l in range(L):
                     for g in range(Hkv):
                         kept[l, g] = _top_mask(scores[l, g], budgets[l] + we)
@@ -1020,7 +1039,7 @@ def baseline_plan(gt, pol, layers, n):
         "counts": kept.sum(axis=2).astype(np.int64),
         "scores": scores,
         "raw": raw,
-        "layer_sums": layer_sums,
+        "layer_sums": np.minimum(layer_sums, np.finfo(np.float64).max),
         "selected": selected,
         "quota": int(n_kept),
         "total_selected": int(selected.sum()),

@@ -821,6 +821,22 @@ class TooLargeToScore(unittest.TestCase):
         self.assertEqual(ref.cake_preference(0.0, 5.0, 1e-3, 0.6), 0.0)
         self.assertEqual(ref.cake_preference(1e6, 0.0, 1e-3, 0.6), 0.0)       # inf * 0
         self.assertEqual(ref.cake_preference(1e6, 2.0, 1e-3, 0.6), math.inf)
+        self.assertEqual(ref.cake_log_preference(0.0, 5.0, 1e-3, 0.6), -math.inf)
+        self.assertAlmostEqual(ref.cake_log_preference(1e6, 2.0, 1e-3, 0.6),
+                               math.log(1e6) * 1e3 + math.log(2.0) / 0.6, places=6)
+
+    def test_cake_budgets_follow_log_preferences_past_overflow(self):
+        b = ref.cake_layer_budgets
+        # P_0 overflowed: layer 0 takes the budget up to its cap, the rest spills over.
+        self.assertEqual(b([math.inf, 1.0], 10, 100, [900.0, 0.0]), [10, 0])
+        self.assertEqual(b([math.inf, 1.0], 10, 6, [900.0, 0.0]), [6, 4])
+        # Both overflowed, log P differing by log 3: shares 3/4 and 1/4 (7.5, 2.5 -> 7, 2, then the
+        # deficit to the lowest layer).
+        self.assertEqual(b([math.inf, math.inf], 10, 100, [800.0 + math.log(3), 800.0]), [8, 2])
+        # Every P_l underflowed to 0; log P decides. All -inf (or no log_P): equal shares.
+        self.assertEqual(b([0.0, 0.0], 10, 100, [-900.0, -900.0 + math.log(3)]), [3, 7])
+        self.assertEqual(b([0.0, 0.0], 8, 100, [-math.inf, -math.inf]), [4, 4])
+        self.assertEqual(b([math.inf, 1.0], 8, 100), [4, 4])
         s2 = ref.stage_two(np.array([0.0, 1.0, 2.0]), 0.0, np.array([np.inf, 0.0, 3.0]),
                            lambda x: x)
         np.testing.assert_array_equal(s2, [0.0, 0.0, 6.0])
