@@ -18,6 +18,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -46,6 +47,7 @@
 #include "service/core/fault_guard.h"
 #include "service/core/work_queue.h"
 #include "service/grpc/laprox_service.h"
+#include "service/grpc/peer_identity.h"
 #include "service/grpc/socket_path.h"
 #include "service/grpc/tcp_security.h"
 #include "service/metrics/http_exposer.h"
@@ -61,6 +63,15 @@ ABSL_FLAG(std::string, socket_mode, "0660",
           "section)");
 ABSL_FLAG(absl::Duration, shutdown_timeout, absl::Seconds(30),
           "after SIGTERM or SIGINT, how long in-flight calls may take before they are cancelled");
+ABSL_FLAG(std::string, allowed_uids, "",
+          "comma-separated uids that may call over the Unix socket (default: laproxd's own); "
+          "uid 0 always may. Others get PERMISSION_DENIED (laprox_denied_calls_total)");
+ABSL_FLAG(std::string, allowed_gids, "",
+          "comma-separated gids whose members (primary or supplementary group) may call over "
+          "the Unix socket (default: laproxd's own gid)");
+ABSL_FLAG(bool, shared_models, false,
+          "let every allowed caller compute with models any of them registered (only the "
+          "registering identity may unregister a model); regions always stay private");
 ABSL_FLAG(std::string, listen, "",
           "also serve the whole API on this TCP address (host:port; port 0 picks one and "
           "prints it): TLS with --tls_cert_file/--tls_key_file; plaintext only on a loopback "
@@ -218,12 +229,24 @@ int main(int argc, char** argv) {
     files.rlim_cur = files.rlim_max;
     setrlimit(RLIMIT_NOFILE, &files);
   }
+  laprox::service::AccessPolicy access = laprox::service::AccessPolicy::OwnUser();
+  for (const auto& [name, flag, ids] :
+       {std::tuple{"allowed_uids", &FLAGS_allowed_uids, &access.uids},
+        std::tuple{"allowed_gids", &FLAGS_allowed_gids, &access.gids}}) {
+    const std::string text = absl::GetFlag(*flag);
+    if (text.empty()) continue;  // the default: laproxd's own
+    absl::StatusOr<std::vector<uint32_t>> parsed =
+        laprox::service::AccessPolicy::ParseIds(text, name);
+    if (!parsed.ok()) return Fail(parsed.status());
+    ids->assign(parsed->begin(), parsed->end());
+  }
   laprox::service::Core core(*std::move(backend),
                              {.max_regions = absl::GetFlag(FLAGS_max_regions),
                               .max_models = absl::GetFlag(FLAGS_max_models),
                               .max_tokens = absl::GetFlag(FLAGS_max_tokens),
                               .max_request_memory = absl::GetFlag(FLAGS_max_request_memory),
-                              .max_model_memory = absl::GetFlag(FLAGS_max_model_memory)});
+                              .max_model_memory = absl::GetFlag(FLAGS_max_model_memory)},
+                             {.shared_models = absl::GetFlag(FLAGS_shared_models)});
   auto work = std::make_unique<laprox::service::WorkQueue>(absl::GetFlag(FLAGS_workers),
                                                            absl::GetFlag(FLAGS_max_pending));
 
@@ -299,13 +322,18 @@ int main(int argc, char** argv) {
                  cause.ToString().c_str());
     publish();
   };
+  // The Unix socket's connections, accepted by laproxd itself to learn who each caller is.
+  std::unique_ptr<laprox::service::UnixListener> listener;
   laprox::service::LaproxService service(
       core, *work, kVersion,
       {.metrics = &metrics,
        .models_changed = set_ready,
        .backend_unhealthy = backend_unhealthy,
        .max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes),
-       .max_response_bytes = max_response_bytes});
+       .max_response_bytes = max_response_bytes,
+       .identify = [&listener, &access](const grpc::ServerContextBase& context) {
+         return laprox::service::IdentifyCaller(context, listener.get(), access);
+       }});
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -335,7 +363,12 @@ int main(int argc, char** argv) {
         laprox::service::SocketClaim::Acquire(socket);
     if (!acquired.ok()) return Fail(acquired.status());
     claim.emplace(*std::move(acquired));
-    builder.AddListeningPort(absl::StrCat("unix:", socket), grpc::InsecureServerCredentials());
+    // The socket is born with socket_mode: no moment in which it has other permissions.
+    laprox::service::ScopedUmask umask_for_bind(0777 & ~*socket_mode);
+    absl::StatusOr<std::unique_ptr<laprox::service::UnixListener>> bound =
+        laprox::service::UnixListener::Listen(socket);
+    if (!bound.ok()) return Fail(bound.status());
+    listener = *std::move(bound);
   }
   int tcp_port = 0;
   bool tcp_insecure = false;
@@ -351,17 +384,13 @@ int main(int argc, char** argv) {
     builder.AddListeningPort(tcp, *credentials, &tcp_port);
   }
   builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server;
-  {
-    // The socket is born with socket_mode: no moment in which it has other permissions.
-    laprox::service::ScopedUmask umask_for_bind(0777 & ~*socket_mode);
-    server = builder.BuildAndStart();
-  }
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) {
-    std::fprintf(stderr, "laproxd: cannot listen on %s %s\n", socket.c_str(), tcp.c_str());
+    std::fprintf(stderr, "laproxd: cannot start the gRPC server (%s)\n", tcp.c_str());
     return 1;
   }
   if (claim) claim->Bound();
+  if (listener) listener->Start(server.get());
   {
     absl::MutexLock lock(&health_mu);
     health.push_back(server->GetHealthCheckService());
@@ -422,6 +451,7 @@ int main(int argc, char** argv) {
                  absl::FormatDuration(absl::Seconds(10)).c_str());
     std::_Exit(1);
   });
+  if (listener) listener->Stop();  // no new connections; those open finish below
   server->Shutdown(absl::ToChronoTime(absl::Now() + grace));
   if (health_server) health_server->Shutdown();
   work.reset();  // runs what was accepted: jobs of cancelled calls end at once

@@ -66,7 +66,8 @@ class Resolver {
     int64_t byte_offset, byte_count;
   };
 
-  explicit Resolver(RegionRegistry& regions) : regions_(regions) {}
+  // Leases regions on behalf of `owner`: another owner's region is NOT_FOUND.
+  Resolver(RegionRegistry& regions, const Owner& owner) : regions_(regions), owner_(owner) {}
 
   absl::StatusOr<TensorView> Resolve(const TensorRef& ref, const std::string& field) {
     if (ref.source == TensorRef::Source::kAbsent) return TensorView();
@@ -135,7 +136,7 @@ class Resolver {
   absl::StatusOr<const MappedRegion*> Lease(uint64_t id, const std::string& field) {
     auto it = leases_.find(id);
     if (it == leases_.end()) {
-      auto lease = regions_.Acquire(id);
+      auto lease = regions_.Acquire(id, owner_);
       if (!lease.ok()) {
         return absl::Status(lease.status().code(),
                             absl::StrCat(field, ": ", lease.status().message()));
@@ -157,6 +158,7 @@ class Resolver {
 
  private:
   RegionRegistry& regions_;
+  const Owner& owner_;
   std::map<uint64_t, RegionLease> leases_;
   std::vector<std::vector<uint64_t>> copies_;
   std::vector<Input> inputs_;
@@ -236,9 +238,10 @@ int64_t LimitOrShare(int64_t limit, int64_t numerator, int64_t denominator) {
 
 }  // namespace
 
-Core::Core(std::unique_ptr<kernels::Backend> backend, const CoreLimits& limits)
+Core::Core(std::unique_ptr<kernels::Backend> backend, const CoreLimits& limits, CoreOptions options)
     : backend_(std::move(backend)),
       limits_(limits),
+      options_(options),
       regions_(RegionRegistry::Limits{.max_regions = limits.max_regions}),
       request_memory_("request memory", "--max_request_memory",
                       LimitOrShare(limits.max_request_memory, 1, 2)),
@@ -246,11 +249,11 @@ Core::Core(std::unique_ptr<kernels::Backend> backend, const CoreLimits& limits)
                     LimitOrShare(limits.max_model_memory, 1, 4)) {}
 
 absl::StatusOr<uint64_t> Core::RegisterCudaIpcRegion(const kernels::CudaIpcRegionSpec& spec,
-                                                     bool writable) {
-  return regions_.RegisterCudaIpc(spec, writable, *backend_);
+                                                     bool writable, const Owner& owner) {
+  return regions_.RegisterCudaIpc(spec, writable, *backend_, owner);
 }
 
-absl::StatusOr<ModelInfo> Core::RegisterModel(const ModelSpec& spec) {
+absl::StatusOr<ModelInfo> Core::RegisterModel(const ModelSpec& spec, const Owner& owner) {
   if (absl::Status s = CheckModelName(spec.name); !s.ok()) return s;
   {
     absl::MutexLock lock(&mu_);
@@ -271,7 +274,7 @@ absl::StatusOr<ModelInfo> Core::RegisterModel(const ModelSpec& spec) {
   auto scratch = request_memory_.Reserve(estimate->workspace_bytes, "preparing the model");
   if (!scratch.ok()) return scratch.status();
 
-  Resolver resolver(regions_);
+  Resolver resolver(regions_, owner);
   std::vector<TensorView> o_proj;
   for (size_t l = 0; l < spec.o_proj.size(); ++l) {
     auto view = resolver.Resolve(spec.o_proj[l], absl::StrCat("o_proj[", l, "]"));
@@ -290,18 +293,20 @@ absl::StatusOr<ModelInfo> Core::RegisterModel(const ModelSpec& spec) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "already ", models_.size(), " models registered (limit ", limits_.max_models, ")"));
   }
+  model->owner = owner;
   model->info.id = next_model_id_++;
   model->info.name = spec.name.empty() ? absl::StrCat(model->info.id) : spec.name;
   models_[model->info.id] = model;
   return model->info;
 }
 
-absl::Status Core::UnregisterModel(uint64_t id) {
+absl::Status Core::UnregisterModel(uint64_t id, const Owner& owner) {
   if (id == 0) return absl::InvalidArgumentError("model_id is 0 (ids start at 1)");
   std::shared_ptr<const Model> model;  // freed outside the lock (when no request holds it)
   absl::MutexLock lock(&mu_);
   auto it = models_.find(id);
-  if (it == models_.end()) return absl::NotFoundError(absl::StrCat("model ", id, " not found"));
+  if (it == models_.end() || !owner.Sees(it->second->owner))
+    return absl::NotFoundError(absl::StrCat("model ", id, " not found"));
   model = std::move(it->second);
   models_.erase(it);
   return absl::OkStatus();
@@ -325,7 +330,7 @@ absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call
   {
     absl::MutexLock lock(&mu_);
     auto it = models_.find(call.model_id);
-    if (it == models_.end()) {
+    if (it == models_.end() || !(options_.shared_models || context.owner.Sees(it->second->owner))) {
       return absl::NotFoundError(absl::StrCat("model ", call.model_id, " not found"));
     }
     model = it->second;
@@ -335,7 +340,7 @@ absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call
                                               limits_.max_tokens, " tokens (max_tokens)"));
   }
   if (absl::Status s = CheckCall(context, "nothing was computed"); !s.ok()) return s;
-  Resolver resolver(regions_);
+  Resolver resolver(regions_, context.owner);
   const MappedRegion* destination = nullptr;
   if (call.destination) {
     auto region = resolver.Lease(call.destination->region_id, "outputs.destination");

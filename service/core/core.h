@@ -29,6 +29,7 @@
 #include "absl/time/time.h"
 #include "laprox/kernels/backend.h"
 #include "service/core/memory_budget.h"
+#include "service/core/owner.h"
 #include "service/core/region_registry.h"
 
 namespace laprox::service {
@@ -98,6 +99,14 @@ struct CallContext {
   // When set, receives the request's memory reservation, so the caller can hold it while it
   // still keeps copies of the plan (the response being built).
   MemoryBudget::Reservation* hold_memory = nullptr;
+  // Who asks: the model and every region the call names must be visible to it (owner.h).
+  Owner owner = Owner::Laproxd();
+};
+
+struct CoreOptions {
+  // Every caller may compute with any registered model (engines often share one model
+  // registration); only the model's owner may unregister it. Regions stay private.
+  bool shared_models = false;
 };
 
 struct ModelInfo {
@@ -109,7 +118,8 @@ struct ModelInfo {
 
 class Core {
  public:
-  Core(std::unique_ptr<kernels::Backend> backend, const CoreLimits& limits);
+  Core(std::unique_ptr<kernels::Backend> backend, const CoreLimits& limits,
+       CoreOptions options = {});
 
   const kernels::Backend& backend() const { return *backend_; }
   const CoreLimits& limits() const { return limits_; }
@@ -121,18 +131,22 @@ class Core {
   // RegisterCudaIpc): UNIMPLEMENTED on a backend without device memory, and the errors listed
   // there. Requests then read it in place as device memory.
   absl::StatusOr<uint64_t> RegisterCudaIpcRegion(const kernels::CudaIpcRegionSpec& spec,
-                                                 bool writable);
+                                                 bool writable,
+                                                 const Owner& owner = Owner::Laproxd());
 
   // Prepares the model's factors (the o_proj tensors are read during this call only).
   // INVALID_ARGUMENT for a bad name or geometry; INVALID_ARGUMENT / NOT_FOUND / OUT_OF_RANGE for
   // bad references (naming "o_proj[l]"); RESOURCE_EXHAUSTED past max_models or when the
   // prepared factors do not fit the model memory budget (or their preparation the request
   // memory budget); FAILED_PRECONDITION when a region read is shrunk by its client; and
-  // whatever Backend::PrepareModel returns.
-  absl::StatusOr<ModelInfo> RegisterModel(const ModelSpec& spec);
-  // INVALID_ARGUMENT for id 0, NOT_FOUND for an unknown id. Requests already using the model
-  // finish with it; its memory returns to the budget when the last of them ends.
-  absl::Status UnregisterModel(uint64_t id);
+  // whatever Backend::PrepareModel returns. The model belongs to `owner`, and the o_proj regions
+  // must be visible to it.
+  absl::StatusOr<ModelInfo> RegisterModel(const ModelSpec& spec,
+                                          const Owner& owner = Owner::Laproxd());
+  // INVALID_ARGUMENT for id 0, NOT_FOUND for an unknown id or another owner's model (shared
+  // models included). Requests already using the model finish with it; its memory returns to
+  // the budget when the last of them ends.
+  absl::Status UnregisterModel(uint64_t id, const Owner& owner = Owner::Laproxd());
 
   struct ModelTotals {
     int64_t count = 0;
@@ -145,7 +159,8 @@ class Core {
   // computed), reserves the request's memory, computes the plan, and writes the outputs the
   // destination names. INVALID_ARGUMENT: model or region id 0, an inline tensor whose strides
   // repeat elements (zero or overlapping strides: put such a tensor in a region); NOT_FOUND:
-  // unknown model or region; OUT_OF_RANGE: n above max_tokens; reference errors name the field
+  // unknown model or region, or one context.owner may not see; OUT_OF_RANGE: n above max_tokens;
+  // reference errors name the field
   // ("layers[3].keys"); RESOURCE_EXHAUSTED: the request's workspace and plan do not fit the
   // request memory budget now; then whatever Backend::ComputeKeepPlan returns.
   //
@@ -165,12 +180,14 @@ class Core {
   struct Model {
     MemoryBudget::Reservation memory;  // the prepared factors, against model_memory_ (released
                                        // last)
+    Owner owner = Owner::Laproxd();
     ModelInfo info;
     std::shared_ptr<const kernels::PreparedModel> prepared;
   };
 
   std::unique_ptr<kernels::Backend> backend_;
   const CoreLimits limits_;
+  const CoreOptions options_;
   RegionRegistry regions_;
   MemoryBudget request_memory_;
   MemoryBudget model_memory_;

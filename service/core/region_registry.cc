@@ -13,6 +13,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 
 namespace laprox::service {
@@ -68,6 +69,33 @@ absl::string_view FileKind(mode_t mode) {
   if (S_ISSOCK(mode)) return "a socket";
   if (S_ISLNK(mode)) return "a symbolic link";
   return "not a regular file";
+}
+
+// Whether `owner` may have laproxd map the object `st` describes: the caller's uid owns it (or
+// is root), and the object's own owner bits grant the access asked for. laproxd opened it with
+// its own rights; without this check any caller could read (or write) what only laproxd may.
+absl::Status CheckObjectOwner(const struct stat& st, bool writable, const Owner& owner,
+                              absl::string_view name) {
+  if (owner.sees_everything()) return absl::OkStatus();
+  if (!owner.uid().has_value()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "shm.name \"", name, "\": shared memory is registered over the Unix socket, where laproxd ",
+        "knows the caller's uid; this caller (", owner.id(), ") has none"));
+  }
+  const uid_t uid = *owner.uid();
+  if (uid == 0) return absl::OkStatus();
+  if (st.st_uid != uid) {
+    return absl::PermissionDeniedError(absl::StrCat("shm.name \"", name, "\" is owned by uid ",
+                                                    st.st_uid, ", not by the caller's uid ", uid));
+  }
+  const mode_t needed = S_IRUSR | (writable ? S_IWUSR : 0);
+  if ((st.st_mode & needed) != needed) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "shm.name \"", name, "\" has mode ", absl::StrFormat("%04o", st.st_mode & 07777),
+        writable ? "; registering it writable needs its owner-read and owner-write bits"
+                 : "; registering it needs its owner-read bit"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -142,7 +170,8 @@ void RegionLease::Release() {
   region_.reset();
 }
 
-absl::StatusOr<uint64_t> RegionRegistry::RegisterShm(const ShmRegionSpec& spec) {
+absl::StatusOr<uint64_t> RegionRegistry::RegisterShm(const ShmRegionSpec& spec,
+                                                     const Owner& owner) {
   if (absl::Status s = CheckShmName(spec.name); !s.ok()) return s;
   if (spec.offset < 0 || spec.byte_size <= 0) {
     return absl::InvalidArgumentError(
@@ -182,6 +211,10 @@ absl::StatusOr<uint64_t> RegionRegistry::RegisterShm(const ShmRegionSpec& spec) 
     return absl::InvalidArgumentError(absl::StrCat(
         "shm.name \"", name, "\" is ", FileKind(st.st_mode), ", not a shared-memory object"));
   }
+  if (absl::Status s = CheckObjectOwner(st, spec.writable, owner, name); !s.ok()) {
+    close(fd);
+    return s;
+  }
   int64_t end;
   if (__builtin_add_overflow(spec.offset, spec.byte_size, &end) || end > st.st_size) {
     close(fd);
@@ -218,11 +251,12 @@ absl::StatusOr<uint64_t> RegionRegistry::RegisterShm(const ShmRegionSpec& spec) 
   region->info_.offset = spec.offset;
   region->info_.byte_size = spec.byte_size;
   region->info_.writable = spec.writable;
-  return Insert(std::move(region));
+  return Insert(std::move(region), owner);
 }
 
 absl::StatusOr<uint64_t> RegionRegistry::RegisterCudaIpc(const kernels::CudaIpcRegionSpec& spec,
-                                                         bool writable, kernels::Backend& backend) {
+                                                         bool writable, kernels::Backend& backend,
+                                                         const Owner& owner) {
   {
     absl::MutexLock lock(&mu_);
     if (absl::Status s = CheckRoom(); !s.ok()) return s;
@@ -240,7 +274,7 @@ absl::StatusOr<uint64_t> RegionRegistry::RegisterCudaIpc(const kernels::CudaIpcR
   region->info_.offset = spec.offset;
   region->info_.byte_size = region->imported_->byte_size();
   region->info_.writable = writable;
-  return Insert(std::move(region));
+  return Insert(std::move(region), owner);
 }
 
 absl::Status RegionRegistry::CheckRoom() const {
@@ -251,7 +285,9 @@ absl::Status RegionRegistry::CheckRoom() const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint64_t> RegionRegistry::Insert(std::shared_ptr<MappedRegion> region) {
+absl::StatusOr<uint64_t> RegionRegistry::Insert(std::shared_ptr<MappedRegion> region,
+                                                const Owner& owner) {
+  region->owner_ = owner;
   absl::Status full;
   {
     absl::MutexLock lock(&mu_);
@@ -267,13 +303,13 @@ absl::StatusOr<uint64_t> RegionRegistry::Insert(std::shared_ptr<MappedRegion> re
   return full;
 }
 
-absl::StatusOr<RegionLease> RegionRegistry::Acquire(uint64_t id) {
+absl::StatusOr<RegionLease> RegionRegistry::Acquire(uint64_t id, const Owner& owner) {
   if (id == 0) return absl::InvalidArgumentError("region_id is 0 (ids start at 1)");
   std::optional<RegionLease> lease;
   {
     absl::MutexLock lock(&mu_);
     auto it = regions_.find(id);
-    if (it == regions_.end()) {
+    if (it == regions_.end() || !owner.Sees(it->second.region->owner())) {
       return absl::NotFoundError(absl::StrCat("region ", id, " not found"));
     }
     if (it->second.draining) {
@@ -295,12 +331,14 @@ void RegionRegistry::ReleaseLease(uint64_t id) {
   if (--it->second.in_use == 0 && it->second.draining) regions_.erase(it);
 }
 
-absl::Status RegionRegistry::Unregister(uint64_t id, absl::Time deadline) {
+absl::Status RegionRegistry::Unregister(uint64_t id, const Owner& owner, absl::Time deadline) {
   if (id == 0) return absl::InvalidArgumentError("region_id is 0 (ids start at 1)");
   std::shared_ptr<MappedRegion> region;  // unmapped after the lock is released
   absl::MutexLock lock(&mu_);
   auto it = regions_.find(id);
-  if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("region ", id, " not found"));
+  if (it == regions_.end() || !owner.Sees(it->second.region->owner())) {
+    return absl::NotFoundError(absl::StrCat("region ", id, " not found"));
+  }
   // A second call on a draining region waits like the first (the proto's promise).
   it->second.draining = true;
   // Leases release under mu_, so the entry cannot vanish while we wait for in_use == 0: only a
@@ -322,11 +360,12 @@ absl::Status RegionRegistry::Unregister(uint64_t id, absl::Time deadline) {
   return absl::OkStatus();
 }
 
-std::vector<RegionInfo> RegionRegistry::List() const {
+std::vector<RegionInfo> RegionRegistry::List(const Owner& owner) const {
   absl::MutexLock lock(&mu_);
   std::vector<RegionInfo> out;
   out.reserve(regions_.size());
   for (const auto& [id, entry] : regions_) {
+    if (!owner.Sees(entry.region->owner())) continue;
     RegionInfo info = entry.region->info();
     info.in_use = entry.in_use;
     info.draining = entry.draining;

@@ -14,6 +14,12 @@
 // region `shrunk` instead of raising SIGBUS, and a shrunk region cannot be leased again
 // (FAILED_PRECONDITION) until it is unregistered.
 //
+// Every region belongs to the Owner that registered it (owner.h): another owner cannot lease,
+// list or unregister it (NOT_FOUND, like an unknown id). A shm object is mapped for a local
+// caller only if the caller's uid owns it (or the caller is root), judged by fstat on the
+// opened descriptor, and writable only if the object's owner-write bit is set: laproxd opens it
+// with its own rights, so it must not open what the caller could not.
+//
 // Thread safety: every method may be called concurrently. Leases must not outlive the registry.
 #ifndef LAPROX_SERVICE_CORE_REGION_REGISTRY_H_
 #define LAPROX_SERVICE_CORE_REGION_REGISTRY_H_
@@ -32,6 +38,7 @@
 #include "laprox/kernels/backend.h"
 #include "laprox/kernels/tensor_view.h"
 #include "service/core/fault_guard.h"
+#include "service/core/owner.h"
 
 namespace laprox::service {
 
@@ -85,6 +92,7 @@ class MappedRegion {
   ~MappedRegion();
 
   const RegionInfo& info() const { return info_; }
+  const Owner& owner() const { return owner_; }
   // First byte of the region, in space(): host memory for shm, device memory for cuda_ipc
   // (never dereference it on the host then).
   std::byte* data() const { return data_; }
@@ -112,6 +120,7 @@ class MappedRegion {
   MappedRegion() = default;
 
   RegionInfo info_;
+  Owner owner_ = Owner::Laproxd();
   std::byte* data_ = nullptr;
   kernels::MemorySpace space_ = kernels::MemorySpace::kHost;
   void* mapping_ = nullptr;  // shm: page-aligned start of the mapping
@@ -161,9 +170,11 @@ class RegionRegistry {
   // returns its id (never 0, never reused). INVALID_ARGUMENT: bad name, negative offset,
   // byte_size <= 0, or the name is not a regular file (FIFO, directory, symbolic link, device,
   // socket: the message says which); NOT_FOUND: no such object; PERMISSION_DENIED: the server
-  // may not open it; OUT_OF_RANGE: past the object's end; RESOURCE_EXHAUSTED: max_regions
-  // reached, or out of file descriptors; INTERNAL: mmap failed.
-  absl::StatusOr<uint64_t> RegisterShm(const ShmRegionSpec& spec);
+  // may not open it, `owner` does not own it (nor is root), wants it writable without its
+  // owner-write bit, or has no local uid (a TCP client); OUT_OF_RANGE: past the object's end;
+  // RESOURCE_EXHAUSTED: max_regions reached, or out of file descriptors; INTERNAL: mmap failed.
+  absl::StatusOr<uint64_t> RegisterShm(const ShmRegionSpec& spec,
+                                       const Owner& owner = Owner::Laproxd());
 
   // Opens the CUDA IPC allocation through `backend` (Backend::ImportCudaIpc: once, it is slow)
   // and registers it; returns its id. The backend must outlive the region. Errors are the
@@ -172,21 +183,24 @@ class RegionRegistry {
   // allocation), and RESOURCE_EXHAUSTED when max_regions is reached. `writable`: outputs may be
   // written there (through Backend::CopyToRegion).
   absl::StatusOr<uint64_t> RegisterCudaIpc(const kernels::CudaIpcRegionSpec& spec, bool writable,
-                                           kernels::Backend& backend);
+                                           kernels::Backend& backend,
+                                           const Owner& owner = Owner::Laproxd());
 
-  // A lease on region `id` for one request. INVALID_ARGUMENT: id 0; NOT_FOUND: unknown id;
-  // FAILED_PRECONDITION: the region is being unregistered, or the client shrank it (see
-  // MappedRegion::CheckIntact).
-  absl::StatusOr<RegionLease> Acquire(uint64_t id);
+  // A lease on region `id` for one request of `owner`. INVALID_ARGUMENT: id 0; NOT_FOUND:
+  // unknown id, or another owner's; FAILED_PRECONDITION: the region is being unregistered, or
+  // the client shrank it (see MappedRegion::CheckIntact).
+  absl::StatusOr<RegionLease> Acquire(uint64_t id, const Owner& owner = Owner::Laproxd());
 
   // Stops new leases at once, waits until in-flight requests release theirs (or `deadline`),
   // then unmaps. Calling it again on a draining region waits the same way (OK once it is
-  // gone). INVALID_ARGUMENT: id 0; NOT_FOUND: unknown id; DEADLINE_EXCEEDED: leases still held
-  // at the deadline (the region stays draining and is unmapped when the last lease goes).
-  absl::Status Unregister(uint64_t id, absl::Time deadline = absl::InfiniteFuture());
+  // gone). INVALID_ARGUMENT: id 0; NOT_FOUND: unknown id, or another owner's;
+  // DEADLINE_EXCEEDED: leases still held at the deadline (the region stays draining and is
+  // unmapped when the last lease goes).
+  absl::Status Unregister(uint64_t id, const Owner& owner = Owner::Laproxd(),
+                          absl::Time deadline = absl::InfiniteFuture());
 
-  // Every registered region (draining ones included), by id.
-  std::vector<RegionInfo> List() const;
+  // Every region `owner` registered (draining ones included), by id.
+  std::vector<RegionInfo> List(const Owner& owner = Owner::Laproxd()) const;
 
  private:
   friend class RegionLease;
@@ -198,8 +212,9 @@ class RegionRegistry {
 
   void ReleaseLease(uint64_t id);
   absl::Status CheckRoom() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Gives `region` an id and stores it; RESOURCE_EXHAUSTED (destroying it) when full.
-  absl::StatusOr<uint64_t> Insert(std::shared_ptr<MappedRegion> region);
+  // Gives `region` an id and `owner`, and stores it; RESOURCE_EXHAUSTED (destroying it) when
+  // full.
+  absl::StatusOr<uint64_t> Insert(std::shared_ptr<MappedRegion> region, const Owner& owner);
 
   const Limits limits_;
   mutable absl::Mutex mu_;

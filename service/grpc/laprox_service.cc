@@ -108,6 +108,13 @@ void LaproxService::CheckBackendHealth() {
   }
 }
 
+absl::StatusOr<Owner> LaproxService::Identify(const grpc::CallbackServerContext& context) const {
+  if (!options_.identify) return Owner::Laproxd();
+  absl::StatusOr<Owner> owner = options_.identify(context);
+  if (!owner.ok() && options_.metrics != nullptr) options_.metrics->RecordDenied();
+  return owner;
+}
+
 absl::Status LaproxService::FillServerInfo(v1::GetServerInfoResponse* response) const {
   response->set_version(version_);
   response->set_backend(core_.backend().kind() == kernels::BackendKind::kCuda
@@ -149,10 +156,13 @@ grpc::ServerUnaryReactor* LaproxService::GetServerInfo(grpc::CallbackServerConte
                                                        const v1::GetServerInfoRequest*,
                                                        v1::GetServerInfoResponse* response) {
   Call call(options_.metrics, Method::kGetServerInfo);
+  if (auto owner = Identify(*context); !owner.ok()) {
+    return Reply(context->DefaultReactor(), call, owner.status());
+  }
   return Reply(context->DefaultReactor(), call, Guarded([&] { return FillServerInfo(response); }));
 }
 
-absl::Status LaproxService::OpenRegion(grpc::CallbackServerContext* context,
+absl::Status LaproxService::OpenRegion(grpc::CallbackServerContext* context, const Owner& owner,
                                        const v1::RegisterRegionRequest& request,
                                        v1::RegisterRegionResponse* response) {
   absl::StatusOr<uint64_t> id;
@@ -162,15 +172,16 @@ absl::Status LaproxService::OpenRegion(grpc::CallbackServerContext* context,
       id = core_.regions().RegisterShm({.name = shm.name(),
                                         .offset = shm.offset(),
                                         .byte_size = shm.byte_size(),
-                                        .writable = request.writable()});
+                                        .writable = request.writable()},
+                                       owner);
       break;
     }
     case v1::RegisterRegionRequest::kCudaIpc:
       // Backend::ImportCudaIpc checks the handle size and the UUID before it asks whether the
       // backend can open handles at all, so a CPU server answers INVALID_ARGUMENT for a
       // malformed request and UNIMPLEMENTED for a well-formed one.
-      id =
-          core_.RegisterCudaIpcRegion(CudaIpcSpecFromProto(request.cuda_ipc()), request.writable());
+      id = core_.RegisterCudaIpcRegion(CudaIpcSpecFromProto(request.cuda_ipc()), request.writable(),
+                                       owner);
       break;
     case v1::RegisterRegionRequest::KIND_NOT_SET:
       return absl::InvalidArgumentError("region kind is missing: give shm or cuda_ipc");
@@ -178,7 +189,7 @@ absl::Status LaproxService::OpenRegion(grpc::CallbackServerContext* context,
   if (!id.ok()) return id.status();
   if (context->IsCancelled() || std::chrono::system_clock::now() > context->deadline()) {
     // The client will never learn the id: nothing may stay registered for it.
-    core_.regions().Unregister(*id).IgnoreError();
+    core_.regions().Unregister(*id, owner).IgnoreError();
     return absl::DeadlineExceededError("the call ended while the region was opened; it was closed");
   }
   response->set_region_id(*id);
@@ -190,9 +201,12 @@ grpc::ServerUnaryReactor* LaproxService::RegisterRegion(grpc::CallbackServerCont
                                                         v1::RegisterRegionResponse* response) {
   // Opening never blocks (shm: O_NONBLOCK, regular files only), but an IPC handle is slow to
   // open (the driver maps the allocation): both off the callback threads.
-  return Offload(control_, context, Call(options_.metrics, Method::kRegisterRegion),
-                 [this, context, request, response](Call&) {
-                   return OpenRegion(context, *request, response);
+  Call call(options_.metrics, Method::kRegisterRegion);
+  absl::StatusOr<Owner> owner = Identify(*context);
+  if (!owner.ok()) return Reply(context->DefaultReactor(), call, owner.status());
+  return Offload(control_, context, std::move(call),
+                 [this, context, owner = *std::move(owner), request, response](Call&) {
+                   return OpenRegion(context, owner, *request, response);
                  });
 }
 
@@ -201,17 +215,24 @@ grpc::ServerUnaryReactor* LaproxService::UnregisterRegion(
     v1::UnregisterRegionResponse*) {
   const uint64_t id = request->region_id();
   const absl::Time deadline = Deadline(context);
+  Call call(options_.metrics, Method::kUnregisterRegion);
+  absl::StatusOr<Owner> owner = Identify(*context);
+  if (!owner.ok()) return Reply(context->DefaultReactor(), call, owner.status());
   // Waits for in-flight requests: off the callback threads, and off the compute queue.
-  return Offload(admin_, context, Call(options_.metrics, Method::kUnregisterRegion),
-                 [this, id, deadline](Call&) { return core_.regions().Unregister(id, deadline); });
+  return Offload(admin_, context, std::move(call),
+                 [this, id, deadline, owner = *std::move(owner)](Call&) {
+                   return core_.regions().Unregister(id, owner, deadline);
+                 });
 }
 
 grpc::ServerUnaryReactor* LaproxService::ListRegions(grpc::CallbackServerContext* context,
                                                      const v1::ListRegionsRequest*,
                                                      v1::ListRegionsResponse* response) {
   Call call(options_.metrics, Method::kListRegions);
+  absl::StatusOr<Owner> owner = Identify(*context);
+  if (!owner.ok()) return Reply(context->DefaultReactor(), call, owner.status());
   absl::Status status = Guarded([&] {
-    for (const RegionInfo& info : core_.regions().List()) {
+    for (const RegionInfo& info : core_.regions().List(*owner)) {
       RegionInfoToProto(info, response->add_regions());
     }
     return absl::OkStatus();
@@ -222,11 +243,14 @@ grpc::ServerUnaryReactor* LaproxService::ListRegions(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* LaproxService::RegisterModel(grpc::CallbackServerContext* context,
                                                        const v1::RegisterModelRequest* request,
                                                        v1::RegisterModelResponse* response) {
-  return Offload(admin_, context, Call(options_.metrics, Method::kRegisterModel),
-                 [this, request, response](Call&) -> absl::Status {
+  Call call(options_.metrics, Method::kRegisterModel);
+  absl::StatusOr<Owner> owner = Identify(*context);
+  if (!owner.ok()) return Reply(context->DefaultReactor(), call, owner.status());
+  return Offload(admin_, context, std::move(call),
+                 [this, owner = *std::move(owner), request, response](Call&) -> absl::Status {
                    auto spec = ModelSpecFromProto(*request);
                    if (!spec.ok()) return spec.status();
-                   auto model = core_.RegisterModel(*spec);
+                   auto model = core_.RegisterModel(*spec, owner);
                    if (!model.ok()) return model.status();
                    if (options_.metrics != nullptr) {
                      options_.metrics->AddModel(model->id, model->name, model->geometry);
@@ -242,7 +266,9 @@ grpc::ServerUnaryReactor* LaproxService::UnregisterModel(grpc::CallbackServerCon
                                                          const v1::UnregisterModelRequest* request,
                                                          v1::UnregisterModelResponse*) {
   Call call(options_.metrics, Method::kUnregisterModel);
-  absl::Status status = Guarded([&] { return core_.UnregisterModel(request->model_id()); });
+  absl::StatusOr<Owner> owner = Identify(*context);
+  if (!owner.ok()) return Reply(context->DefaultReactor(), call, owner.status());
+  absl::Status status = Guarded([&] { return core_.UnregisterModel(request->model_id(), *owner); });
   if (status.ok()) {
     if (options_.metrics != nullptr) options_.metrics->RemoveModel(request->model_id());
     ModelsChanged();
@@ -253,49 +279,54 @@ grpc::ServerUnaryReactor* LaproxService::UnregisterModel(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* LaproxService::ComputeKeepMask(grpc::CallbackServerContext* context,
                                                          const v1::ComputeKeepMaskRequest* request,
                                                          v1::ComputeKeepMaskResponse* response) {
-  return Offload(work_, context, Call(options_.metrics, Method::kComputeKeepMask),
-                 [this, context, request, response](Call& rpc) -> absl::Status {
-                   const Clock::time_point started = Clock::now();
-                   auto call = KeepPlanCallFromProto(*request);
-                   if (!call.ok()) return call.status();
-                   const Clock::time_point converted = Clock::now();
-                   MemoryBudget::Reservation memory;  // covers the response built below
-                   auto plan = core_.ComputeKeepPlan(
-                       *call, {.deadline = Deadline(context),
-                               .cancelled = [context] { return context->IsCancelled(); },
-                               .hold_memory = &memory});
-                   if (!plan.ok()) return plan.status();
-                   const Clock::time_point computed = Clock::now();
-                   KeepPlanToProto(*plan, *call, response);
-                   const auto bytes = static_cast<int64_t>(response->ByteSizeLong());
-                   if (options_.max_response_bytes > 0 && bytes > options_.max_response_bytes) {
-                     response->Clear();
-                     return absl::ResourceExhaustedError(absl::StrCat(
-                         "the response would be ", bytes,
-                         " bytes, more than max_response_bytes = ", options_.max_response_bytes,
-                         "; write positions, bitmask or scores into a region "
-                         "(outputs.destination)"));
-                   }
-                   const Clock::time_point done = Clock::now();
-                   const StageSeconds stages = {.queue = SecondsBetween(rpc.received(), started),
-                                                .validate = SecondsBetween(started, converted) +
-                                                            plan->timing.validate_seconds,
-                                                .score = plan->timing.score_seconds,
-                                                .select = plan->timing.select_seconds,
-                                                .respond = SecondsBetween(computed, done)};
-                   v1::Timing* timing = response->mutable_timing();
-                   timing->set_queue_seconds(stages.queue);
-                   timing->set_validate_seconds(stages.validate);
-                   timing->set_score_seconds(stages.score);
-                   timing->set_select_seconds(stages.select);
-                   timing->set_respond_seconds(stages.respond);
-                   timing->set_total_seconds(SecondsBetween(rpc.received(), done));
-                   if (options_.metrics != nullptr) {
-                     options_.metrics->RecordStages(stages);
-                     options_.metrics->RecordPlan(request->model_id(), *plan);
-                   }
-                   return absl::OkStatus();
-                 });
+  Call received(options_.metrics, Method::kComputeKeepMask);
+  absl::StatusOr<Owner> owner = Identify(*context);
+  if (!owner.ok()) return Reply(context->DefaultReactor(), received, owner.status());
+  return Offload(
+      work_, context, std::move(received),
+      [this, context, owner = *std::move(owner), request, response](Call& rpc) -> absl::Status {
+        const Clock::time_point started = Clock::now();
+        auto call = KeepPlanCallFromProto(*request);
+        if (!call.ok()) return call.status();
+        const Clock::time_point converted = Clock::now();
+        MemoryBudget::Reservation memory;  // covers the response built below
+        auto plan =
+            core_.ComputeKeepPlan(*call, {.deadline = Deadline(context),
+                                          .cancelled = [context] { return context->IsCancelled(); },
+                                          .hold_memory = &memory,
+                                          .owner = owner});
+        if (!plan.ok()) return plan.status();
+        const Clock::time_point computed = Clock::now();
+        KeepPlanToProto(*plan, *call, response);
+        const auto bytes = static_cast<int64_t>(response->ByteSizeLong());
+        if (options_.max_response_bytes > 0 && bytes > options_.max_response_bytes) {
+          response->Clear();
+          return absl::ResourceExhaustedError(
+              absl::StrCat("the response would be ", bytes,
+                           " bytes, more than max_response_bytes = ", options_.max_response_bytes,
+                           "; write positions, bitmask or scores into a region "
+                           "(outputs.destination)"));
+        }
+        const Clock::time_point done = Clock::now();
+        const StageSeconds stages = {
+            .queue = SecondsBetween(rpc.received(), started),
+            .validate = SecondsBetween(started, converted) + plan->timing.validate_seconds,
+            .score = plan->timing.score_seconds,
+            .select = plan->timing.select_seconds,
+            .respond = SecondsBetween(computed, done)};
+        v1::Timing* timing = response->mutable_timing();
+        timing->set_queue_seconds(stages.queue);
+        timing->set_validate_seconds(stages.validate);
+        timing->set_score_seconds(stages.score);
+        timing->set_select_seconds(stages.select);
+        timing->set_respond_seconds(stages.respond);
+        timing->set_total_seconds(SecondsBetween(rpc.received(), done));
+        if (options_.metrics != nullptr) {
+          options_.metrics->RecordStages(stages);
+          options_.metrics->RecordPlan(request->model_id(), *plan);
+        }
+        return absl::OkStatus();
+      });
 }
 
 }  // namespace laprox::service

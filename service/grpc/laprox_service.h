@@ -6,6 +6,8 @@
 // is busy and the backlog is full: region opens on one, model preparation and region draining
 // (which waits for the plans using the region) on another. No exception leaves a call: an
 // allocation that fails anyway (the host is short of memory) answers RESOURCE_EXHAUSTED.
+// Every call first learns who it comes from (ServiceOptions::identify) and then acts for that
+// Owner: it sees, uses and unregisters only what the same identity registered.
 #ifndef LAPROX_SERVICE_GRPC_LAPROX_SERVICE_H_
 #define LAPROX_SERVICE_GRPC_LAPROX_SERVICE_H_
 
@@ -35,6 +37,10 @@ struct ServiceOptions {
   // ComputeKeepMask response larger than max_response_bytes (> 0) is RESOURCE_EXHAUSTED.
   int64_t max_request_bytes = 0;
   int64_t max_response_bytes = 0;
+  // Who a call comes from (peer_identity.h: IdentifyCaller); an error status (PERMISSION_DENIED)
+  // answers the call and is counted as denied. Empty: every call acts as Owner::Laproxd() (tests
+  // of the translation alone).
+  std::function<absl::StatusOr<Owner>(const grpc::ServerContextBase&)> identify;
 };
 
 class LaproxService final : public v1::Laprox::CallbackService {
@@ -80,9 +86,11 @@ class LaproxService final : public v1::Laprox::CallbackService {
   grpc::ServerUnaryReactor* Offload(WorkQueue& queue, grpc::CallbackServerContext* context,
                                     Call call, Job job);
   absl::Status FillServerInfo(v1::GetServerInfoResponse* response) const;
+  // The caller's identity (options_.identify), counting a refusal in the metrics.
+  absl::StatusOr<Owner> Identify(const grpc::CallbackServerContext& context) const;
   // Registers the region the request describes (on the control queue); a call that stopped
   // meanwhile leaves nothing registered.
-  absl::Status OpenRegion(grpc::CallbackServerContext* context,
+  absl::Status OpenRegion(grpc::CallbackServerContext* context, const Owner& owner,
                           const v1::RegisterRegionRequest& request,
                           v1::RegisterRegionResponse* response);
   void ModelsChanged();

@@ -219,6 +219,13 @@ Metrics::Metrics(std::shared_ptr<prometheus::Registry> registry, MetricsOptions 
                     "service reports for laprox.v1.Laprox).")
                 .Register(r)
                 .Add({});
+  denied_calls_ = &BuildCounter()
+                       .Name("laprox_denied_calls_total")
+                       .Help(
+                           "Calls refused with PERMISSION_DENIED because the caller may not call "
+                           "laproxd (--allowed_uids, --allowed_gids).")
+                       .Register(r)
+                       .Add({});
   tokens_received_ = &BuildCounter()
                           .Name("laprox_tokens_received_total")
                           .Help(
@@ -301,6 +308,8 @@ void Metrics::RecordCall(Method method, int grpc_code, double seconds) {
 
 void Metrics::CallStarted() { in_flight_->Increment(); }
 void Metrics::CallFinished() { in_flight_->Decrement(); }
+
+void Metrics::RecordDenied() { denied_calls_->Increment(); }
 
 void Metrics::RecordStages(const StageSeconds& s) {
   const std::array<double, 5> values = {s.queue, s.validate, s.score, s.select, s.respond};

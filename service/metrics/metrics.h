@@ -97,6 +97,9 @@ class Metrics {
   void RecordCall(Method method, int grpc_code, double seconds);
   void CallStarted();
   void CallFinished();
+  // A call refused because its caller may not call laproxd at all (--allowed_uids,
+  // --allowed_gids; also counted by RecordCall as PERMISSION_DENIED).
+  void RecordDenied();
   // The stages of a successful ComputeKeepMask.
   void RecordStages(const StageSeconds& stages);
   // A successful plan for a registered model: tokens in and kept, kept ratio, and the budget
@@ -125,6 +128,7 @@ class Metrics {
   prometheus::Gauge* in_flight_ = nullptr;
   prometheus::Gauge* serving_ = nullptr;
   prometheus::Gauge* ready_ = nullptr;
+  prometheus::Counter* denied_calls_ = nullptr;
   prometheus::Counter* tokens_received_ = nullptr;
   prometheus::Counter* tokens_kept_ = nullptr;
   prometheus::Histogram* kept_ratio_ = nullptr;

@@ -14,6 +14,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <gmock/gmock.h>
@@ -119,6 +120,49 @@ TEST(RegionRegistryTest, EnforcesTheRegionLimit) {
   ASSERT_TRUE(registry.RegisterShm({.name = object.name(), .byte_size = 8}).ok());
   EXPECT_THAT(registry.RegisterShm({.name = object.name(), .byte_size = 8}).status(),
               IsStatus(absl::StatusCode::kResourceExhausted, "limit 2"));
+}
+
+// Another owner's region is NOT_FOUND, exactly like an unknown id; laproxd itself sees all.
+TEST(RegionRegistryTest, OwnersSeeOnlyTheirOwnRegions) {
+  ShmObject object(UniqueName("owners"), 4096);
+  RegionRegistry registry({});
+  const Owner first = Owner::LocalUser(0), second = Owner::Remote("x509:engine-b");
+  auto id = registry.RegisterShm({.name = object.name(), .byte_size = 4096}, first);
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_TRUE(registry.Acquire(*id, first).ok());
+  EXPECT_THAT(registry.Acquire(*id, second).status().message(),
+              testing::StrEq(absl::StrCat("region ", *id, " not found")));
+  EXPECT_TRUE(registry.List(second).empty());
+  EXPECT_EQ(registry.List(first).size(), 1u);
+  EXPECT_EQ(registry.List().size(), 1u);  // Owner::Laproxd()
+  EXPECT_EQ(registry.Unregister(*id, second).code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(registry.Unregister(*id, first).ok());
+}
+
+// laproxd maps an object for a local caller only if the caller's uid owns it (or is 0), and
+// writable only with the object's owner-write bit; a TCP caller (no uid) maps none.
+TEST(RegionRegistryTest, MapsOnlyObjectsTheCallerOwns) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to give the object to another uid";
+  ShmObject object(UniqueName("owned"), 4096);
+  const std::string path = absl::StrCat("/dev/shm/", object.name());
+  ASSERT_EQ(chown(path.c_str(), 65534, 65534), 0) << std::strerror(errno);
+  RegionRegistry registry({});
+  const ShmRegionSpec read = {.name = object.name(), .byte_size = 4096};
+  ShmRegionSpec write = read;
+  write.writable = true;
+  auto refused = registry.RegisterShm(read, Owner::LocalUser(1000));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(refused.status().message(), testing::HasSubstr("owned by uid 65534"));
+  EXPECT_EQ(registry.RegisterShm(read, Owner::Remote("tcp")).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(registry.RegisterShm(write, Owner::LocalUser(65534)).ok());
+  EXPECT_TRUE(registry.RegisterShm(write, Owner::LocalUser(0)).ok());
+  ASSERT_EQ(chmod(path.c_str(), 0400), 0);
+  EXPECT_TRUE(registry.RegisterShm(read, Owner::LocalUser(65534)).ok());
+  auto read_only = registry.RegisterShm(write, Owner::LocalUser(65534));
+  EXPECT_EQ(read_only.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(read_only.status().message(), testing::HasSubstr("mode 0400"));
+  EXPECT_EQ(registry.List().size(), 3u);  // the refusals left nothing registered
 }
 
 TEST(RegionRegistryTest, UnknownIdsAreNotFoundAndIdZeroIsInvalid) {
@@ -250,10 +294,10 @@ TEST(RegionRegistryTest, UnregisterDeadlineLeavesTheRegionDraining) {
   {
     auto lease = registry.Acquire(id);
     ASSERT_TRUE(lease.ok());
-    EXPECT_THAT(registry.Unregister(id, absl::Now()),
+    EXPECT_THAT(registry.Unregister(id, Owner::Laproxd(), absl::Now()),
                 IsStatus(absl::StatusCode::kDeadlineExceeded, "still used by 1 requests"));
     // A second call waits like the first (and gives up at its own deadline).
-    EXPECT_THAT(registry.Unregister(id, absl::Now() + absl::Milliseconds(1)),
+    EXPECT_THAT(registry.Unregister(id, Owner::Laproxd(), absl::Now() + absl::Milliseconds(1)),
                 IsStatus(absl::StatusCode::kDeadlineExceeded, "still used by 1 requests"));
     ASSERT_EQ(registry.List().size(), 1u);
   }
@@ -425,7 +469,7 @@ TEST(RegionRegistryCudaIpcTest, DeadlineLeavesItOpenUntilTheLastLease) {
   {
     auto lease = registry.Acquire(id);
     ASSERT_TRUE(lease.ok());
-    EXPECT_THAT(registry.Unregister(id, absl::Now()),
+    EXPECT_THAT(registry.Unregister(id, Owner::Laproxd(), absl::Now()),
                 IsStatus(absl::StatusCode::kDeadlineExceeded, "still used by 1 requests"));
     EXPECT_EQ(backend.open(), 1);
   }
