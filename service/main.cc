@@ -390,7 +390,6 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (claim) claim->Bound();
-  if (listener) listener->Start(server.get());
   {
     absl::MutexLock lock(&health_mu);
     health.push_back(server->GetHealthCheckService());
@@ -413,6 +412,8 @@ int main(int argc, char** argv) {
     absl::MutexLock lock(&health_mu);
     health.push_back(health_server->GetHealthCheckService());
   }
+  // Only now: every early return above destroys `server` while nothing else may reach it.
+  if (listener) listener->Start(server.get());
   metrics.SetServing(true);
   set_ready(core.model_totals().count);
 
