@@ -5,9 +5,13 @@
 // accepts connections itself (UnixListener), reads each connection's credentials once, and
 // hands the connection to the gRPC server (grpc::AddInsecureChannelFromFd), which names its
 // calls' peer "fd:N". A call's credentials are those recorded for fd N, and only while fd N is
-// still the very socket that was accepted (same inode): gRPC closes the fd only after the last
-// call on the connection ended, and the listener numbers the fds it hands over upwards from a
-// high base, so a recycled number is rare and then detected.
+// still the very socket that was accepted (same inode; anything else is PERMISSION_DENIED).
+// gRPC may close fd N when the peer hangs up, before a call that arrived on it has been
+// identified, so the listener hands connections out under numbers counted upwards through
+// [min(limit / 2, 65536), RLIMIT_NOFILE) and reuses a number only after the whole range went
+// round (the kernel gives other files the lowest free numbers, far below). What remains: a call
+// whose handler starts only after that many later connections (458k at a 512k limit, 512 at a
+// limit of 1024) could be identified as the connection that got its number again.
 //
 // On TCP the identity is the client certificate's (mutual TLS), else the one identity "tcp".
 //
