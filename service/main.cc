@@ -72,6 +72,10 @@ ABSL_FLAG(std::string, allowed_gids, "",
 ABSL_FLAG(bool, shared_models, false,
           "let every allowed caller compute with models any of them registered (only the "
           "registering identity may unregister a model); regions always stay private");
+ABSL_FLAG(double, lease_seconds, 30,
+          "what a local client registered is unregistered once none of its connections is "
+          "open and its process has exited (noticed within 0.2 s), or, for a client whose pid "
+          "laproxd cannot see, once it has been disconnected this long; 0 disables reclaiming");
 ABSL_FLAG(std::string, listen, "",
           "also serve the whole API on this TCP address (host:port; port 0 picks one and "
           "prints it): TLS with --tls_cert_file/--tls_key_file; plaintext only on a loopback "
@@ -324,6 +328,15 @@ int main(int argc, char** argv) {
   };
   // The Unix socket's connections, accepted by laproxd itself to learn who each caller is.
   std::unique_ptr<laprox::service::UnixListener> listener;
+  const double lease_seconds = absl::GetFlag(FLAGS_lease_seconds);
+  if (!(lease_seconds >= 0.0 && lease_seconds <= 1e9)) {
+    std::fprintf(stderr, "laproxd: --lease_seconds=%g must be in [0, 1e9] (0: never reclaim)\n",
+                 lease_seconds);
+    return 1;
+  }
+  const absl::Duration lease = absl::Seconds(lease_seconds);
+  std::optional<laprox::service::LeaseTable> leases;
+  if (lease > absl::ZeroDuration()) leases.emplace(lease);
   laprox::service::LaproxService service(
       core, *work, kVersion,
       {.metrics = &metrics,
@@ -331,9 +344,11 @@ int main(int argc, char** argv) {
        .backend_unhealthy = backend_unhealthy,
        .max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes),
        .max_response_bytes = max_response_bytes,
-       .identify = [&listener, &access](const grpc::ServerContextBase& context) {
-         return laprox::service::IdentifyCaller(context, listener.get(), access);
-       }});
+       .identify =
+           [&listener, &access](const grpc::ServerContextBase& context) {
+             return laprox::service::IdentifyCaller(context, listener.get(), access);
+           },
+       .leases = leases ? &*leases : nullptr});
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -414,6 +429,19 @@ int main(int argc, char** argv) {
   }
   // Only now: every early return above destroys `server` while nothing else may reach it.
   if (listener) listener->Start(server.get());
+  // Takes back what clients that are gone registered (--lease_seconds).
+  absl::Notification stop_reclaiming;
+  std::thread reclaimer;
+  if (listener && leases) {
+    reclaimer = std::thread([&] {
+      const auto connected = [&listener](uid_t uid, pid_t pid) {
+        return listener->Connected(uid, pid);
+      };
+      while (!stop_reclaiming.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
+        service.ReclaimLapsed(connected);
+      }
+    });
+  }
   metrics.SetServing(true);
   set_ready(core.model_totals().count);
 
@@ -452,6 +480,8 @@ int main(int argc, char** argv) {
                  absl::FormatDuration(absl::Seconds(10)).c_str());
     std::_Exit(1);
   });
+  stop_reclaiming.Notify();
+  if (reclaimer.joinable()) reclaimer.join();
   if (listener) listener->Stop();  // no new connections; those open finish below
   server->Shutdown(absl::ToChronoTime(absl::Now() + grace));
   if (health_server) health_server->Shutdown();

@@ -305,8 +305,9 @@ absl::Status Core::UnregisterModel(uint64_t id, const Owner& owner) {
   std::shared_ptr<const Model> model;  // freed outside the lock (when no request holds it)
   absl::MutexLock lock(&mu_);
   auto it = models_.find(id);
-  if (it == models_.end() || !owner.Sees(it->second->owner))
+  if (it == models_.end() || !owner.Sees(it->second->owner)) {
     return absl::NotFoundError(absl::StrCat("model ", id, " not found"));
+  }
   model = std::move(it->second);
   models_.erase(it);
   return absl::OkStatus();

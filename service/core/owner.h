@@ -24,8 +24,13 @@ class Owner {
   // laproxd itself: sees everything; maps any shm object it may open.
   static Owner Laproxd() { return Owner("laproxd", std::nullopt, /*all=*/true); }
   // A local process running as `uid` ("uid:1000"): maps only shm objects `uid` owns, unless
-  // `uid` is 0.
-  static Owner LocalUser(uid_t uid) { return Owner(absl::StrCat("uid:", uid), uid, false); }
+  // `uid` is 0. `pid` (0: unknown) is the process calling: what it registers is reclaimed
+  // when it is gone (leases.h); it does not change what the owner sees.
+  static Owner LocalUser(uid_t uid, pid_t pid = 0) {
+    Owner owner(absl::StrCat("uid:", uid), uid, false);
+    owner.pid_ = pid;
+    return owner;
+  }
   // A client on TCP ("tcp", or "x509:" + its certificate's identity with mutual TLS): it has
   // no local uid, so it maps no shm object.
   static Owner Remote(std::string identity) {
@@ -35,6 +40,8 @@ class Owner {
   const std::string& id() const { return id_; }
   // The local uid, for shm ownership checks; none for TCP clients and for Laproxd().
   std::optional<uid_t> uid() const { return uid_; }
+  // The calling process of a LocalUser (0: unknown, and for the others).
+  pid_t pid() const { return pid_; }
   bool sees_everything() const { return all_; }
 
   // Whether something `registrant` registered is visible to this caller.
@@ -46,6 +53,7 @@ class Owner {
 
   std::string id_;
   std::optional<uid_t> uid_;
+  pid_t pid_ = 0;
   bool all_ = false;
 };
 

@@ -1,7 +1,9 @@
 #include "service/grpc/laprox_service.h"
 
 #include <chrono>
+#include <cstdio>
 #include <exception>
+#include <map>
 #include <memory>
 #include <new>
 #include <utility>
@@ -193,6 +195,7 @@ absl::Status LaproxService::OpenRegion(grpc::CallbackServerContext* context, con
     return absl::DeadlineExceededError("the call ended while the region was opened; it was closed");
   }
   response->set_region_id(*id);
+  if (options_.leases != nullptr) options_.leases->Add(owner, LeaseTable::Kind::kRegion, *id);
   return absl::OkStatus();
 }
 
@@ -221,7 +224,11 @@ grpc::ServerUnaryReactor* LaproxService::UnregisterRegion(
   // Waits for in-flight requests: off the callback threads, and off the compute queue.
   return Offload(admin_, context, std::move(call),
                  [this, id, deadline, owner = *std::move(owner)](Call&) {
-                   return core_.regions().Unregister(id, owner, deadline);
+                   absl::Status status = core_.regions().Unregister(id, owner, deadline);
+                   if (status.ok() && options_.leases != nullptr) {
+                     options_.leases->Remove(LeaseTable::Kind::kRegion, id);
+                   }
+                   return status;
                  });
 }
 
@@ -255,6 +262,9 @@ grpc::ServerUnaryReactor* LaproxService::RegisterModel(grpc::CallbackServerConte
                    if (options_.metrics != nullptr) {
                      options_.metrics->AddModel(model->id, model->name, model->geometry);
                    }
+                   if (options_.leases != nullptr) {
+                     options_.leases->Add(owner, LeaseTable::Kind::kModel, model->id);
+                   }
                    ModelsChanged();
                    response->set_model_id(model->id);
                    response->set_prepared_bytes(model->prepared_bytes);
@@ -271,6 +281,9 @@ grpc::ServerUnaryReactor* LaproxService::UnregisterModel(grpc::CallbackServerCon
   absl::Status status = Guarded([&] { return core_.UnregisterModel(request->model_id(), *owner); });
   if (status.ok()) {
     if (options_.metrics != nullptr) options_.metrics->RemoveModel(request->model_id());
+    if (options_.leases != nullptr) {
+      options_.leases->Remove(LeaseTable::Kind::kModel, request->model_id());
+    }
     ModelsChanged();
   }
   return Reply(context->DefaultReactor(), call, status);
@@ -327,6 +340,36 @@ grpc::ServerUnaryReactor* LaproxService::ComputeKeepMask(grpc::CallbackServerCon
         }
         return absl::OkStatus();
       });
+}
+
+void LaproxService::ReclaimLapsed(const LeaseTable::Connected& connected) {
+  if (options_.leases == nullptr) return;
+  const std::vector<LeaseTable::Registration> lapsed = options_.leases->Collect(connected);
+  if (lapsed.empty()) return;
+  std::map<uint64_t, int64_t> region_bytes;
+  for (const RegionInfo& info : core_.regions().List()) region_bytes[info.id] = info.byte_size;
+  int64_t regions = 0, bytes = 0, models = 0;
+  for (const LeaseTable::Registration& r : lapsed) {
+    if (r.kind == LeaseTable::Kind::kRegion) {
+      const absl::Status status =
+          core_.regions().Unregister(r.id, Owner::Laproxd(), absl::Now() + absl::Seconds(10));
+      // DEADLINE_EXCEEDED: still draining; it is unmapped when its last plan ends.
+      if (status.ok() || absl::IsDeadlineExceeded(status)) {
+        ++regions;
+        bytes += region_bytes[r.id];
+      }
+    } else if (core_.UnregisterModel(r.id, Owner::Laproxd()).ok()) {
+      ++models;
+      if (options_.metrics != nullptr) options_.metrics->RemoveModel(r.id);
+    }
+  }
+  if (options_.metrics != nullptr) options_.metrics->RecordReclaimed(regions, bytes, models);
+  if (models > 0) ModelsChanged();
+  std::fprintf(stderr,
+               "laproxd: reclaimed %lld regions (%lld bytes) and %lld models of clients that "
+               "are gone\n",
+               static_cast<long long>(regions), static_cast<long long>(bytes),
+               static_cast<long long>(models));
 }
 
 }  // namespace laprox::service

@@ -17,6 +17,7 @@
 
 #include "laprox/v1/laprox.grpc.pb.h"
 #include "service/core/core.h"
+#include "service/core/leases.h"
 #include "service/core/work_queue.h"
 #include "service/metrics/metrics.h"
 
@@ -41,6 +42,9 @@ struct ServiceOptions {
   // answers the call and is counted as denied. Empty: every call acts as Owner::Laproxd() (tests
   // of the translation alone).
   std::function<absl::StatusOr<Owner>(const grpc::ServerContextBase&)> identify;
+  // When set, every region and model a local client registers is recorded here, and
+  // ReclaimLapsed() unregisters those of clients that are gone. Must outlive the service.
+  LeaseTable* leases = nullptr;
 };
 
 class LaproxService final : public v1::Laprox::CallbackService {
@@ -71,6 +75,12 @@ class LaproxService final : public v1::Laprox::CallbackService {
   grpc::ServerUnaryReactor* ComputeKeepMask(grpc::CallbackServerContext* context,
                                             const v1::ComputeKeepMaskRequest* request,
                                             v1::ComputeKeepMaskResponse* response) override;
+
+  // Unregisters the regions and models of the clients options.leases finds gone (`connected`
+  // says which still have a connection open), exactly as UnregisterRegion / UnregisterModel
+  // would: a region drains for at most 10 s, then goes with its last plan. Counts them in the
+  // metrics. Call it periodically from one thread; it blocks while regions drain.
+  void ReclaimLapsed(const LeaseTable::Connected& connected);
 
  private:
   using Clock = std::chrono::steady_clock;

@@ -220,6 +220,17 @@ std::optional<PeerCredentials> UnixListener::Lookup(absl::string_view peer) cons
   return it->second.credentials;
 }
 
+bool UnixListener::Connected(uid_t uid, pid_t pid) const {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [number, connection] : connections_) {
+    if (connection.credentials.uid == uid && connection.credentials.pid == pid &&
+        SocketInode(number) == connection.inode) {
+      return true;
+    }
+  }
+  return false;
+}
+
 int64_t UnixListener::accepted() const {
   absl::MutexLock lock(&mu_);
   return accepted_;
@@ -237,7 +248,7 @@ absl::StatusOr<Owner> IdentifyCaller(const grpc::ServerContextBase& context,
                        "), so it cannot tell who is calling"));
     }
     if (absl::Status s = policy.Check(*credentials); !s.ok()) return s;
-    return Owner::LocalUser(credentials->uid);
+    return Owner::LocalUser(credentials->uid, credentials->pid);
   }
   if (absl::StartsWith(peer, "ipv4:") || absl::StartsWith(peer, "ipv6:")) {
     const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();

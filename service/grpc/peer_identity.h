@@ -90,6 +90,10 @@ class UnixListener {
   // or nullopt when the peer is not one of this listener's live connections.
   std::optional<PeerCredentials> Lookup(absl::string_view peer) const;
 
+  // Whether a connection of (uid, pid) is still open (pid 0: one whose pid is unknown); the
+  // LeaseTable's Connected.
+  bool Connected(uid_t uid, pid_t pid) const;
+
   // Connections accepted so far (for tests and logs).
   int64_t accepted() const;
 
@@ -117,10 +121,10 @@ class UnixListener {
   int high_fd_ = 0;
 };
 
-// The Owner a call acts as: a connection of `listener` ("fd:N") as the uid it connected with,
-// if `policy` allows it; TCP ("ipv4:", "ipv6:") as "x509:<certificate identity>" with mutual
-// TLS, else "tcp". PERMISSION_DENIED for a Unix peer the policy refuses, and for a peer laproxd
-// cannot identify (a connection it did not accept).
+// The Owner a call acts as: a connection of `listener` ("fd:N") as the uid (and pid) it
+// connected with, if `policy` allows it; TCP ("ipv4:", "ipv6:") as "x509:<certificate
+// identity>" with mutual TLS, else "tcp". PERMISSION_DENIED for a Unix peer the policy refuses, and
+// for a peer laproxd cannot identify (a connection it did not accept).
 absl::StatusOr<Owner> IdentifyCaller(const grpc::ServerContextBase& context,
                                      const UnixListener* listener, const AccessPolicy& policy);
 

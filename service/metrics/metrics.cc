@@ -226,6 +226,21 @@ Metrics::Metrics(std::shared_ptr<prometheus::Registry> registry, MetricsOptions 
                            "laproxd (--allowed_uids, --allowed_gids).")
                        .Register(r)
                        .Add({});
+  reclaimed_regions_ = &BuildCounter()
+                            .Name("laprox_reclaimed_regions_total")
+                            .Help("Regions unregistered by laproxd because their client is gone.")
+                            .Register(r)
+                            .Add({});
+  reclaimed_region_bytes_ = &BuildCounter()
+                                 .Name("laprox_reclaimed_region_bytes_total")
+                                 .Help("Bytes of the regions laproxd reclaimed.")
+                                 .Register(r)
+                                 .Add({});
+  reclaimed_models_ = &BuildCounter()
+                           .Name("laprox_reclaimed_models_total")
+                           .Help("Models unregistered by laproxd because their client is gone.")
+                           .Register(r)
+                           .Add({});
   tokens_received_ = &BuildCounter()
                           .Name("laprox_tokens_received_total")
                           .Help(
@@ -310,6 +325,12 @@ void Metrics::CallStarted() { in_flight_->Increment(); }
 void Metrics::CallFinished() { in_flight_->Decrement(); }
 
 void Metrics::RecordDenied() { denied_calls_->Increment(); }
+
+void Metrics::RecordReclaimed(int64_t regions, int64_t region_bytes, int64_t models) {
+  reclaimed_regions_->Increment(static_cast<double>(regions));
+  reclaimed_region_bytes_->Increment(static_cast<double>(region_bytes));
+  reclaimed_models_->Increment(static_cast<double>(models));
+}
 
 void Metrics::RecordStages(const StageSeconds& s) {
   const std::array<double, 5> values = {s.queue, s.validate, s.score, s.select, s.respond};

@@ -100,6 +100,8 @@ class Metrics {
   // A call refused because its caller may not call laproxd at all (--allowed_uids,
   // --allowed_gids; also counted by RecordCall as PERMISSION_DENIED).
   void RecordDenied();
+  // Registrations of clients that went away, taken back by laproxd (leases.h).
+  void RecordReclaimed(int64_t regions, int64_t region_bytes, int64_t models);
   // The stages of a successful ComputeKeepMask.
   void RecordStages(const StageSeconds& stages);
   // A successful plan for a registered model: tokens in and kept, kept ratio, and the budget
@@ -129,6 +131,9 @@ class Metrics {
   prometheus::Gauge* serving_ = nullptr;
   prometheus::Gauge* ready_ = nullptr;
   prometheus::Counter* denied_calls_ = nullptr;
+  prometheus::Counter* reclaimed_regions_ = nullptr;
+  prometheus::Counter* reclaimed_region_bytes_ = nullptr;
+  prometheus::Counter* reclaimed_models_ = nullptr;
   prometheus::Counter* tokens_received_ = nullptr;
   prometheus::Counter* tokens_kept_ = nullptr;
   prometheus::Histogram* kept_ratio_ = nullptr;

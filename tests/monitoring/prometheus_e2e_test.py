@@ -208,9 +208,12 @@ def main(argv):
     procs = []
     prometheus = None
     try:
-        a, a_target, a_metrics = start_laproxd(laproxd, tmp, "a")
+        # The traffic clients exit once they have planted regions and models; --lease_seconds=0
+        # keeps what they registered (laproxd would otherwise reclaim it: service/core/leases.h).
+        a, a_target, a_metrics = start_laproxd(laproxd, tmp, "a", "--lease_seconds=0")
         procs.append(a)
-        b, b_target, b_metrics = start_laproxd(laproxd, tmp, "b", "--max_regions=4")
+        b, b_target, b_metrics = start_laproxd(laproxd, tmp, "b", "--max_regions=4",
+                                               "--lease_seconds=0")
         procs.append(b)
         c_metrics = f"127.0.0.1:{free_port()}"  # nothing listens there
         prometheus = Prometheus(tmp, [a_metrics, b_metrics, c_metrics],

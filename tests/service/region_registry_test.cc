@@ -6,6 +6,7 @@
 #include "service/core/region_registry.h"
 
 #include <atomic>
+#include <csignal>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -15,6 +16,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gmock/gmock.h>
@@ -25,6 +27,7 @@
 #include "laprox/kernels/backend.h"
 #include "laprox/kernels/registry.h"
 #include "service/core/fault_guard.h"
+#include "service/core/leases.h"
 
 namespace laprox::service {
 namespace {
@@ -163,6 +166,44 @@ TEST(RegionRegistryTest, MapsOnlyObjectsTheCallerOwns) {
   EXPECT_EQ(read_only.status().code(), absl::StatusCode::kPermissionDenied);
   EXPECT_THAT(read_only.status().message(), testing::HasSubstr("mode 0400"));
   EXPECT_EQ(registry.List().size(), 3u);  // the refusals left nothing registered
+}
+
+// LeaseTable: a holder with a pid goes when its process has exited and no connection is open;
+// one without a pid after `lease` disconnected; a live, disconnected process keeps its own.
+TEST(LeaseTableTest, ReclaimsWhatGoneClientsRegistered) {
+  LeaseTable leases(absl::Seconds(2));
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    pause();
+    _exit(0);
+  }
+  bool connected = true;
+  auto is_connected = [&connected](uid_t, pid_t) { return connected; };
+  const absl::Time t0 = absl::Now();
+  leases.Add(Owner::LocalUser(1000, child), LeaseTable::Kind::kRegion, 7);
+  leases.Add(Owner::LocalUser(1000, child), LeaseTable::Kind::kModel, 3);
+  leases.Add(Owner::LocalUser(1001), LeaseTable::Kind::kRegion, 8);  // pid unknown
+  leases.Add(Owner::LocalUser(1002, getpid()), LeaseTable::Kind::kRegion, 9);
+  leases.Add(Owner::Remote("tcp"), LeaseTable::Kind::kRegion, 10);  // not tracked
+  leases.Add(Owner::Laproxd(), LeaseTable::Kind::kRegion, 11);      // not tracked
+  EXPECT_EQ(leases.size(), 4);
+  leases.Remove(LeaseTable::Kind::kModel, 3);
+  EXPECT_TRUE(leases.Collect(is_connected, t0).empty());
+  connected = false;  // every connection closed; the child still runs
+  EXPECT_TRUE(leases.Collect(is_connected, t0 + absl::Seconds(1)).empty());
+  auto lapsed = leases.Collect(is_connected, t0 + absl::Seconds(2));  // 1001's lease ran out
+  ASSERT_EQ(lapsed.size(), 1u);
+  EXPECT_EQ(lapsed[0].id, 8u);
+  ASSERT_EQ(kill(child, SIGKILL), 0);
+  ASSERT_EQ(waitpid(child, nullptr, 0), child);
+  lapsed = leases.Collect(is_connected, t0 + absl::Seconds(2));
+  ASSERT_EQ(lapsed.size(), 1u);  // region 7; model 3 was unregistered before
+  EXPECT_EQ(lapsed[0].id, 7u);
+  EXPECT_EQ(lapsed[0].kind, LeaseTable::Kind::kRegion);
+  // This process is alive: its registration stays, however long it is disconnected.
+  EXPECT_TRUE(leases.Collect(is_connected, t0 + absl::Hours(1)).empty());
+  EXPECT_EQ(leases.size(), 1);
 }
 
 TEST(RegionRegistryTest, UnknownIdsAreNotFoundAndIdZeroIsInvalid) {
