@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include <sys/random.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -154,6 +155,14 @@ bool ApplyEnvironment(int argc, char** argv) {
 }
 
 // Prints "laproxd: " and the status's message (without its code); returns main's exit status 1.
+// Where this start's region and model ids begin: 1 + a random multiple of 2^20 below 2^51
+// (ids stay exact in a JSON double), so ids from before a restart name nothing now.
+uint64_t RandomFirstId() {
+  uint32_t r = 0;
+  if (getrandom(&r, sizeof(r), 0) != static_cast<ssize_t>(sizeof(r))) r = 0;
+  return (static_cast<uint64_t>(r & 0x7fffffffu) << 20) + 1;
+}
+
 int Fail(const absl::Status& status) {
   std::fprintf(stderr, "laproxd: %s\n", absl::StrCat(status.message()).c_str());
   return 1;
@@ -244,13 +253,14 @@ int main(int argc, char** argv) {
     if (!parsed.ok()) return Fail(parsed.status());
     ids->assign(parsed->begin(), parsed->end());
   }
-  laprox::service::Core core(*std::move(backend),
-                             {.max_regions = absl::GetFlag(FLAGS_max_regions),
-                              .max_models = absl::GetFlag(FLAGS_max_models),
-                              .max_tokens = absl::GetFlag(FLAGS_max_tokens),
-                              .max_request_memory = absl::GetFlag(FLAGS_max_request_memory),
-                              .max_model_memory = absl::GetFlag(FLAGS_max_model_memory)},
-                             {.shared_models = absl::GetFlag(FLAGS_shared_models)});
+  laprox::service::Core core(
+      *std::move(backend),
+      {.max_regions = absl::GetFlag(FLAGS_max_regions),
+       .max_models = absl::GetFlag(FLAGS_max_models),
+       .max_tokens = absl::GetFlag(FLAGS_max_tokens),
+       .max_request_memory = absl::GetFlag(FLAGS_max_request_memory),
+       .max_model_memory = absl::GetFlag(FLAGS_max_model_memory)},
+      {.shared_models = absl::GetFlag(FLAGS_shared_models), .first_id = RandomFirstId()});
   auto work = std::make_unique<laprox::service::WorkQueue>(absl::GetFlag(FLAGS_workers),
                                                            absl::GetFlag(FLAGS_max_pending));
 

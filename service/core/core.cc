@@ -242,11 +242,12 @@ Core::Core(std::unique_ptr<kernels::Backend> backend, const CoreLimits& limits, 
     : backend_(std::move(backend)),
       limits_(limits),
       options_(options),
-      regions_(RegionRegistry::Limits{.max_regions = limits.max_regions}),
+      regions_(RegionRegistry::Limits{.max_regions = limits.max_regions}, options.first_id),
       request_memory_("request memory", "--max_request_memory",
                       LimitOrShare(limits.max_request_memory, 1, 2)),
       model_memory_("model memory", "--max_model_memory",
-                    LimitOrShare(limits.max_model_memory, 1, 4)) {}
+                    LimitOrShare(limits.max_model_memory, 1, 4)),
+      next_model_id_(options.first_id) {}
 
 absl::StatusOr<uint64_t> Core::RegisterCudaIpcRegion(const kernels::CudaIpcRegionSpec& spec,
                                                      bool writable, const Owner& owner) {

@@ -107,6 +107,10 @@ struct CoreOptions {
   // Every caller may compute with any registered model (engines often share one model
   // registration); only the model's owner may unregister it. Regions stay private.
   bool shared_models = false;
+  // The first region id and the first model id (then counting up). laproxd picks a random one
+  // at every start: an id a client kept from before a restart then names nothing (NOT_FOUND)
+  // instead of what another process of the same identity registered since.
+  uint64_t first_id = 1;
 };
 
 struct ModelInfo {
@@ -193,7 +197,7 @@ class Core {
   MemoryBudget model_memory_;
   mutable absl::Mutex mu_;
   std::map<uint64_t, std::shared_ptr<const Model>> models_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_model_id_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_model_id_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace laprox::service

@@ -162,7 +162,10 @@ class RegionRegistry {
     int64_t max_regions = 1024;
   };
 
-  explicit RegionRegistry(Limits limits) : limits_(limits) {}
+  // Ids are first_id, first_id + 1, ... (laproxd starts at a random one, so that an id a client
+  // kept from before a restart names nothing now).
+  explicit RegionRegistry(Limits limits, uint64_t first_id = 1)
+      : limits_(limits), next_id_(first_id) {}
   RegionRegistry(const RegionRegistry&) = delete;
   RegionRegistry& operator=(const RegionRegistry&) = delete;
 
@@ -219,7 +222,7 @@ class RegionRegistry {
   const Limits limits_;
   mutable absl::Mutex mu_;
   std::map<uint64_t, Entry> regions_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace laprox::service
