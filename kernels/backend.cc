@@ -5,9 +5,6 @@
 #include <limits>
 #include <utility>
 
-#include "absl/strings/ascii.h"
-#include "absl/strings/escaping.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/saturating.h"
@@ -32,12 +29,8 @@ absl::Status CheckView(const std::string& name, const TensorView& view, const Di
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::string_view BackendKindName(BackendKind kind) {
-  return kind == BackendKind::kCuda ? "cuda" : "cpu";
-}
-
+// The checks ComputeKeepPlan runs before any tensor data is read (the backend-independent
+// part; CheckKeepPlanRequest adds the backend's own). Returns the derived shape.
 absl::StatusOr<PlanShape> ValidateKeepPlanRequest(const ModelGeometry& geometry,
                                                   const PrepareOptions& prepared,
                                                   const KeepPlanRequest& request) {
@@ -143,6 +136,12 @@ absl::StatusOr<PlanShape> ValidateKeepPlanRequest(const ModelGeometry& geometry,
   }
   policy::DeriveBudget(request.policy, shape);
   return shape;
+}
+
+}  // namespace
+
+absl::string_view BackendKindName(BackendKind kind) {
+  return kind == BackendKind::kCuda ? "cuda" : "cpu";
 }
 
 absl::StatusOr<std::shared_ptr<const PreparedModel>> Backend::PrepareModel(
@@ -293,28 +292,6 @@ absl::Status Backend::CopyToRegion(void* dst, MemorySpace space, const void* src
   }
   if (bytes > 0) std::memcpy(dst, src, static_cast<size_t>(bytes));
   return absl::OkStatus();
-}
-
-absl::StatusOr<std::string> CanonicalDeviceUuid(absl::string_view uuid) {
-  absl::string_view bare = uuid;
-  if (absl::StartsWithIgnoreCase(bare, "GPU-")) bare.remove_prefix(4);
-  bool ok = bare.size() == 36;
-  std::string out = "GPU-";
-  for (size_t i = 0; ok && i < bare.size(); ++i) {
-    const char c = bare[i];
-    if (i == 8 || i == 13 || i == 18 || i == 23) {
-      ok = c == '-';
-    } else {
-      ok = absl::ascii_isxdigit(static_cast<unsigned char>(c));
-    }
-    out.push_back(absl::ascii_tolower(static_cast<unsigned char>(c)));
-  }
-  if (!ok) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "device_uuid \"", absl::CEscape(uuid.substr(0, 64)),
-        "\" is not a GPU UUID (expected GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, hex digits)"));
-  }
-  return out;
 }
 
 }  // namespace laprox::kernels

@@ -1,4 +1,5 @@
-// The one seam where CUDA runtime errors become absl::Status (STYLE.md principle 7).
+// The seam where CUDA errors become absl::Status (STYLE.md principle 7): the runtime's
+// CudaStatus (laprox/kernels/cuda/runtime.h, shared with the client) and cuBLAS's here.
 #ifndef LAPROX_KERNELS_CUDA_CUDA_STATUS_H_
 #define LAPROX_KERNELS_CUDA_CUDA_STATUS_H_
 
@@ -7,14 +8,11 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "laprox/kernels/cuda/runtime.h"
 
 namespace laprox::kernels::cuda {
 
-// OK for cudaSuccess; RESOURCE_EXHAUSTED for allocation failures; UNAVAILABLE when no usable
-// device or driver; INTERNAL otherwise. The message is "<context>: <cuda error name>: <text>".
-absl::Status CudaStatus(cudaError_t error, absl::string_view context);
-
-// The same for cuBLAS: OK for CUBLAS_STATUS_SUCCESS; RESOURCE_EXHAUSTED for
+// cuBLAS: OK for CUBLAS_STATUS_SUCCESS; RESOURCE_EXHAUSTED for
 // CUBLAS_STATUS_ALLOC_FAILED; INTERNAL otherwise (invalid values, unsupported configurations and
 // execution failures are broken invariants of our own calls). The message is
 // "<context>: <cublas status name>: <text>".

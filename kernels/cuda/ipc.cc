@@ -27,8 +27,8 @@ class IpcRegion final : public ImportedRegion {
     if (error == cudaSuccess) error = cudaIpcCloseMemHandle(base_);
     // Nothing can be returned from here; the handle itself is never printed.
     if (error != cudaSuccess) {
-      std::fprintf(stderr, "laproxd: closing a cuda_ipc region on device %d failed: %s: %s\n",
-                   device_, cudaGetErrorName(error), cudaGetErrorString(error));
+      std::fprintf(stderr, "laproxd: closing a cuda_ipc region on device %d failed: %s\n",
+                   device_, CudaErrorText(error).c_str());
     }
   }
 
@@ -92,8 +92,7 @@ absl::StatusOr<std::unique_ptr<ImportedRegion>> ImportIpcRegion(int device,
       error != cudaSuccess) {
     cudaGetLastError();  // a refused handle is the request's fault, not a sticky device error
     return absl::InvalidArgumentError(
-        absl::StrCat("cuda_ipc.handle: the CUDA driver refused it: ", cudaGetErrorName(error), ": ",
-                     cudaGetErrorString(error)));
+        absl::StrCat("cuda_ipc.handle: the CUDA driver refused it: ", CudaErrorText(error)));
   }
   // From here on every failure closes the handle again: the region takes ownership of `base`.
   auto region = std::make_unique<IpcRegion>(

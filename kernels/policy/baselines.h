@@ -19,9 +19,10 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "laprox/kernels/backend.h"
+#include "laprox/kernels/plan_shape.h"
 #include "laprox/kernels/keep_plan.h"
 #include "laprox/kernels/policy.h"
+#include "laprox/kernels/tensor_view.h"
 
 namespace laprox::kernels::policy {
 
@@ -45,7 +46,7 @@ struct BaselineStatistics {
   absl::Span<const DType> compat_dtype;
 };
 
-// The plan of a baseline policy. Preconditions: shape from ValidateKeepPlanRequest for
+// The plan of a baseline policy. Preconditions: shape from Backend::ComputeKeepPlan's checks for
 // `policy`, policy.kind != LAPROX, statistics sized as above. Ranking scores may be +inf (the
 // sentinels above, products beyond fp64 or a 16-bit dtype); a NaN ranking score would break the
 // strict order of the selection and cannot come from checked inputs, so it is never selected and

@@ -31,7 +31,8 @@ void DeriveBudget(const PolicySpec& policy, PlanShape& shape) {
   shape.sinks = sinks ? static_cast<int32_t>(std::min<int64_t>(policy.sinks, before_window)) : 0;
   shape.candidates = before_window - shape.sinks;
   const int64_t forced = int64_t{shape.window} + shape.sinks;
-  int64_t budget = BudgetTokensPerHead(policy.budget, shape.n);
+  shape.tokens_per_head = BudgetTokensPerHead(policy.budget, shape.n);
+  int64_t budget = shape.tokens_per_head;
   if (KvpressFloorsBudget(policy)) budget = std::max<int64_t>(budget, 1);
   shape.quota = std::clamp<int64_t>(budget - forced, 0, shape.candidates);
   shape.kept_per_head = std::min(budget, shape.n);

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "laprox/kernels/backend.h"
+#include "laprox/kernels/plan_shape.h"
 #include "laprox/kernels/policy.h"
 
 namespace laprox::kernels::policy {

@@ -21,7 +21,7 @@
 #include <limits>
 
 #include "absl/status/status.h"
-#include "laprox/kernels/backend.h"
+#include "laprox/kernels/plan_shape.h"
 #include "laprox/kernels/geometry.h"
 #include "laprox/kernels/policy.h"
 

@@ -164,6 +164,7 @@ KeepPlan PlanHeader(const PlanShape& shape) {
   plan.window = shape.window;
   plan.sinks = shape.sinks;
   plan.quota = shape.quota;
+  plan.tokens_per_head = shape.tokens_per_head;
   return plan;
 }
 

@@ -12,7 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "laprox/kernels/backend.h"
+#include "laprox/kernels/plan_shape.h"
 #include "laprox/kernels/keep_plan.h"
 #include "laprox/kernels/policy.h"
 

@@ -9,14 +9,13 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "cuda/cuda_status.h"
-#include "cuda/device_util.h"
 #include "laprox/client/cuda_export.h"
+#include "laprox/kernels/cuda/runtime.h"
 
 namespace laprox::client {
 namespace {
 
-// The backend's conversion (kernels/cuda/cuda_status.h), after clearing the failed call's error
+// The runtime's conversion (laprox/kernels/cuda/runtime.h), after clearing the failed call's error
 // from the runtime's per-thread last error: the engine's own launch checks (cudaGetLastError)
 // must not see laprox's failure later.
 absl::Status CudaError(cudaError_t error, absl::string_view what) {

@@ -25,8 +25,10 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "laprox/kernels/device.h"
 #include "laprox/kernels/geometry.h"
 #include "laprox/kernels/keep_plan.h"
+#include "laprox/kernels/plan_shape.h"
 #include "laprox/kernels/policy.h"
 #include "laprox/kernels/tensor_view.h"
 
@@ -79,49 +81,6 @@ struct LayerInputs {
   TensorView window_lse;        // optional [H, wq], natural-log normaliser of each query row
 };
 
-// A CUDA allocation another process exported with cudaIpcGetMemHandle, to be opened by a
-// backend that reads device memory (DESIGN.md section 4, laprox.v1 CudaIpcRegion).
-struct CudaIpcRegionSpec {
-  std::string handle;       // the cudaIpcMemHandle_t bytes, exactly kHandleBytes
-  std::string device_uuid;  // "GPU-" + 36-character UUID (lower or upper case), or the bare UUID
-  int64_t offset = 0;       // bytes from the allocation's base to the region's first byte, >= 0
-  int64_t byte_size = 0;    // > 0; offset + byte_size <= the allocation's size
-
-  static constexpr size_t kHandleBytes = 64;
-};
-
-// Device memory a backend opened for the service (a cuda_ipc region). Closed when destroyed;
-// the owner destroys it only after every request that reads it has finished.
-class ImportedRegion {
- public:
-  virtual ~ImportedRegion() = default;
-  ImportedRegion(const ImportedRegion&) = delete;
-  ImportedRegion& operator=(const ImportedRegion&) = delete;
-
-  // First byte of the region (spec.offset into the allocation) in `space()`.
-  std::byte* data() const { return data_; }
-  int64_t byte_size() const { return byte_size_; }
-  MemorySpace space() const { return MemorySpace::kDevice; }
-
- protected:
-  ImportedRegion(std::byte* data, int64_t byte_size) : data_(data), byte_size_(byte_size) {}
-
- private:
-  std::byte* data_;
-  int64_t byte_size_;
-};
-
-// One GPU as GetServerInfo reports it.
-struct DeviceDescription {
-  std::string uuid;  // "GPU-" + 36 lower-case characters, as nvidia-smi -L prints it
-  std::string name;  // "NVIDIA H200"
-  int32_t ordinal = 0;
-  int64_t total_memory_bytes = 0;
-  int32_t compute_capability_major = 0;
-  int32_t compute_capability_minor = 0;
-  bool active = false;  // the device this backend computes on
-};
-
 struct KeepPlanRequest {
   int64_t n = 0;                    // prompt tokens, 1 <= n <= kMaxTokens
   std::vector<LayerInputs> layers;  // one per model layer
@@ -129,24 +88,6 @@ struct KeepPlanRequest {
   OutputOptions outputs;
 
   static constexpr int64_t kMaxTokens = (int64_t{1} << 30);
-};
-
-// Everything derived from a validated request before any data is read.
-struct PlanShape {
-  int64_t n = 0;
-  int32_t num_layers = 0;
-  int32_t num_kv_heads = 0;
-  int32_t group_size = 0;
-  int32_t head_dim = 0;
-  int32_t window_rows = 0;       // wq, rows given per query head
-  int32_t window = 0;            // we = min(w, n), rows used (the last we of wq); 0 for
-                                 // STREAMING_LLM, which reads no window
-  int32_t sinks = 0;             // se = min(sinks, n - we) (LAPROX, STREAMING_LLM; else 0)
-  int64_t candidates = 0;        // m = n - we - se per (layer, head)
-  int64_t quota = 0;             // q = clamp(B - we - se, 0, m)
-  int64_t kept_per_head = 0;     // n_kept = min(B, n), the baselines' per-head budget
-  bool attention_given = false;  // window_attention instead of window_queries
-  bool lse_given = false;
 };
 
 // What one keep-plan request or model preparation may allocate on the host (and, for a device
@@ -234,7 +175,8 @@ class Backend {
   virtual absl::StatusOr<std::shared_ptr<const PreparedModel>> PrepareModelImpl(
       const ModelGeometry& geometry, absl::Span<const TensorView> o_proj,
       const PrepareOptions& options) = 0;
-  // Preconditions: everything ValidateKeepPlanRequest checks; `shape` derived from `request`.
+  // Preconditions: everything ComputeKeepPlan checks before it reads data (shapes, strides,
+  // dtypes, readable spaces, options, the model's preparation); `shape` derived from `request`.
   virtual absl::StatusOr<KeepPlan> ComputeKeepPlanImpl(const PreparedModel& model,
                                                        const KeepPlanRequest& request,
                                                        const PlanShape& shape) = 0;
@@ -257,16 +199,6 @@ class Backend {
   absl::StatusOr<PlanShape> CheckKeepPlanRequest(const PreparedModel& model,
                                                  const KeepPlanRequest& request) const;
 };
-
-// The checks ComputeKeepPlan runs before any data is read, exposed for callers (the service)
-// that want to reject a request early. Returns the derived shape.
-absl::StatusOr<PlanShape> ValidateKeepPlanRequest(const ModelGeometry& geometry,
-                                                  const PrepareOptions& prepared,
-                                                  const KeepPlanRequest& request);
-
-// The UUID in the form DeviceDescription::uuid uses ("GPU-" + 36 lower-case characters) from
-// either accepted spelling, or INVALID_ARGUMENT naming the value.
-absl::StatusOr<std::string> CanonicalDeviceUuid(absl::string_view uuid);
 
 }  // namespace laprox::kernels
 

@@ -32,6 +32,8 @@ struct KeepPlan {
   int32_t sinks = 0;           // effective sinks min(sinks, n - window)
   int64_t quota = 0;           // q: selected candidates per head under a uniform split
   int64_t selected_total = 0;  // K = L * Hkv * q (baselines: kept positions in [sinks, n - window))
+  int64_t tokens_per_head = 0;  // B the budget asked for at this n (a compression ratio
+                                // resolved), before clamping to [window + sinks, n]
 
   std::vector<int32_t> counts;     // [L * Hkv] kept tokens per (layer, head)
   std::vector<int64_t> offsets;    // [L * Hkv + 1] into positions (filled even without positions)

@@ -12,9 +12,11 @@
 //
 // The exporting process must keep the allocation alive until the region is unregistered, and
 // must be another process than laproxd (CUDA IPC does not open handles of one's own process).
-// These functions exist in every build; without the CUDA backend (LAPROX_WITH_CUDA off) they
-// return UNIMPLEMENTED, so the client library builds and links without nvcc. This header
-// includes no CUDA header (src/cuda_export.cc is the client's only CUDA-including file).
+// The functions are in laprox::client_cuda (link it beside laprox::client; CudaIpcExport alone
+// is plain data that laprox::client takes). They exist in every build; without the CUDA backend
+// (LAPROX_WITH_CUDA off) they return UNIMPLEMENTED, so the library builds and links without
+// nvcc. This header includes no CUDA header (src/cuda_export.cc is the client's only
+// CUDA-including file, and laprox::client itself links no CUDA library).
 #ifndef LAPROX_CLIENT_CUDA_EXPORT_H_
 #define LAPROX_CLIENT_CUDA_EXPORT_H_
 

@@ -1,0 +1,33 @@
+// PlanShape: everything a keep-plan request fixes before any tensor data is read — the sizes,
+// the effective window and sinks, the per-head quota. Backend::ComputeKeepPlan derives it once
+// from a validated request (policy::DeriveBudget fills the budget fields) and hands it to the
+// backend's Impl, the scorers and the selection. Plain data: no behaviour, no dependencies.
+#ifndef LAPROX_KERNELS_PLAN_SHAPE_H_
+#define LAPROX_KERNELS_PLAN_SHAPE_H_
+
+#include <cstdint>
+
+namespace laprox::kernels {
+
+// The derived shape of one validated request.
+struct PlanShape {
+  int64_t n = 0;
+  int32_t num_layers = 0;
+  int32_t num_kv_heads = 0;
+  int32_t group_size = 0;
+  int32_t head_dim = 0;
+  int32_t window_rows = 0;       // wq, rows given per query head
+  int32_t window = 0;            // we = min(w, n), rows used (the last we of wq); 0 for
+                                 // STREAMING_LLM, which reads no window
+  int32_t sinks = 0;             // se = min(sinks, n - we) (LAPROX, STREAMING_LLM; else 0)
+  int64_t candidates = 0;        // m = n - we - se per (layer, head)
+  int64_t quota = 0;             // q = clamp(B - we - se, 0, m)
+  int64_t kept_per_head = 0;     // n_kept = min(B, n), the baselines' per-head budget
+  int64_t tokens_per_head = 0;   // B the budget asks for at this n, before any clamping
+  bool attention_given = false;  // window_attention instead of window_queries
+  bool lse_given = false;
+};
+
+}  // namespace laprox::kernels
+
+#endif  // LAPROX_KERNELS_PLAN_SHAPE_H_
