@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "common/saturating.h"
 #include "common/status_macros.h"
+#include "laprox/kernels/layer_tensors.h"
 #include "policy/budget.h"
 
 namespace laprox::kernels {
@@ -47,8 +48,7 @@ absl::StatusOr<PlanShape> ValidateKeepPlanRequest(const ModelGeometry& geometry,
     return absl::InvalidArgumentError(
         absl::StrCat("request has ", request.layers.size(), " layers, the model has ", L));
   }
-  // Flat (layer, head, position) indices are 32-bit in the selection.
-  if (L * Hkv * n >= (int64_t{1} << 32)) {
+  if (!FitsPlanEntries(L, Hkv, n)) {
     return absl::OutOfRangeError(
         absl::StrCat("L*Hkv*n = ", L * Hkv * n, " exceeds the 2^32 tokens one request may score"));
   }
@@ -179,15 +179,14 @@ absl::StatusOr<PlanShape> Backend::CheckKeepPlanRequest(const PreparedModel& mod
   LAPROX_ASSIGN_OR_RETURN(PlanShape shape,
                           ValidateKeepPlanRequest(model.geometry(), model.options(), request));
   for (size_t l = 0; l < request.layers.size(); ++l) {
-    const LayerInputs& layer = request.layers[l];
-    for (const TensorView* view : {&layer.keys, &layer.values, &layer.window_queries,
-                                   &layer.window_attention, &layer.window_lse}) {
-      if (!view->empty() && !CanRead(view->space())) {
-        return absl::UnimplementedError(
-            absl::StrCat("layers[", l, "] has a tensor in a memory space the ",
-                         BackendKindName(kind()), " backend cannot read"));
-      }
-    }
+    LAPROX_RETURN_IF_ERROR(ForEachLayerTensor(
+        [&](LayerTensor tensor, const TensorView& view) {
+          if (view.empty() || CanRead(view.space())) return absl::OkStatus();
+          return absl::UnimplementedError(
+              absl::StrCat("layers[", l, "].", tensor.name, " is in a memory space the ",
+                           BackendKindName(kind()), " backend cannot read"));
+        },
+        request.layers[l]));
   }
   return shape;
 }

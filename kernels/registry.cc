@@ -13,22 +13,23 @@ bool CudaBackendBuilt() { return LAPROX_HAVE_CUDA != 0; }
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(BackendKind kind,
                                                        const BackendOptions& options) {
+  // Checked for every kind, so a misspelt option fails where it is given, not on the GPU host.
+  if (options.cuda_kernels != "v0" && options.cuda_kernels != "v1") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown CUDA kernels \"", options.cuda_kernels, "\"; expected v0 or v1"));
+  }
   switch (kind) {
     case BackendKind::kCpu:
       return std::make_unique<cpu::CpuBackend>(options.threads);
     case BackendKind::kCuda:
-      if (options.cuda_kernels != "v0" && options.cuda_kernels != "v1") {
-        return absl::InvalidArgumentError(
-            absl::StrCat("unknown CUDA kernels \"", options.cuda_kernels, "\"; expected v0 or v1"));
-      }
 #if LAPROX_HAVE_CUDA
-      {
-        auto backend = cuda::CudaBackend::Create(options.device, options.cuda_kernels == "v1"
-                                                                     ? cuda::KernelVersion::kV1
-                                                                     : cuda::KernelVersion::kV0);
-        if (!backend.ok()) return backend.status();
-        return std::unique_ptr<Backend>(std::move(backend).value());
-      }
+    {
+      auto backend = cuda::CudaBackend::Create(options.device, options.cuda_kernels == "v1"
+                                                                   ? cuda::KernelVersion::kV1
+                                                                   : cuda::KernelVersion::kV0);
+      if (!backend.ok()) return backend.status();
+      return std::unique_ptr<Backend>(std::move(backend).value());
+    }
 #else
       return absl::UnimplementedError("this build has no CUDA backend (built without nvcc)");
 #endif

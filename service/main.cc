@@ -51,6 +51,7 @@
 #include "service/grpc/peer_identity.h"
 #include "service/grpc/socket_path.h"
 #include "service/grpc/tcp_security.h"
+#include "service/health/serving_state.h"
 #include "service/metrics/http_exposer.h"
 #include "service/metrics/metrics.h"
 
@@ -209,15 +210,11 @@ int main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
-  const std::string cuda_kernels = absl::GetFlag(FLAGS_cuda_kernels);
-  if (cuda_kernels != "v0" && cuda_kernels != "v1") {
-    std::fprintf(stderr, "laproxd: --cuda_kernels=%s is not one of v0, v1\n", cuda_kernels.c_str());
-    return 1;
-  }
-  auto backend = laprox::kernels::CreateBackend(absl::GetFlag(FLAGS_backend),
-                                                {.threads = absl::GetFlag(FLAGS_threads),
-                                                 .device = absl::GetFlag(FLAGS_device),
-                                                 .cuda_kernels = cuda_kernels});
+  // CreateBackend checks every option (--cuda_kernels too) and names what is wrong.
+  auto backend = laprox::kernels::CreateBackend(
+      absl::GetFlag(FLAGS_backend), {.threads = absl::GetFlag(FLAGS_threads),
+                                     .device = absl::GetFlag(FLAGS_device),
+                                     .cuda_kernels = absl::GetFlag(FLAGS_cuda_kernels)});
   if (!backend.ok()) {
     std::fprintf(stderr, "laproxd: %s\n", backend.status().ToString().c_str());
     return 1;
@@ -294,6 +291,9 @@ int main(int argc, char** argv) {
          const auto models = core.model_totals();
          s.models = models.count;
          s.prepared_bytes = models.prepared_bytes;
+         for (const laprox::kernels::DeviceDescription& d : core.backend().Devices()) {
+           if (d.used_memory_bytes >= 0) s.device_memory_used_bytes[d.uuid] = d.used_memory_bytes;
+         }
          return s;
        }});
   std::unique_ptr<laprox::service::HttpExposer> exposer;
@@ -310,31 +310,23 @@ int main(int argc, char** argv) {
   // Health: "" is SERVING while the server runs; kReadinessService while a model is registered.
   // After a sticky backend error (the CUDA context is unusable until a restart) both are
   // NOT_SERVING for good, so the orchestrator restarts the pod.
-  std::vector<grpc::HealthCheckServiceInterface*> health;
-  absl::Mutex health_mu;
-  bool backend_failed = false;  // guarded by health_mu
-  int64_t models_now = 0;       // guarded by health_mu
-  auto publish = [&]() {        // with health_mu held
-    const bool ready = models_now > 0 && !backend_failed;
-    for (grpc::HealthCheckServiceInterface* h : health) {
-      h->SetServingStatus(kReadinessService, ready);
-      if (backend_failed) h->SetServingStatus("", false);
+  laprox::service::ServingState serving(kReadinessService);
+  serving.AddPublisher([&metrics](const std::string& name, bool up) {
+    if (name.empty()) {
+      metrics.SetServing(up);
+    } else {
+      metrics.SetReady(up);
     }
-    metrics.SetReady(ready);
-    if (backend_failed) metrics.SetServing(false);
+  });
+  auto publish_to = [](grpc::HealthCheckServiceInterface* health) {
+    return [health](const std::string& name, bool up) { health->SetServingStatus(name, up); };
   };
-  auto set_ready = [&](int64_t models) {
-    absl::MutexLock lock(&health_mu);
-    models_now = models;
-    publish();
-  };
-  auto backend_unhealthy = [&](const absl::Status& cause) {
-    absl::MutexLock lock(&health_mu);
-    if (backend_failed) return;
-    backend_failed = true;
-    std::fprintf(stderr, "laproxd: the backend failed for good, health is NOT_SERVING: %s\n",
-                 cause.ToString().c_str());
-    publish();
+  auto set_ready = [&serving](int64_t models) { serving.SetModels(models); };
+  auto backend_unhealthy = [&serving](const absl::Status& cause) {
+    if (serving.BackendFailed(cause)) {
+      std::fprintf(stderr, "laproxd: the backend failed for good, health is NOT_SERVING: %s\n",
+                   cause.ToString().c_str());
+    }
   };
   // The Unix socket's connections, accepted by laproxd itself to learn who each caller is.
   std::unique_ptr<laprox::service::UnixListener> listener;
@@ -415,10 +407,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (claim) claim->Bound();
-  {
-    absl::MutexLock lock(&health_mu);
-    health.push_back(server->GetHealthCheckService());
-  }
+  serving.AddPublisher(publish_to(server->GetHealthCheckService()));
 
   // A second server with only the health service, so a probe port exposes nothing else.
   std::unique_ptr<grpc::Server> health_server;
@@ -434,8 +423,7 @@ int main(int argc, char** argv) {
       server->Shutdown();
       return 1;
     }
-    absl::MutexLock lock(&health_mu);
-    health.push_back(health_server->GetHealthCheckService());
+    serving.AddPublisher(publish_to(health_server->GetHealthCheckService()));
   }
   // Only now: every early return above destroys `server` while nothing else may reach it.
   if (listener) listener->Start(server.get());
@@ -473,11 +461,7 @@ int main(int argc, char** argv) {
   const int signal = WaitForStopSignal(stop_signals);
   std::printf("laproxd: signal %d, finishing in-flight calls\n", signal);
   std::fflush(stdout);
-  {
-    absl::MutexLock lock(&health_mu);
-    for (grpc::HealthCheckServiceInterface* h : health) h->SetServingStatus(false);
-  }
-  metrics.SetServing(false);
+  serving.ShutDown();
   // In-flight calls get shutdown_timeout, then are cancelled (a computation stops at its next
   // cancellation check). Should the work still not end, a watchdog exits the process.
   const absl::Duration grace = absl::GetFlag(FLAGS_shutdown_timeout);

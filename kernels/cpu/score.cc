@@ -9,6 +9,7 @@
 #include "cpu/rows.h"
 #include "cpu/vector_ops.h"
 #include "policy/magnitude.h"
+#include "policy/score_modes.h"
 
 namespace laprox::kernels::cpu {
 namespace {
@@ -16,52 +17,6 @@ namespace {
 // Values per V.M sgemm chunk: the [chunk, G*d] product should stay in L2 (Llama: 256 x 512
 // fp32 = 512 KiB; 1024 was ~8% slower there).
 constexpr int64_t kValueChunk = 256;
-
-// How the attention columns of the group are summarised per token.
-enum class AttentionStat {
-  kGroupMean,  // ||mean_h A^h[:, i]||^2 * G^2, one value per token
-  kPerHead,    // ||A^h[:, i]||^2, G values per token
-  kHeadGram,   // <A^h[:, i], A^h'[:, i]> for h <= h', G diagonal then G(G-1)/2 cross
-};
-
-// How values enter the score.
-enum class ValueStat {
-  kNone,     // ATTENTION
-  kNorm,     // ||v_i||
-  kSummed,   // ||v_i sum_h W_O^h||, factor block 0
-  kPerHead,  // ||v_i W_O^h||, factor blocks 1..G
-  kExact,    // v_i M_h v_i^T and v_i C_hh' v_i^T, factor blocks 1..G+P (raw quadratic forms)
-};
-
-struct Modes {
-  AttentionStat attention;
-  ValueStat value;
-  int64_t first_block;  // first factor block the value sgemm reads
-  int64_t blocks;       // number of factor blocks (F)
-};
-
-Modes ChooseModes(const PolicySpec& policy, int64_t group) {
-  const int64_t pairs = group * (group - 1) / 2;
-  switch (policy.indicator) {
-    case Indicator::kAttention:
-      return {AttentionStat::kGroupMean, ValueStat::kNone, 0, 0};
-    case Indicator::kAttentionXValue:
-      return {AttentionStat::kGroupMean, ValueStat::kNorm, 0, 0};
-    case Indicator::kAttentionXProjectedValue:
-      break;
-  }
-  switch (policy.EffectiveGqaValue()) {
-    case GqaValue::kMeanHeadNorm:
-      return {AttentionStat::kGroupMean, ValueStat::kPerHead, 1, group};
-    case GqaValue::kSummedProjection:
-      return {AttentionStat::kGroupMean, ValueStat::kSummed, 0, 1};
-    case GqaValue::kMeanHeadProduct:
-      return {AttentionStat::kPerHead, ValueStat::kPerHead, 1, group};
-    case GqaValue::kExactBlock:
-      return {AttentionStat::kHeadGram, ValueStat::kExact, 1, group + pairs};
-  }
-  return {AttentionStat::kGroupMean, ValueStat::kNone, 0, 0};
-}
 
 // The exponent k of the scale 2^k that AttentionStatistics multiplies the probabilities by.
 // Unscaled, a window row's attention below ~1e-19 has a square below fp32's smallest normal
@@ -134,10 +89,10 @@ void AttentionStatistics(const PlanShape& shape, AttentionStat stat, int64_t pre
 // row of the head, window rows included, and that the values cannot overflow the scores
 // (policy::CheckValueMagnitude; the statistics are then discarded).
 absl::Status ValueStatistics(const PlanShape& shape, const PolicySpec& policy, const HeadTask& task,
-                             const Modes& modes, int64_t prefix, ScoreWorkspace& ws) {
+                             const ScoreModes& modes, int64_t prefix, ScoreWorkspace& ws) {
   const TensorView& values = task.inputs->values;
   const TensorName name{task.layer, "values"};
-  const int64_t d = shape.head_dim, F = modes.blocks;
+  const int64_t d = shape.head_dim, F = modes.factor_blocks;
   if (modes.value == ValueStat::kNone) {
     return CheckRowsFinite(values, task.kv_head, 0, shape.n, name, ws.rows);
   }
@@ -216,7 +171,7 @@ absl::Status ScoreHead(const PlanShape& shape, const PolicySpec& policy, const H
                        ScoreWorkspace& ws, float* raw) {
   const int64_t G = shape.group_size;
   const int64_t prefix = shape.n - shape.window;  // pooled range: sinks and candidates
-  const Modes modes = ChooseModes(policy, G);
+  const ScoreModes modes = ChooseScoreModes(policy, G);
 
   LAPROX_RETURN_IF_ERROR(WindowAttention(shape, task, ws));
   LAPROX_RETURN_IF_ERROR(ValueStatistics(shape, policy, task, modes, prefix, ws));
@@ -300,7 +255,7 @@ absl::Status ScoreHead(const PlanShape& shape, const PolicySpec& policy, const H
       for (int64_t i = 0; i < prefix; ++i) {
         double sum = 0.0;
         for (int64_t h = 0; h < G; ++h) sum += double{att[h * prefix + i]} * val[h * prefix + i];
-        for (int64_t p = G; p < modes.blocks; ++p) {
+        for (int64_t p = G; p < modes.factor_blocks; ++p) {
           sum += 2.0 * att[p * prefix + i] * val[p * prefix + i];
         }
         x[i] = static_cast<float>(std::sqrt(std::max(sum, 0.0)) * unscale);

@@ -11,6 +11,7 @@
 #include "cuda/cuda_status.h"
 #include "cuda/ipc.h"
 #include "cuda/prepare.h"
+#include "laprox/kernels/layer_tensors.h"
 #include "policy/magnitude.h"
 
 namespace laprox::kernels::cuda {
@@ -98,7 +99,20 @@ std::string CudaBackend::Describe() const {
                       prop.minor, "), kernels ", kernels);
 }
 
-std::vector<DeviceDescription> CudaBackend::Devices() const { return ListDevices(context_.device); }
+std::vector<DeviceDescription> CudaBackend::Devices() const {
+  std::vector<DeviceDescription> devices = ListDevices(context_.device);
+  for (DeviceDescription& d : devices) {
+    if (!d.active) continue;
+    ScopedDevice current(d.ordinal);
+    size_t free = 0, total = 0;
+    if (current.error() == cudaSuccess && cudaMemGetInfo(&free, &total) == cudaSuccess) {
+      d.used_memory_bytes = static_cast<int64_t>(total - free);
+    } else {
+      cudaGetLastError();  // unknown for this call; the next kernel launch check must not see it
+    }
+  }
+  return devices;
+}
 
 absl::Status CudaBackend::Health() const {
   absl::MutexLock lock(&mu_);
@@ -182,21 +196,22 @@ absl::StatusOr<KeepPlan> CudaBackend::ComputeKeepPlanImpl(const PreparedModel& m
   LAPROX_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(context_.device), "cudaSetDevice"));
 
   for (size_t l = 0; l < request.layers.size(); ++l) {
-    const LayerInputs& in = request.layers[l];
-    const std::string prefix = absl::StrCat("layers[", l, "].");
-    LAPROX_RETURN_IF_ERROR(CheckAligned(in.keys, prefix + "keys"));
-    LAPROX_RETURN_IF_ERROR(CheckAligned(in.values, prefix + "values"));
-    LAPROX_RETURN_IF_ERROR(CheckAligned(in.window_queries, prefix + "window_queries"));
-    LAPROX_RETURN_IF_ERROR(CheckAligned(in.window_attention, prefix + "window_attention"));
-    LAPROX_RETURN_IF_ERROR(CheckAligned(in.window_lse, prefix + "window_lse"));
+    LAPROX_RETURN_IF_ERROR(ForEachLayerTensor(
+        [&](LayerTensor tensor, const TensorView& view) {
+          return CheckAligned(view, absl::StrCat("layers[", l, "].", tensor.name));
+        },
+        request.layers[l]));
   }
   std::vector<LayerInputs> layers = request.layers;
   std::vector<TensorView*> views;
   for (LayerInputs& layer : layers) {
-    for (TensorView* v : {&layer.keys, &layer.values, &layer.window_queries,
-                          &layer.window_attention, &layer.window_lse}) {
-      views.push_back(v);
-    }
+    ForEachLayerTensor(
+        [&](LayerTensor, TensorView& view) {
+          views.push_back(&view);
+          return absl::OkStatus();
+        },
+        layer)
+        .IgnoreError();
   }
   LAPROX_RETURN_IF_ERROR(Track(StageToDevice(views)));
   InputMagnitudes magnitudes;

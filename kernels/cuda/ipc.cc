@@ -27,8 +27,8 @@ class IpcRegion final : public ImportedRegion {
     if (error == cudaSuccess) error = cudaIpcCloseMemHandle(base_);
     // Nothing can be returned from here; the handle itself is never printed.
     if (error != cudaSuccess) {
-      std::fprintf(stderr, "laproxd: closing a cuda_ipc region on device %d failed: %s\n",
-                   device_, CudaErrorText(error).c_str());
+      std::fprintf(stderr, "laproxd: closing a cuda_ipc region on device %d failed: %s\n", device_,
+                   CudaErrorText(error).c_str());
     }
   }
 

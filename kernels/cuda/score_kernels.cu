@@ -113,18 +113,18 @@ __global__ void ExpRowsKernel(float* x, int64_t rows, int64_t ld, int64_t count,
 // in fp64 (attention below ~1e-19 would square to 0 in fp32), as the CPU backend.
 __global__ void AttentionStatisticsKernel(const float* probs, int64_t ld, int64_t kv_heads,
                                           int64_t group, int64_t window, int64_t col0,
-                                          int64_t count, AttentionStatKind kind, double* att,
+                                          int64_t count, AttentionStat kind, double* att,
                                           int64_t att_ld) {
-  const int64_t stats = kind == AttentionStatKind::kGroupMean ? 1
-                        : kind == AttentionStatKind::kPerHead ? group
-                                                              : group * (group + 1) / 2;
+  const int64_t stats = kind == AttentionStat::kGroupMean ? 1
+                        : kind == AttentionStat::kPerHead ? group
+                                                          : group * (group + 1) / 2;
   const int64_t total = kv_heads * count;
   for (int64_t e = GlobalThread(); e < total; e += ThreadCount()) {
     const int64_t g = e / count, j = e % count;
     // Row (h * window + t) of the group, column j.
     const float* p = probs + g * group * window * ld + j;
     double* out = att + g * stats * att_ld + col0 + j;
-    if (kind == AttentionStatKind::kGroupMean) {
+    if (kind == AttentionStat::kGroupMean) {
       double acc = 0.0;
       for (int64_t t = 0; t < window; ++t) {
         double s = 0.0;
@@ -143,7 +143,7 @@ __global__ void AttentionStatisticsKernel(const float* probs, int64_t ld, int64_
       }
       out[h * att_ld] = acc;
     }
-    if (kind != AttentionStatKind::kHeadGram) continue;
+    if (kind != AttentionStat::kHeadGram) continue;
     int64_t pair = group;
     for (int64_t a = 0; a < group; ++a) {
       const float* pa = p + a * window * ld;
@@ -194,11 +194,11 @@ __global__ void QuadraticFormsKernel(const float* projected, int64_t projected_h
 
 // The group-mean modes' value factor r of one token: v points at val[g][0][i].
 __device__ __forceinline__ float ValueFactor(const float* v, int64_t prefix, int64_t group,
-                                             ValueStatKind value) {
+                                             ValueStat value) {
   switch (value) {
-    case ValueStatKind::kNone:
+    case ValueStat::kNone:
       return 1.f;
-    case ValueStatKind::kPerHead: {
+    case ValueStat::kPerHead: {
       float r = 0.f;
       for (int64_t h = 0; h < group; ++h) r += v[h * prefix];
       return r * (1.f / static_cast<float>(group));
@@ -234,11 +234,11 @@ __device__ __forceinline__ float PoolAt(const float* x, int64_t i, int64_t prefi
 
 // In fp64 from the fp64 attention statistics, as the CPU backend (score.cc).
 __global__ void PrePoolKernel(const double* att, const float* val, int64_t kv_heads, int64_t group,
-                              int64_t stats, int64_t forms, int64_t prefix, AttentionStatKind kind,
-                              ValueStatKind value, PoolPlacement placement, float* x) {
+                              int64_t stats, int64_t forms, int64_t prefix, AttentionStat kind,
+                              ValueStat value, PoolPlacement placement, float* x) {
   const double groups = static_cast<double>(group);
   const bool head_rows =
-      placement == PoolPlacement::kAttention && kind != AttentionStatKind::kGroupMean;
+      placement == PoolPlacement::kAttention && kind != AttentionStat::kGroupMean;
   for (int64_t e = GlobalThread(); e < kv_heads * prefix; e += ThreadCount()) {
     const int64_t g = e / prefix, i = e % prefix;
     const double* a = att + g * stats * prefix + i;
@@ -250,19 +250,19 @@ __global__ void PrePoolKernel(const double* att, const float* val, int64_t kv_he
       continue;
     }
     switch (kind) {
-      case AttentionStatKind::kGroupMean: {
+      case AttentionStat::kGroupMean: {
         const double c = sqrt(a[0]) / groups;
         x[e] = static_cast<float>(
             placement == PoolPlacement::kScore ? c * ValueFactor(v, prefix, group, value) : c);
         break;
       }
-      case AttentionStatKind::kPerHead: {
+      case AttentionStat::kPerHead: {
         double sum = 0.0;
         for (int64_t h = 0; h < group; ++h) sum += sqrt(a[h * prefix]) * v[h * prefix];
         x[e] = static_cast<float>(sum / groups);
         break;
       }
-      case AttentionStatKind::kHeadGram: {
+      case AttentionStat::kHeadGram: {
         // ||sum_h A^h col (outer) v W_O^h||_F^2 = sum_{h,h'} <A^h col, A^h' col> v C_hh' v^T.
         double sum = 0.0;
         for (int64_t h = 0; h < group; ++h) sum += a[h * prefix] * v[h * prefix];
@@ -276,13 +276,12 @@ __global__ void PrePoolKernel(const double* att, const float* val, int64_t kv_he
 
 __global__ void PoolScoreKernel(const float* x, const float* val, int64_t rows, int64_t group,
                                 int64_t forms, int64_t prefix, int64_t begin, PoolKind pool,
-                                int64_t kernel, ValueStatKind value, float* out,
-                                int64_t out_stride) {
+                                int64_t kernel, ValueStat value, float* out, int64_t out_stride) {
   const int64_t len = prefix - begin;
   for (int64_t e = GlobalThread(); e < rows * len; e += ThreadCount()) {
     const int64_t r = e / len, i = begin + e % len;
     float pooled = PoolAt(x + r * prefix, i, prefix, pool, kernel);
-    if (value != ValueStatKind::kNone) {
+    if (value != ValueStat::kNone) {
       pooled *= ValueFactor(val + r * forms * prefix + i, prefix, group, value);
     }
     out[r * out_stride + i] = pooled;
@@ -293,8 +292,7 @@ __global__ void PoolScoreKernel(const float* x, const float* val, int64_t rows, 
 __global__ void CombinePooledHeadsKernel(const float* pooled, const double* att, const float* val,
                                          int64_t kv_heads, int64_t group, int64_t stats,
                                          int64_t forms, int64_t prefix, int64_t begin,
-                                         AttentionStatKind kind, float* raw,
-                                         int64_t raw_head_stride) {
+                                         AttentionStat kind, float* raw, int64_t raw_head_stride) {
   const int64_t len = prefix - begin;
   for (int64_t e = GlobalThread(); e < kv_heads * len; e += ThreadCount()) {
     const int64_t g = e / len, i = begin + e % len;
@@ -302,7 +300,7 @@ __global__ void CombinePooledHeadsKernel(const float* pooled, const double* att,
     const double* a = att + g * stats * prefix + i;
     const float* v = val + g * forms * prefix + i;
     double sum = 0.0;
-    if (kind == AttentionStatKind::kPerHead) {
+    if (kind == AttentionStat::kPerHead) {
       for (int64_t h = 0; h < group; ++h) sum += static_cast<double>(c[h * prefix]) * v[h * prefix];
       raw[g * raw_head_stride + i] = static_cast<float>(sum / static_cast<double>(group));
       continue;
@@ -356,7 +354,7 @@ cudaError_t LaunchExpRows(float* x, int64_t rows, int64_t ld, int64_t count, con
 
 cudaError_t LaunchAttentionStatistics(const float* probs, int64_t ld, int64_t kv_heads,
                                       int64_t group, int64_t window, int64_t col0, int64_t count,
-                                      AttentionStatKind kind, double* att, int64_t att_ld,
+                                      AttentionStat kind, double* att, int64_t att_ld,
                                       cudaStream_t stream) {
   if (kv_heads <= 0 || count <= 0) return cudaSuccess;
   AttentionStatisticsKernel<<<GridBlocks(kv_heads * count, kThreads), kThreads, 0, stream>>>(
@@ -385,9 +383,8 @@ cudaError_t LaunchQuadraticForms(const float* projected, int64_t projected_head_
 }
 
 cudaError_t LaunchPrePool(const double* att, const float* val, int64_t kv_heads, int64_t group,
-                          int64_t stats, int64_t forms, int64_t prefix, AttentionStatKind kind,
-                          ValueStatKind value, PoolPlacement placement, float* x,
-                          cudaStream_t stream) {
+                          int64_t stats, int64_t forms, int64_t prefix, AttentionStat kind,
+                          ValueStat value, PoolPlacement placement, float* x, cudaStream_t stream) {
   if (kv_heads <= 0 || prefix <= 0) return cudaSuccess;
   PrePoolKernel<<<GridBlocks(kv_heads * prefix, kThreads), kThreads, 0, stream>>>(
       att, val, kv_heads, group, stats, forms, prefix, kind, value, placement, x);
@@ -396,7 +393,7 @@ cudaError_t LaunchPrePool(const double* att, const float* val, int64_t kv_heads,
 
 cudaError_t LaunchPoolScore(const float* x, const float* val, int64_t rows, int64_t group,
                             int64_t forms, int64_t prefix, int64_t begin, PoolKind pool,
-                            int64_t kernel, ValueStatKind value, float* out, int64_t out_stride,
+                            int64_t kernel, ValueStat value, float* out, int64_t out_stride,
                             cudaStream_t stream) {
   if (rows <= 0 || begin >= prefix) return cudaSuccess;
   PoolScoreKernel<<<GridBlocks(rows * (prefix - begin), kThreads), kThreads, 0, stream>>>(
@@ -406,8 +403,8 @@ cudaError_t LaunchPoolScore(const float* x, const float* val, int64_t rows, int6
 
 cudaError_t LaunchCombinePooledHeads(const float* pooled, const double* att, const float* val,
                                      int64_t kv_heads, int64_t group, int64_t stats, int64_t forms,
-                                     int64_t prefix, int64_t begin, AttentionStatKind kind,
-                                     float* raw, int64_t raw_head_stride, cudaStream_t stream) {
+                                     int64_t prefix, int64_t begin, AttentionStat kind, float* raw,
+                                     int64_t raw_head_stride, cudaStream_t stream) {
   if (kv_heads <= 0 || begin >= prefix) return cudaSuccess;
   CombinePooledHeadsKernel<<<GridBlocks(kv_heads * (prefix - begin), kThreads), kThreads, 0,
                              stream>>>(pooled, att, val, kv_heads, group, stats, forms, prefix,

@@ -15,20 +15,18 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda/kernel_tensor.h"
+#include "policy/score_modes.h"
 
 namespace laprox::kernels::cuda {
 
-// How the attention columns of a KV group are summarised per token (score.cc AttentionStat).
-// S statistics per (group, token), stored [group][S][token]:
+// The statistics of kernels/policy/score_modes.h (AttentionStat, ValueStat), as the launchers
+// store them. Attention: S statistics per (group, token), stored [group][S][token]:
 //   kGroupMean  S = 1: sum_t (sum_h A^h[t, i])^2
 //   kPerHead    S = G: sum_t A^h[t, i]^2
 //   kHeadGram   S = G(G+1)/2: G diagonal terms as kPerHead, then sum_t A^a[t, i] A^b[t, i] for
 //               a < b in (0,1),(0,2),..,(1,2),.. order
-enum class AttentionStatKind : int { kGroupMean = 0, kPerHead = 1, kHeadGram = 2 };
-
-// How values enter the score (score.cc ValueStat). F value statistics per (group, token), stored
-// [group][F][token]: kNone F = 0; kNorm, kSummed F = 1; kPerHead F = G; kExact F = G(G+1)/2.
-enum class ValueStatKind : int { kNone = 0, kNorm = 1, kSummed = 2, kPerHead = 3, kExact = 4 };
+// Values: F value statistics per (group, token), stored [group][F][token]: kNone F = 0; kNorm,
+// kSummed F = 1; kPerHead F = G; kExact F = G(G+1)/2.
 
 // Pooling along tokens (SEMANTICS.md "pool"): the values of laprox::kernels::Pooling.
 enum class PoolKind : int { kAvg = 0, kMax = 1, kNone = 2 };
@@ -60,13 +58,13 @@ cudaError_t LaunchRowSoftmaxStats(const float* logits, int64_t rows, int64_t ld,
 cudaError_t LaunchExpRows(float* x, int64_t rows, int64_t ld, int64_t count, const float* shift,
                           const float* scale, cudaStream_t stream);
 
-// Attention statistics (AttentionStatKind) of tokens [col0, col0 + count). `probs` row
+// Attention statistics (AttentionStat) of tokens [col0, col0 + count). `probs` row
 // (g * group + h) * window + t, column j (leading dimension ld) is A^{g*group+h}[t, col0 + j];
 // writes att[(g * S + s) * att_ld + col0 + j] for g < kv_heads, j < count. Sums, squares and
 // products in fp64 (no underflow for probabilities down to fp32's smallest normal).
 cudaError_t LaunchAttentionStatistics(const float* probs, int64_t ld, int64_t kv_heads,
                                       int64_t group, int64_t window, int64_t col0, int64_t count,
-                                      AttentionStatKind kind, double* att, int64_t att_ld,
+                                      AttentionStat kind, double* att, int64_t att_ld,
                                       cudaStream_t stream);
 
 // out[g * out_ld + i] = ||v(g, i, :)||_2 (fp32) for g < kv_heads, i < count; v is [Hkv, n, d].
@@ -93,9 +91,8 @@ cudaError_t LaunchQuadraticForms(const float* projected, int64_t projected_head_
 // group, x[(g * G + h) * prefix + i] = sqrt(att[g][h][i]) (each head's attention norm).
 // att is [Hkv][stats][prefix] (fp64), val [Hkv][forms][prefix].
 cudaError_t LaunchPrePool(const double* att, const float* val, int64_t kv_heads, int64_t group,
-                          int64_t stats, int64_t forms, int64_t prefix, AttentionStatKind kind,
-                          ValueStatKind value, PoolPlacement placement, float* x,
-                          cudaStream_t stream);
+                          int64_t stats, int64_t forms, int64_t prefix, AttentionStat kind,
+                          ValueStat value, PoolPlacement placement, float* x, cudaStream_t stream);
 
 // out[r * out_stride + i] for r < rows, i in [begin, prefix) = pool(x[r])_i over x[r][0, prefix)
 // (pool kernel `kernel`, odd; AVG sums in fp64 and divides by kernel), times the value factor
@@ -103,7 +100,7 @@ cudaError_t LaunchPrePool(const double* att, const float* val, int64_t kv_heads,
 // for kNorm / kSummed, nothing for kNone (val may be null then).
 cudaError_t LaunchPoolScore(const float* x, const float* val, int64_t rows, int64_t group,
                             int64_t forms, int64_t prefix, int64_t begin, PoolKind pool,
-                            int64_t kernel, ValueStatKind value, float* out, int64_t out_stride,
+                            int64_t kernel, ValueStat value, float* out, int64_t out_stride,
                             cudaStream_t stream);
 
 // Placement kAttention with kPerHead or kHeadGram attention: raw[g * raw_head_stride + i] for
@@ -114,8 +111,8 @@ cudaError_t LaunchPoolScore(const float* x, const float* val, int64_t rows, int6
 //               rho_ab = att_ab / sqrt(att_aa * att_bb) (0 where that is 0), pairs in att's order
 cudaError_t LaunchCombinePooledHeads(const float* pooled, const double* att, const float* val,
                                      int64_t kv_heads, int64_t group, int64_t stats, int64_t forms,
-                                     int64_t prefix, int64_t begin, AttentionStatKind kind,
-                                     float* raw, int64_t raw_head_stride, cudaStream_t stream);
+                                     int64_t prefix, int64_t begin, AttentionStat kind, float* raw,
+                                     int64_t raw_head_stride, cudaStream_t stream);
 
 }  // namespace laprox::kernels::cuda
 

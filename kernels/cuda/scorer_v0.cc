@@ -29,6 +29,7 @@
 #include "cuda/device_util.h"
 #include "cuda/score_kernels.h"
 #include "cuda/scorer.h"
+#include "policy/score_modes.h"
 
 namespace laprox::kernels::cuda {
 namespace {
@@ -39,38 +40,6 @@ constexpr int64_t kLogitBudgetBytes = int64_t{1} << 30;
 constexpr int64_t kKeyScratchBytes = int64_t{64} << 20;
 // Bound on V times the factor blocks [Hkv, chunk, F * d] (Llama, MEAN_HEAD_NORM: 8K tokens).
 constexpr int64_t kProjectedBudgetBytes = int64_t{128} << 20;
-
-struct Modes {
-  AttentionStatKind attention;
-  ValueStatKind value;
-  int64_t first_block;  // first factor block of the value GEMM
-  int64_t forms;        // F, value statistics per token (1 for kNorm, 0 for kNone)
-  int64_t stats;        // S, attention statistics per token
-};
-
-// The CPU backend's ChooseModes (kernels/cpu/score.cc).
-Modes ChooseModes(const PolicySpec& policy, int64_t group) {
-  const int64_t pairs = group * (group - 1) / 2;
-  switch (policy.indicator) {
-    case Indicator::kAttention:
-      return {AttentionStatKind::kGroupMean, ValueStatKind::kNone, 0, 0, 1};
-    case Indicator::kAttentionXValue:
-      return {AttentionStatKind::kGroupMean, ValueStatKind::kNorm, 0, 1, 1};
-    case Indicator::kAttentionXProjectedValue:
-      break;
-  }
-  switch (policy.EffectiveGqaValue()) {
-    case GqaValue::kMeanHeadNorm:
-      return {AttentionStatKind::kGroupMean, ValueStatKind::kPerHead, 1, group, 1};
-    case GqaValue::kSummedProjection:
-      return {AttentionStatKind::kGroupMean, ValueStatKind::kSummed, 0, 1, 1};
-    case GqaValue::kMeanHeadProduct:
-      return {AttentionStatKind::kPerHead, ValueStatKind::kPerHead, 1, group, group};
-    case GqaValue::kExactBlock:
-      return {AttentionStatKind::kHeadGram, ValueStatKind::kExact, 1, group + pairs, group + pairs};
-  }
-  return {AttentionStatKind::kGroupMean, ValueStatKind::kNone, 0, 0, 1};
-}
 
 PoolKind ToPoolKind(Pooling pooling) {
   switch (pooling) {
@@ -134,7 +103,9 @@ class ScorerV0 final : public Scorer {
     int64_t chunk;        // logit columns per chunk (nc)
     int64_t key_chunk;    // keys per gathered K chunk (kc)
     int64_t value_chunk;  // tokens per value GEMM (vc)
-    Modes modes;
+    ScoreModes modes;
+    int64_t stats;  // S, attention statistics per token (ScoreModes::attention_stats)
+    int64_t forms;  // F, value statistics per token (ScoreModes::value_forms)
     bool value_gemm;
     PoolPlacement placement;
     bool pool_heads;  // kAttention placement with per-head statistics: one pool per query head
@@ -200,7 +171,7 @@ absl::Status ScorerV0::AttentionStatistics(const DeviceContext& context, const P
   if (p.window == 0) {
     return CudaStatus(
         cudaMemsetAsync(a.att, 0,
-                        static_cast<size_t>(p.kv_heads * p.modes.stats * p.prefix) * sizeof(double),
+                        static_cast<size_t>(p.kv_heads * p.stats * p.prefix) * sizeof(double),
                         stream),
         "clearing attention statistics");
   }
@@ -261,13 +232,13 @@ absl::Status ScorerV0::ValueStatistics(const DeviceContext& context, const Plan&
                                        const CudaPreparedModel& model, int64_t layer,
                                        const TensorView& values) {
   cudaStream_t stream = context.stream;
-  if (p.modes.value == ValueStatKind::kNone) return absl::OkStatus();
-  if (p.modes.value == ValueStatKind::kNorm) {
+  if (p.modes.value == ValueStat::kNone) return absl::OkStatus();
+  if (p.modes.value == ValueStat::kNorm) {
     return CudaStatus(
         LaunchValueNorms(ToKernelTensor(values), p.kv_heads, p.prefix, a.val, p.prefix, stream),
         "value norms");
   }
-  const int64_t F = p.modes.forms, Fd = F * p.d;
+  const int64_t F = p.forms, Fd = F * p.d;
   const bool in_place = UsableInPlace(values, p.d);
   for (int64_t i0 = 0; i0 < p.prefix; i0 += p.value_chunk) {
     const int64_t count = std::min(p.value_chunk, p.prefix - i0);
@@ -291,7 +262,7 @@ absl::Status ScorerV0::ValueStatistics(const DeviceContext& context, const Plan&
                                 "V.factors (cublasGemmStridedBatchedEx)"));
     LAPROX_RETURN_IF_ERROR(CudaStatus(
         LaunchQuadraticForms(a.projected, count * Fd, v.data, v.ld, v.head_stride, p.kv_heads, i0,
-                             count, F, p.d, p.modes.value == ValueStatKind::kExact, a.val, p.prefix,
+                             count, F, p.d, p.modes.value == ValueStat::kExact, a.val, p.prefix,
                              stream),
         "quadratic forms"));
   }
@@ -315,13 +286,14 @@ absl::Status ScorerV0::Score(const DeviceContext& context, const CudaPreparedMod
   p.rows = p.heads * p.window;
   p.given = shape.attention_given;
   p.use_lse = shape.lse_given && !p.given;
-  p.modes = ChooseModes(policy, p.group);
-  p.value_gemm = p.modes.value == ValueStatKind::kSummed ||
-                 p.modes.value == ValueStatKind::kPerHead || p.modes.value == ValueStatKind::kExact;
+  p.modes = ChooseScoreModes(policy, p.group);
+  p.stats = p.modes.attention_stats(p.group);
+  p.forms = p.modes.value_forms();
+  p.value_gemm = p.modes.value_product();
   p.placement = policy.EffectivePoolTarget() == PoolTarget::kScore ? PoolPlacement::kScore
                                                                    : PoolPlacement::kAttention;
-  p.pool_heads = p.placement == PoolPlacement::kAttention &&
-                 p.modes.attention != AttentionStatKind::kGroupMean;
+  p.pool_heads =
+      p.placement == PoolPlacement::kAttention && p.modes.attention != AttentionStat::kGroupMean;
   // Columns of logits (or given attention) needed: the candidate prefix, plus the window keys
   // when the normaliser is computed here.
   const int64_t columns = p.given || p.use_lse ? p.prefix : p.n;
@@ -329,7 +301,7 @@ absl::Status ScorerV0::Score(const DeviceContext& context, const CudaPreparedMod
   p.chunk = std::clamp<int64_t>(kLogitBudgetBytes / row_bytes, 1, columns);
   p.key_chunk = std::clamp<int64_t>(kKeyScratchBytes / (p.kv_heads * p.d * int64_t{sizeof(float)}),
                                     1, p.chunk);
-  const int64_t F = p.modes.forms;
+  const int64_t F = p.forms;
   p.value_chunk = p.value_gemm
                       ? std::clamp<int64_t>(
                             kProjectedBudgetBytes / (p.kv_heads * F * p.d * int64_t{sizeof(float)}),
@@ -358,7 +330,7 @@ absl::Status ScorerV0::Score(const DeviceContext& context, const CudaPreparedMod
   const size_t values_at =
       layout.Add<float>(count(gather_values ? p.kv_heads * p.value_chunk * p.d : 0));
   const size_t projected_at = layout.Add<float>(count(p.kv_heads * p.value_chunk * F * p.d));
-  const size_t att_at = layout.Add<double>(count(p.kv_heads * p.modes.stats * p.prefix));
+  const size_t att_at = layout.Add<double>(count(p.kv_heads * p.stats * p.prefix));
   const size_t val_at = layout.Add<float>(count(p.kv_heads * std::max<int64_t>(F, 1) * p.prefix));
   const int64_t pool_rows = p.kv_heads * (p.pool_heads ? p.group : 1);
   const size_t x_at = layout.Add<float>(count(pool_rows * p.prefix));
@@ -386,19 +358,18 @@ absl::Status ScorerV0::Score(const DeviceContext& context, const CudaPreparedMod
     LAPROX_RETURN_IF_ERROR(AttentionStatistics(context, p, a, in, scale));
     LAPROX_RETURN_IF_ERROR(ValueStatistics(context, p, a, model, l, in.values));
     LAPROX_RETURN_IF_ERROR(CudaStatus(
-        LaunchPrePool(a.att, a.val, p.kv_heads, p.group, p.modes.stats, F, p.prefix,
-                      p.modes.attention, p.modes.value, p.placement, a.x, context.stream),
+        LaunchPrePool(a.att, a.val, p.kv_heads, p.group, p.stats, F, p.prefix, p.modes.attention,
+                      p.modes.value, p.placement, a.x, context.stream),
         "pre-pool scores"));
     float* raw = d_raw + l * p.kv_heads * p.n;
     const PoolKind pool = ToPoolKind(policy.pooling);
     if (p.pool_heads) {
-      LAPROX_RETURN_IF_ERROR(
-          CudaStatus(LaunchPoolScore(a.x, nullptr, pool_rows, p.group, F, p.prefix, p.begin, pool,
-                                     policy.pool_kernel, ValueStatKind::kNone, a.pooled, p.prefix,
-                                     context.stream),
-                     "pooled head norms"));
       LAPROX_RETURN_IF_ERROR(CudaStatus(
-          LaunchCombinePooledHeads(a.pooled, a.att, a.val, p.kv_heads, p.group, p.modes.stats, F,
+          LaunchPoolScore(a.x, nullptr, pool_rows, p.group, F, p.prefix, p.begin, pool,
+                          policy.pool_kernel, ValueStat::kNone, a.pooled, p.prefix, context.stream),
+          "pooled head norms"));
+      LAPROX_RETURN_IF_ERROR(CudaStatus(
+          LaunchCombinePooledHeads(a.pooled, a.att, a.val, p.kv_heads, p.group, p.stats, F,
                                    p.prefix, p.begin, p.modes.attention, raw, p.n, context.stream),
           "pooled scores"));
       continue;
@@ -407,7 +378,7 @@ absl::Status ScorerV0::Score(const DeviceContext& context, const CudaPreparedMod
     const bool value_after = p.placement == PoolPlacement::kAttention;
     LAPROX_RETURN_IF_ERROR(CudaStatus(
         LaunchPoolScore(a.x, a.val, p.kv_heads, p.group, F, p.prefix, p.begin, pool,
-                        policy.pool_kernel, value_after ? p.modes.value : ValueStatKind::kNone, raw,
+                        policy.pool_kernel, value_after ? p.modes.value : ValueStat::kNone, raw,
                         p.n, context.stream),
         "pooled scores"));
   }

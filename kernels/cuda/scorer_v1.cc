@@ -25,32 +25,37 @@
 #include "cuda/device_buffer.h"
 #include "cuda/fused_kernels.h"
 #include "cuda/scorer.h"
+#include "policy/score_modes.h"
 
 namespace laprox::kernels::cuda {
 namespace {
 
 // The value factor of the policy, or false when v1 does not implement the combination.
 bool ChooseValueMode(const PolicySpec& policy, FusedValueMode* mode) {
-  switch (policy.indicator) {
-    case Indicator::kAttention:
-      *mode = FusedValueMode::kNone;
-      return policy.EffectiveGqaValue() == GqaValue::kMeanHeadNorm;
-    case Indicator::kAttentionXValue:
-      *mode = FusedValueMode::kNorm;
-      return policy.EffectiveGqaValue() == GqaValue::kMeanHeadNorm;
-    case Indicator::kAttentionXProjectedValue:
-      break;
+  // The fused kernel keeps one group-mean attention statistic per token. It takes the indicators
+  // without projected values only at the default gqa_value, as it always has (the score ignores
+  // gqa_value there, so other values go to v0 only for caution).
+  if (policy.indicator != Indicator::kAttentionXProjectedValue &&
+      policy.EffectiveGqaValue() != GqaValue::kMeanHeadNorm) {
+    return false;
   }
-  switch (policy.EffectiveGqaValue()) {
-    case GqaValue::kMeanHeadNorm:
+  const ScoreModes modes = ChooseScoreModes(policy, /*group=*/1);
+  if (modes.attention != AttentionStat::kGroupMean) return false;  // per-head statistics: v0
+  switch (modes.value) {
+    case ValueStat::kNone:
+      *mode = FusedValueMode::kNone;
+      return true;
+    case ValueStat::kNorm:
+      *mode = FusedValueMode::kNorm;
+      return true;
+    case ValueStat::kPerHead:
       *mode = FusedValueMode::kMeanHead;
       return true;
-    case GqaValue::kSummedProjection:
+    case ValueStat::kSummed:
       *mode = FusedValueMode::kSummed;
       return true;
-    case GqaValue::kMeanHeadProduct:
-    case GqaValue::kExactBlock:
-      return false;  // per-head attention statistics: v0
+    case ValueStat::kExact:
+      return false;
   }
   return false;
 }

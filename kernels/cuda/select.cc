@@ -68,25 +68,21 @@ absl::StatusOr<KeepPlan> DeviceSelector::Select(const DeviceContext& context,
   const int64_t num_layers = shape.num_layers, heads = shape.num_kv_heads, n = shape.n;
   const int64_t window = shape.window, sinks = shape.sinks, m = shape.candidates;
   const int64_t q = shape.quota;
+  // Preconditions from Backend::ComputeKeepPlan: a shape that breaks them is our bug (INTERNAL).
   if (num_layers < 0 || heads < 0 || n < 1 || window < 0 || sinks < 0 || m < 0 ||
-      sinks + window + m != n || q < 0 || q > m) {
-    return absl::InvalidArgumentError(absl::StrCat(
+      sinks + window + m != n || q < 0 || q > m || !FitsPlanEntries(num_layers, heads, n)) {
+    return absl::InternalError(absl::StrCat(
         "DeviceSelector: inconsistent plan shape: L = ", num_layers, ", Hkv = ", heads, ", n = ", n,
         ", window = ", window, ", sinks = ", sinks, ", candidates = ", m, ", quota = ", q));
   }
   if (policy.min_per_head < 0) {
-    return absl::InvalidArgumentError(
+    return absl::InternalError(
         absl::StrCat("DeviceSelector: min_per_head = ", policy.min_per_head, " is negative"));
   }
-  constexpr uint64_t kMaxFlat = std::numeric_limits<uint32_t>::max();
   const uint64_t rows = static_cast<uint64_t>(num_layers) * static_cast<uint64_t>(heads);
-  if (rows > kMaxFlat / static_cast<uint64_t>(n)) {
-    return absl::OutOfRangeError(absl::StrCat("DeviceSelector: L * Hkv * n = ", num_layers, " * ",
-                                              heads, " * ", n, " must be below 2^32"));
-  }
   const uint64_t total = rows * static_cast<uint64_t>(n);
   if (total > 0 && d_raw == nullptr) {
-    return absl::InvalidArgumentError("DeviceSelector: raw scores are null");
+    return absl::InternalError("DeviceSelector: raw scores are null");
   }
 
   KeepPlan plan = policy::PlanHeader(shape);

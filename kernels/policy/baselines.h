@@ -19,8 +19,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "laprox/kernels/plan_shape.h"
 #include "laprox/kernels/keep_plan.h"
+#include "laprox/kernels/plan_shape.h"
 #include "laprox/kernels/policy.h"
 #include "laprox/kernels/tensor_view.h"
 

@@ -21,8 +21,8 @@
 #include <limits>
 
 #include "absl/status/status.h"
-#include "laprox/kernels/plan_shape.h"
 #include "laprox/kernels/geometry.h"
+#include "laprox/kernels/plan_shape.h"
 #include "laprox/kernels/policy.h"
 
 namespace laprox::kernels::policy {

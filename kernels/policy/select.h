@@ -12,8 +12,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "laprox/kernels/plan_shape.h"
 #include "laprox/kernels/keep_plan.h"
+#include "laprox/kernels/plan_shape.h"
 #include "laprox/kernels/policy.h"
 
 namespace laprox::kernels::policy {

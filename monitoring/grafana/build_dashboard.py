@@ -135,7 +135,7 @@ def build():
     panel("heatmap", "Budget share per (layer, KV head), latest request — 1 is an even split",
           "Each row is one (layer, KV head); colour is the tokens it kept divided by the even "
           "share (all kept tokens / (L * Hkv)). LaProx moves budget to the heads that need it.",
-          [(f"laprox_head_budget_share{{{share}}}", "L{{layer}} H{{kv_head}}")],
+          [(f"laprox_head_budget_share_ratio{{{share}}}", "L{{layer}} H{{kv_head}}")],
           x=0, w=12, h=12,
           extra={"options": {"calculate": False, "yAxis": {"axisPlacement": "left"},
                              "color": {"mode": "scheme", "scheme": "RdBu", "reverse": True},
@@ -195,9 +195,9 @@ def build():
          "multi": True, "includeAll": True, "allValue": ".*", "current": {}, "hide": 0,
          "refresh": 2, "regex": "", "sort": 1},
         {"name": "model", "label": "Model", "type": "query", "datasource": DS,
-         "query": {"query": 'label_values(laprox_head_budget_share{instance=~"$instance"}, model)',
+         "query": {"query": 'label_values(laprox_head_budget_share_ratio{instance=~"$instance"}, model)',
                    "refId": "model"},
-         "definition": 'label_values(laprox_head_budget_share{instance=~"$instance"}, model)',
+         "definition": 'label_values(laprox_head_budget_share_ratio{instance=~"$instance"}, model)',
          "multi": False, "includeAll": False, "current": {}, "hide": 0, "refresh": 2,
          "regex": "", "sort": 1},
     ]

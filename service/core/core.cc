@@ -13,6 +13,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "laprox/kernels/layer_tensors.h"
 
 namespace laprox::service {
 namespace {
@@ -242,17 +243,13 @@ Core::Core(std::unique_ptr<kernels::Backend> backend, const CoreLimits& limits, 
     : backend_(std::move(backend)),
       limits_(limits),
       options_(options),
-      regions_(RegionRegistry::Limits{.max_regions = limits.max_regions}, options.first_id),
+      regions_(*backend_, RegionRegistry::Limits{.max_regions = limits.max_regions},
+               options.first_id),
       request_memory_("request memory", "--max_request_memory",
                       LimitOrShare(limits.max_request_memory, 1, 2)),
       model_memory_("model memory", "--max_model_memory",
                     LimitOrShare(limits.max_model_memory, 1, 4)),
       next_model_id_(options.first_id) {}
-
-absl::StatusOr<uint64_t> Core::RegisterCudaIpcRegion(const kernels::CudaIpcRegionSpec& spec,
-                                                     bool writable, const Owner& owner) {
-  return regions_.RegisterCudaIpc(spec, writable, *backend_, owner);
-}
 
 absl::StatusOr<ModelInfo> Core::RegisterModel(const ModelSpec& spec, const Owner& owner) {
   if (absl::Status s = CheckModelName(spec.name); !s.ok()) return s;
@@ -362,26 +359,21 @@ absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call
     const LayerRefs& refs = call.layers[l];
     const std::string prefix = absl::StrCat("layers[", l, "].");
     kernels::LayerInputs& in = request.layers.emplace_back();
-    struct Field {
-      const TensorRef& ref;
-      TensorView& view;
-      const char* name;
-    };
-    for (const Field& f :
-         {Field{refs.keys, in.keys, "keys"}, Field{refs.values, in.values, "values"},
-          Field{refs.window_queries, in.window_queries, "window_queries"},
-          Field{refs.window_attention, in.window_attention, "window_attention"},
-          Field{refs.window_lse, in.window_lse, "window_lse"}}) {
-      auto view = resolver.Resolve(f.ref, prefix + f.name);
-      if (!view.ok()) return view.status();
-      f.view = *view;
-    }
+    absl::Status resolved = kernels::ForEachLayerTensor(
+        [&](kernels::LayerTensor tensor, const TensorRef& ref, TensorView& view) {
+          auto resolved_view = resolver.Resolve(ref, prefix + tensor.name);
+          if (!resolved_view.ok()) return resolved_view.status();
+          view = *resolved_view;
+          return absl::OkStatus();
+        },
+        refs, in);
+    if (!resolved.ok()) return resolved;
   }
   if (destination != nullptr) {
     // Outputs written into the region are computed even if the inline flags did not ask.
-    request.outputs.positions |= call.destination->positions.has_value();
-    request.outputs.bitmask |= call.destination->bitmask.has_value();
-    request.outputs.scores |= call.destination->scores.has_value();
+    request.outputs.positions |= call.destination->positions_offset.has_value();
+    request.outputs.bitmask |= call.destination->bitmask_offset.has_value();
+    request.outputs.scores |= call.destination->scores_offset.has_value();
   }
   // The plan is held twice at most: by the backend's result and by the response built from it.
   auto estimate = backend_->EstimateKeepPlanMemory(*model->prepared, request);
@@ -404,18 +396,18 @@ absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call
   if (destination != nullptr) {
     const OutputDestination& to = *call.destination;
     std::vector<Area> areas;
-    AddArea(areas, "counts", to.counts, plan->counts);
-    AddArea(areas, "offsets", to.offsets, plan->offsets);
-    AddArea(areas, "positions", to.positions, plan->positions);
-    AddArea(areas, "bitmask", to.bitmask, plan->bitmask);
-    AddArea(areas, "scores", to.scores, plan->scores);
+    AddArea(areas, "counts", to.counts_offset, plan->counts);
+    AddArea(areas, "offsets", to.offsets_offset, plan->offsets);
+    AddArea(areas, "positions", to.positions_offset, plan->positions);
+    AddArea(areas, "bitmask", to.bitmask_offset, plan->bitmask);
+    AddArea(areas, "scores", to.scores_offset, plan->scores);
     if (absl::Status s = WriteOutputs(*backend_, *destination, areas, resolver, context); !s.ok()) {
       return s;
     }
     // Written to the region instead of the response (counts and offsets stay in both).
-    if (to.positions) plan->positions.clear();
-    if (to.bitmask) plan->bitmask.clear();
-    if (to.scores) plan->scores.clear();
+    if (to.positions_offset) plan->positions.clear();
+    if (to.bitmask_offset) plan->bitmask.clear();
+    if (to.scores_offset) plan->scores.clear();
   }
   if (context.hold_memory != nullptr) *context.hold_memory = *std::move(memory);
   return plan;

@@ -61,14 +61,7 @@ struct ModelSpec {
 // output with an offset is written there (positions, bitmask and scores are then left out of the
 // returned plan; counts and offsets stay in it too). A cuda_ipc region is written through
 // Backend::CopyToRegion, which has finished the copy when ComputeKeepPlan returns.
-struct OutputDestination {
-  uint64_t region_id = 0;
-  std::optional<int64_t> counts;     // int32 [L * Hkv]
-  std::optional<int64_t> offsets;    // int64 [L * Hkv + 1]
-  std::optional<int64_t> positions;  // int32, all kept positions
-  std::optional<int64_t> bitmask;    // uint8 [L, Hkv, ceil(n / 8)]
-  std::optional<int64_t> scores;     // float32 [L, Hkv, n]
-};
+using kernels::OutputDestination;
 
 struct KeepPlanCall {
   uint64_t model_id = 0;
@@ -127,16 +120,11 @@ class Core {
 
   const kernels::Backend& backend() const { return *backend_; }
   const CoreLimits& limits() const { return limits_; }
+  // The regions clients registered: shared memory, and CUDA IPC allocations opened through the
+  // backend (read in place as device memory by requests).
   RegionRegistry& regions() { return regions_; }
   const MemoryBudget& request_memory() const { return request_memory_; }
   const MemoryBudget& model_memory() const { return model_memory_; }
-
-  // Opens a CUDA IPC allocation through the backend and registers it (RegionRegistry::
-  // RegisterCudaIpc): UNIMPLEMENTED on a backend without device memory, and the errors listed
-  // there. Requests then read it in place as device memory.
-  absl::StatusOr<uint64_t> RegisterCudaIpcRegion(const kernels::CudaIpcRegionSpec& spec,
-                                                 bool writable,
-                                                 const Owner& owner = Owner::Laproxd());
 
   // Prepares the model's factors (the o_proj tensors are read during this call only).
   // INVALID_ARGUMENT for a bad name or geometry; INVALID_ARGUMENT / NOT_FOUND / OUT_OF_RANGE for

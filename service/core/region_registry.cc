@@ -255,14 +255,13 @@ absl::StatusOr<uint64_t> RegionRegistry::RegisterShm(const ShmRegionSpec& spec,
 }
 
 absl::StatusOr<uint64_t> RegionRegistry::RegisterCudaIpc(const kernels::CudaIpcRegionSpec& spec,
-                                                         bool writable, kernels::Backend& backend,
-                                                         const Owner& owner) {
+                                                         bool writable, const Owner& owner) {
   {
     absl::MutexLock lock(&mu_);
     if (absl::Status s = CheckRoom(); !s.ok()) return s;
   }
   // Opening is slow (the driver maps the allocation): never under mu_.
-  absl::StatusOr<std::unique_ptr<kernels::ImportedRegion>> imported = backend.ImportCudaIpc(spec);
+  absl::StatusOr<std::unique_ptr<kernels::ImportedRegion>> imported = backend_.ImportCudaIpc(spec);
   if (!imported.ok()) return imported.status();
   auto region = std::shared_ptr<MappedRegion>(new MappedRegion());
   region->data_ = (*imported)->data();

@@ -162,10 +162,12 @@ class RegionRegistry {
     int64_t max_regions = 1024;
   };
 
-  // Ids are first_id, first_id + 1, ... (laproxd starts at a random one, so that an id a client
-  // kept from before a restart names nothing now).
-  explicit RegionRegistry(Limits limits, uint64_t first_id = 1)
-      : limits_(limits), next_id_(first_id) {}
+  // `backend` opens cuda_ipc regions and must outlive the registry. Ids are first_id,
+  // first_id + 1, ... (laproxd starts at a random one, so that an id a client kept from before a
+  // restart names nothing now).
+  RegionRegistry(kernels::Backend& backend, Limits limits, uint64_t first_id = 1)
+      : backend_(backend), limits_(limits), next_id_(first_id) {}
+  explicit RegionRegistry(kernels::Backend& backend) : RegionRegistry(backend, Limits()) {}
   RegionRegistry(const RegionRegistry&) = delete;
   RegionRegistry& operator=(const RegionRegistry&) = delete;
 
@@ -179,14 +181,13 @@ class RegionRegistry {
   absl::StatusOr<uint64_t> RegisterShm(const ShmRegionSpec& spec,
                                        const Owner& owner = Owner::Laproxd());
 
-  // Opens the CUDA IPC allocation through `backend` (Backend::ImportCudaIpc: once, it is slow)
-  // and registers it; returns its id. The backend must outlive the region. Errors are the
+  // Opens the CUDA IPC allocation through the backend (Backend::ImportCudaIpc: once, it is
+  // slow) and registers it; returns its id. Errors are the
   // backend's (see Backend::ImportCudaIpc: INVALID_ARGUMENT for a bad handle size or UUID,
   // UNIMPLEMENTED without a CUDA backend, NOT_FOUND for an unknown device, OUT_OF_RANGE past the
   // allocation), and RESOURCE_EXHAUSTED when max_regions is reached. `writable`: outputs may be
   // written there (through Backend::CopyToRegion).
   absl::StatusOr<uint64_t> RegisterCudaIpc(const kernels::CudaIpcRegionSpec& spec, bool writable,
-                                           kernels::Backend& backend,
                                            const Owner& owner = Owner::Laproxd());
 
   // A lease on region `id` for one request of `owner`. INVALID_ARGUMENT: id 0; NOT_FOUND:
@@ -219,6 +220,7 @@ class RegionRegistry {
   // full.
   absl::StatusOr<uint64_t> Insert(std::shared_ptr<MappedRegion> region, const Owner& owner);
 
+  kernels::Backend& backend_;
   const Limits limits_;
   mutable absl::Mutex mu_;
   std::map<uint64_t, Entry> regions_ ABSL_GUARDED_BY(mu_);

@@ -4,11 +4,14 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "laprox/kernels/layer_tensors.h"
+#include "laprox/v1/plan_wire.h"
 #include "laprox/v1/policy_wire.h"
-#include "policy/budget.h"
 
 namespace laprox::service {
 namespace {
+
+constexpr v1::LayerTensorGetters kGetters;
 
 absl::StatusOr<TensorRef> TensorFromProto(const v1::TensorRef& proto, const std::string& field,
                                           bool optional) {
@@ -44,13 +47,7 @@ absl::StatusOr<TensorRef> TensorFromProto(const v1::TensorRef& proto, const std:
 absl::StatusOr<ModelSpec> ModelSpecFromProto(const v1::RegisterModelRequest& proto) {
   ModelSpec spec;
   spec.name = proto.name();
-  const v1::ModelGeometry& g = proto.geometry();
-  spec.geometry = {.num_layers = g.num_layers(),
-                   .num_heads = g.num_heads(),
-                   .num_kv_heads = g.num_kv_heads(),
-                   .head_dim = g.head_dim(),
-                   .hidden_size = g.hidden_size(),
-                   .softmax_scale = g.softmax_scale()};
+  spec.geometry = v1::GeometryFromProto(proto.geometry());
   spec.cross_grams = proto.prepare_cross_grams();
   for (int l = 0; l < proto.o_proj_size(); ++l) {
     auto ref = TensorFromProto(proto.o_proj(l), absl::StrCat("o_proj[", l, "]"), false);
@@ -67,78 +64,25 @@ absl::StatusOr<KeepPlanCall> KeepPlanCallFromProto(const v1::ComputeKeepMaskRequ
   auto policy = v1::PolicyFromProto(proto.policy(), proto.budget());
   if (!policy.ok()) return policy.status();
   call.policy = *policy;
-  const v1::OutputOptions& out = proto.outputs();
-  if (out.has_destination()) {
-    const v1::OutputDestination& d = out.destination();
-    if (d.region_id() == 0) {
-      return absl::InvalidArgumentError("outputs.destination.region_id is 0");
-    }
-    OutputDestination& to = call.destination.emplace();
-    to.region_id = d.region_id();
-    struct Offset {
-      bool given;
-      int64_t value;
-      std::optional<int64_t>& to;
-      const char* name;
-    };
-    for (const Offset& o :
-         {Offset{d.has_counts_offset(), d.counts_offset(), to.counts, "counts"},
-          Offset{d.has_offsets_offset(), d.offsets_offset(), to.offsets, "offsets"},
-          Offset{d.has_positions_offset(), d.positions_offset(), to.positions, "positions"},
-          Offset{d.has_bitmask_offset(), d.bitmask_offset(), to.bitmask, "bitmask"},
-          Offset{d.has_scores_offset(), d.scores_offset(), to.scores, "scores"}}) {
-      if (!o.given) continue;
-      if (o.value < 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("outputs.destination.", o.name, "_offset = ", o.value, " is negative"));
-      }
-      o.to = o.value;
-    }
+  if (absl::Status s = v1::OutputsFromProto(proto.outputs(), &call.outputs, &call.destination);
+      !s.ok()) {
+    return s;
   }
-  call.outputs.positions = out.has_positions() ? out.positions() : true;
-  call.outputs.bitmask = out.bitmask();
-  call.outputs.scores = out.scores();
   for (int l = 0; l < proto.layers_size(); ++l) {
     const v1::LayerInputs& in = proto.layers(l);
     const std::string prefix = absl::StrCat("layers[", l, "].");
     LayerRefs& refs = call.layers.emplace_back();
-    struct Field {
-      const v1::TensorRef& proto;
-      TensorRef& ref;
-      const char* name;
-      bool optional;
-    };
-    for (const Field& f :
-         {Field{in.keys(), refs.keys, "keys", false},
-          Field{in.values(), refs.values, "values", false},
-          Field{in.window_queries(), refs.window_queries, "window_queries", true},
-          Field{in.window_attention(), refs.window_attention, "window_attention", true},
-          Field{in.window_lse(), refs.window_lse, "window_lse", true}}) {
-      auto ref = TensorFromProto(f.proto, prefix + f.name, f.optional);
-      if (!ref.ok()) return ref.status();
-      f.ref = *std::move(ref);
-    }
+    absl::Status converted = kernels::ForEachLayerTensor(
+        [&](kernels::LayerTensor tensor, TensorRef& ref, auto getter) {
+          auto from = TensorFromProto((in.*getter)(), prefix + tensor.name, !tensor.required);
+          if (!from.ok()) return from.status();
+          ref = *std::move(from);
+          return absl::OkStatus();
+        },
+        refs, kGetters);
+    if (!converted.ok()) return converted;
   }
   return call;
-}
-
-void KeepPlanToProto(const kernels::KeepPlan& plan, const KeepPlanCall& call,
-                     v1::ComputeKeepMaskResponse* proto) {
-  proto->set_num_layers(plan.num_layers);
-  proto->set_num_kv_heads(plan.num_kv_heads);
-  proto->set_n(plan.n);
-  proto->mutable_counts()->Assign(plan.counts.begin(), plan.counts.end());
-  proto->mutable_offsets()->Assign(plan.offsets.begin(), plan.offsets.end());
-  proto->mutable_positions()->Assign(plan.positions.begin(), plan.positions.end());
-  proto->set_bitmask(plan.bitmask.data(), plan.bitmask.size());
-  proto->mutable_scores()->Assign(plan.scores.begin(), plan.scores.end());
-  proto->mutable_layer_sums()->Assign(plan.layer_sums.begin(), plan.layer_sums.end());
-  proto->set_window(plan.window);
-  proto->set_sinks(plan.sinks);
-  proto->set_quota(plan.quota);
-  proto->set_selected_total(plan.selected_total);
-  proto->set_tokens_per_head(kernels::policy::BudgetTokensPerHead(call.policy.budget, plan.n));
-  v1::PolicyToProto(call.policy, proto->mutable_effective_policy());
 }
 
 kernels::CudaIpcRegionSpec CudaIpcSpecFromProto(const v1::CudaIpcRegion& proto) {

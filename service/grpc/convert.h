@@ -15,9 +15,6 @@ namespace laprox::service {
 absl::StatusOr<ModelSpec> ModelSpecFromProto(const v1::RegisterModelRequest& proto);
 absl::StatusOr<KeepPlanCall> KeepPlanCallFromProto(const v1::ComputeKeepMaskRequest& proto);
 
-void KeepPlanToProto(const kernels::KeepPlan& plan, const KeepPlanCall& call,
-                     v1::ComputeKeepMaskResponse* proto);
-
 // Copies the fields as they are; Backend::ImportCudaIpc checks them (handle size first).
 kernels::CudaIpcRegionSpec CudaIpcSpecFromProto(const v1::CudaIpcRegion& proto);
 

@@ -6,11 +6,13 @@
 #include <map>
 #include <memory>
 #include <new>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "laprox/v1/plan_wire.h"
 #include "service/grpc/convert.h"
 #include "service/grpc/status.h"
 
@@ -134,10 +136,11 @@ absl::Status LaproxService::FillServerInfo(v1::GetServerInfoResponse* response) 
   limits->set_max_window(kernels::PolicySpec::kMaxWindow);
   limits->set_max_pool_kernel(kernels::PolicySpec::kMaxPoolKernel);
   limits->set_max_tokens_per_head(kernels::PolicySpec::kMaxTokensPerHead);
-  for (int kind = v1::POLICY_KIND_LAPROX; kind <= v1::PolicyKind_MAX; ++kind) {
-    // Wire value = kernels value + 1 (convert.cc); the backend says which kinds it computes.
-    if (core_.backend().Supports(static_cast<kernels::PolicyKind>(kind - 1))) {
-      response->add_supported_policies(static_cast<v1::PolicyKind>(kind));
+  for (int wire = v1::POLICY_KIND_LAPROX; wire <= v1::PolicyKind_MAX; ++wire) {
+    // The backend says which kinds it computes.
+    const std::optional<kernels::PolicyKind> kind = v1::PolicyKindFromProto(wire);
+    if (kind && core_.backend().Supports(*kind)) {
+      response->add_supported_policies(v1::PolicyKindToProto(*kind));
     }
   }
   for (v1::DType d : {v1::DTYPE_F32, v1::DTYPE_F16, v1::DTYPE_BF16}) {
@@ -182,8 +185,8 @@ absl::Status LaproxService::OpenRegion(grpc::CallbackServerContext* context, con
       // Backend::ImportCudaIpc checks the handle size and the UUID before it asks whether the
       // backend can open handles at all, so a CPU server answers INVALID_ARGUMENT for a
       // malformed request and UNIMPLEMENTED for a well-formed one.
-      id = core_.RegisterCudaIpcRegion(CudaIpcSpecFromProto(request.cuda_ipc()), request.writable(),
-                                       owner);
+      id = core_.regions().RegisterCudaIpc(CudaIpcSpecFromProto(request.cuda_ipc()),
+                                           request.writable(), owner);
       break;
     case v1::RegisterRegionRequest::KIND_NOT_SET:
       return absl::InvalidArgumentError("region kind is missing: give shm or cuda_ipc");
@@ -310,7 +313,7 @@ grpc::ServerUnaryReactor* LaproxService::ComputeKeepMask(grpc::CallbackServerCon
                                           .owner = owner});
         if (!plan.ok()) return plan.status();
         const Clock::time_point computed = Clock::now();
-        KeepPlanToProto(*plan, *call, response);
+        v1::KeepPlanToProto(*plan, call->policy, response);
         const auto bytes = static_cast<int64_t>(response->ByteSizeLong());
         if (options_.max_response_bytes > 0 && bytes > options_.max_response_bytes) {
           response->Clear();

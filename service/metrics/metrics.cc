@@ -280,7 +280,7 @@ Metrics::Metrics(std::shared_ptr<prometheus::Registry> registry, MetricsOptions 
       .Set(1);
 
   head_share_ = &BuildGauge()
-                     .Name("laprox_head_budget_share")
+                     .Name("laprox_head_budget_share_ratio")
                      .Help(
                          "Latest keep-plan: tokens a (layer, KV head) kept divided by the "
                          "uniform share (all kept tokens / (L * Hkv)); 1 is an even split.")

@@ -1,6 +1,6 @@
 // Fuzz target: bytes -> laprox.v1.ComputeKeepMaskRequest -> KeepPlanCallFromProto ->
 // Core::ComputeKeepPlan on the real CPU backend, over a real POSIX shared-memory region and three
-// registered models (fuzz_world.h), then KeepPlanToProto — what laproxd's ComputeKeepMask does
+// registered models (fuzz_world.h), then v1::KeepPlanToProto — what laproxd's ComputeKeepMask does
 // minus gRPC. Findings: sanitizer reports, allocations past -malloc_limit_mb, refusals with
 // INTERNAL/UNKNOWN, and plans that break the API's contract (CheckPlan below).
 //
@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "laprox/v1/laprox.pb.h"
+#include "laprox/v1/plan_wire.h"
 #include "service/grpc/convert.h"
 #include "tests/fuzz/fuzz_support.h"
 #include "tests/fuzz/fuzz_world.h"
@@ -70,7 +71,7 @@ void CheckPlan(const kernels::KeepPlan& plan, const service::KeepPlanCall& call)
     }
   }
   const bool in_region = call.destination.has_value();
-  if (call.outputs.positions && !(in_region && call.destination->positions)) {
+  if (call.outputs.positions && !(in_region && call.destination->positions_offset)) {
     if (static_cast<int64_t>(plan.positions.size()) != plan.offsets[heads]) {
       Fail(absl::StrCat(plan.positions.size(), " positions, offsets say ", plan.offsets[heads]));
     }
@@ -96,7 +97,7 @@ void CheckPlan(const kernels::KeepPlan& plan, const service::KeepPlanCall& call)
       }
     }
   }
-  if (call.outputs.bitmask && !(in_region && call.destination->bitmask)) {
+  if (call.outputs.bitmask && !(in_region && call.destination->bitmask_offset)) {
     const int64_t row = (n + 7) / 8;
     if (static_cast<int64_t>(plan.bitmask.size()) != heads * row) {
       Fail(absl::StrCat("bitmask of ", plan.bitmask.size(), " bytes, expected ", heads * row));
@@ -109,7 +110,7 @@ void CheckPlan(const kernels::KeepPlan& plan, const service::KeepPlanCall& call)
       }
     }
   }
-  if (call.outputs.scores && !(in_region && call.destination->scores)) {
+  if (call.outputs.scores && !(in_region && call.destination->scores_offset)) {
     if (static_cast<int64_t>(plan.scores.size()) != heads * n) {
       Fail(absl::StrCat(plan.scores.size(), " scores, expected ", heads * n));
     }
@@ -160,7 +161,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   fuzz::Note(absl::StrCat("plan: n = ", plan->n, ", kept ", plan->offsets.back(), ", window ",
                           plan->window, ", quota ", plan->quota));
   v1::ComputeKeepMaskResponse response;
-  service::KeepPlanToProto(*plan, *call, &response);
+  v1::KeepPlanToProto(*plan, call->policy, &response);
   return 0;
 }
 

@@ -1,6 +1,6 @@
 // Fuzz target: bytes -> laprox.v1.RegisterRegionRequest -> what laproxd's RegisterRegion does:
 // shm -> RegionRegistry::RegisterShm (a name containing "laprox-fuzz-self" names the world's
-// real input object, fuzz_world.h), then Unregister; cuda_ipc -> Core::RegisterCudaIpcRegion,
+// real input object, fuzz_world.h), then Unregister; cuda_ipc -> RegionRegistry::RegisterCudaIpc,
 // which the CPU backend must refuse. Findings: sanitizer reports, hangs, refusals with
 // INTERNAL/UNKNOWN, a cuda_ipc region accepted by the CPU backend, a registration that
 // ListRegions does not show as given, or one that cannot be unregistered.
@@ -59,10 +59,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       return 0;
     }
     case v1::RegisterRegionRequest::kCudaIpc: {
-      auto id = core->RegisterCudaIpcRegion(service::CudaIpcSpecFromProto(request.cuda_ipc()),
-                                            request.writable());
+      auto id = core->regions().RegisterCudaIpc(service::CudaIpcSpecFromProto(request.cuda_ipc()),
+                                                request.writable());
       if (id.ok()) fuzz::Fail("the CPU backend registered a cuda_ipc region");
-      fuzz::CheckRefusal(id.status(), "RegisterCudaIpcRegion");
+      fuzz::CheckRefusal(id.status(), "RegisterCudaIpc");
       return 0;
     }
     case v1::RegisterRegionRequest::KIND_NOT_SET:

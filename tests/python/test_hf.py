@@ -9,6 +9,7 @@ Extend: add a test method; self.model is a fresh random LlamaForCausalLM (L=2, H
 """
 
 import unittest
+import warnings
 
 import numpy as np
 
@@ -36,7 +37,10 @@ class FakePlan:
         self.counts = masks.sum(-1).astype(np.int32)
 
     def kept(self, layer, head):
-        return np.flatnonzero(self.masks[layer, head]).astype(np.int32)
+        # Read-only, as a real KeepPlan's views of the response are.
+        kept = np.flatnonzero(self.masks[layer, head]).astype(np.int32)
+        kept.flags.writeable = False
+        return kept
 
     def to_masks(self):
         return self.masks
@@ -115,7 +119,7 @@ class HfIntegrationTest(unittest.TestCase):
         cache = self.prefill()
         for l in range(L):
             keys, values = lhf.cache_layer_kv(cache, l)
-            idx = torch.stack([torch.from_numpy(plan.kept(l, g)).long() for g in range(HKV)])
+            idx = torch.stack([torch.from_numpy(np.array(plan.kept(l, g))).long() for g in range(HKV)])
             idx = idx[None, :, :, None].expand(1, -1, -1, D_HEAD)
             lhf._set_cache_layer_kv(cache, l, keys.gather(2, idx), values.gather(2, idx))
         evicted_logits = self.continuation(cache)
@@ -155,6 +159,21 @@ class HfIntegrationTest(unittest.TestCase):
                 outs.append(self.model.generate(self.ids, max_new_tokens=8, do_sample=False))
             self.assertEqual(press.compacted, compact)
         self.assertTrue(torch.equal(outs[0], outs[1]))
+
+    def test_compacting_warns_nothing(self):
+        # The plan's read-only views used to reach torch.as_tensor, which warned on every plan.
+        # PyTorch gives that warning once per process; set_warn_always makes every one count.
+        press = lhf.Compressor(self.model, FakeClient(keep=16), budget=16, compact=True)
+        always = torch.is_warn_always_enabled()
+        torch.set_warn_always(True)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                with torch.no_grad(), press:
+                    self.model(self.ids, use_cache=True)
+        finally:
+            torch.set_warn_always(always)
+        self.assertTrue(press.compacted)
 
     def test_window_queries_are_post_rope(self):
         with lhf.capture_window_queries(self.model, rows=5) as captured, torch.no_grad():

@@ -192,7 +192,7 @@ TEST_F(MetricsTest, KnownCallsGiveKnownValues) {
     for (int h = 0; h < kHkv; ++h) {
       const std::string labels = absl::StrCat("{kv_head=\"", h, "\",layer=\"", l,
                                               "\",model=\"tiny\",model_id=\"", model, "\"}");
-      const auto share = Sample(text, "laprox_head_budget_share" + labels);
+      const auto share = Sample(text, "laprox_head_budget_share_ratio" + labels);
       ASSERT_TRUE(share.has_value()) << labels;
       EXPECT_NEAR(*share, last.count(l, h) / per_head, 1e-9) << labels;
       EXPECT_EQ(Sample(text, "laprox_head_budget_share_distribution_count" + labels), 3);
@@ -207,7 +207,7 @@ TEST_F(MetricsTest, KnownCallsGiveKnownValues) {
   ASSERT_TRUE(client_->UnregisterModel(model).ok());
   text = Text();
   EXPECT_EQ(Sample(text, "laprox_ready"), 0);
-  EXPECT_THAT(text, ::testing::Not(::testing::HasSubstr("laprox_head_budget_share{")));
+  EXPECT_THAT(text, ::testing::Not(::testing::HasSubstr("laprox_head_budget_share_ratio{")));
   EXPECT_THAT(text, ::testing::Not(::testing::HasSubstr("laprox_layer_budget_share{")));
 }
 

@@ -32,6 +32,13 @@
 namespace laprox::service {
 namespace {
 
+// The backend of the shared-memory tests (it opens no cuda_ipc region; the tests that do have a
+// fake device backend of their own).
+kernels::Backend& CpuBackend() {
+  static kernels::Backend* const backend = kernels::CreateBackend("cpu")->release();
+  return *backend;
+}
+
 // A shared-memory object created for one test and unlinked after it.
 class ShmObject {
  public:
@@ -71,7 +78,7 @@ MATCHER_P2(IsStatus, code, substring, "") {
 
 TEST(RegionRegistryTest, MapsAWindowOfTheObject) {
   ShmObject object(UniqueName("map"), 3 * 4096 + 100);
-  RegionRegistry registry({});
+  RegionRegistry registry(CpuBackend());
   // An offset that is not page-aligned: the registry maps the enclosing page.
   auto id = registry.RegisterShm({.name = object.name(), .offset = 5000, .byte_size = 1000});
   ASSERT_TRUE(id.ok()) << id.status();
@@ -95,7 +102,7 @@ TEST(RegionRegistryTest, MapsAWindowOfTheObject) {
 
 TEST(RegionRegistryTest, RejectsBadRegistrations) {
   ShmObject object(UniqueName("bad"), 4096);
-  RegionRegistry registry({});
+  RegionRegistry registry(CpuBackend());
   EXPECT_THAT(registry.RegisterShm({.name = "kv-cache", .byte_size = 1}).status(),
               IsStatus(absl::StatusCode::kInvalidArgument, "must start with \"laprox-\""));
   EXPECT_THAT(registry.RegisterShm({.name = "laprox-../etc", .byte_size = 1}).status(),
@@ -118,7 +125,7 @@ TEST(RegionRegistryTest, RejectsBadRegistrations) {
 
 TEST(RegionRegistryTest, EnforcesTheRegionLimit) {
   ShmObject object(UniqueName("limit"), 4096);
-  RegionRegistry registry({.max_regions = 2});
+  RegionRegistry registry(CpuBackend(), {.max_regions = 2});
   ASSERT_TRUE(registry.RegisterShm({.name = object.name(), .byte_size = 8}).ok());
   ASSERT_TRUE(registry.RegisterShm({.name = object.name(), .byte_size = 8}).ok());
   EXPECT_THAT(registry.RegisterShm({.name = object.name(), .byte_size = 8}).status(),
@@ -128,7 +135,7 @@ TEST(RegionRegistryTest, EnforcesTheRegionLimit) {
 // Another owner's region is NOT_FOUND, exactly like an unknown id; laproxd itself sees all.
 TEST(RegionRegistryTest, OwnersSeeOnlyTheirOwnRegions) {
   ShmObject object(UniqueName("owners"), 4096);
-  RegionRegistry registry({});
+  RegionRegistry registry(CpuBackend());
   const Owner first = Owner::LocalUser(0), second = Owner::Remote("x509:engine-b");
   auto id = registry.RegisterShm({.name = object.name(), .byte_size = 4096}, first);
   ASSERT_TRUE(id.ok()) << id.status();
@@ -149,7 +156,7 @@ TEST(RegionRegistryTest, MapsOnlyObjectsTheCallerOwns) {
   ShmObject object(UniqueName("owned"), 4096);
   const std::string path = absl::StrCat("/dev/shm/", object.name());
   ASSERT_EQ(chown(path.c_str(), 65534, 65534), 0) << std::strerror(errno);
-  RegionRegistry registry({});
+  RegionRegistry registry(CpuBackend());
   const ShmRegionSpec read = {.name = object.name(), .byte_size = 4096};
   ShmRegionSpec write = read;
   write.writable = true;
@@ -207,7 +214,7 @@ TEST(LeaseTableTest, ReclaimsWhatGoneClientsRegistered) {
 }
 
 TEST(RegionRegistryTest, UnknownIdsAreNotFoundAndIdZeroIsInvalid) {
-  RegionRegistry registry({});
+  RegionRegistry registry(CpuBackend());
   EXPECT_THAT(registry.Acquire(42).status(),
               IsStatus(absl::StatusCode::kNotFound, "region 42 not found"));
   EXPECT_THAT(registry.Unregister(42), IsStatus(absl::StatusCode::kNotFound, "region 42"));
@@ -222,7 +229,7 @@ TEST(RegionRegistryTest, UnknownIdsAreNotFoundAndIdZeroIsInvalid) {
 // unregistering it works as usual.
 TEST(RegionRegistryTest, ShrunkRegionReadsZerosAndIsRefusedUntilUnregistered) {
   ShmObject object(UniqueName("shrink"), 4 * 4096);
-  RegionRegistry registry({});
+  RegionRegistry registry(CpuBackend());
   const uint64_t id = *registry.RegisterShm({.name = object.name(), .byte_size = 4 * 4096});
   const int64_t faults = GuardedFaultCount();
   {
@@ -248,7 +255,7 @@ TEST(RegionRegistryTest, ShrunkRegionReadsZerosAndIsRefusedUntilUnregistered) {
 // A shrink is seen at the next lease (fstat) even when nothing touched the missing pages.
 TEST(RegionRegistryTest, ShrinkIsSeenAtTheNextLeaseWithoutAFault) {
   ShmObject object(UniqueName("fstat"), 8192);
-  RegionRegistry registry({});
+  RegionRegistry registry(CpuBackend());
   const uint64_t id =
       *registry.RegisterShm({.name = object.name(), .offset = 4096, .byte_size = 4096});
   const int64_t faults = GuardedFaultCount();
@@ -263,7 +270,7 @@ TEST(RegionRegistryTest, ShrinkIsSeenAtTheNextLeaseWithoutAFault) {
 // Outputs written into a writable region that the client shrank go nowhere; the server lives.
 TEST(RegionRegistryTest, WritesIntoAShrunkWritableRegionDoNotKillTheServer) {
   ShmObject object(UniqueName("wshrink"), 2 * 4096);
-  RegionRegistry registry({});
+  RegionRegistry registry(CpuBackend());
   const uint64_t id =
       *registry.RegisterShm({.name = object.name(), .byte_size = 2 * 4096, .writable = true});
   auto lease = registry.Acquire(id);
@@ -277,7 +284,7 @@ TEST(RegionRegistryTest, WritesIntoAShrunkWritableRegionDoNotKillTheServer) {
 TEST(RegionRegistryDeathTest, FaultOutsideTheRegisteredRegionsStillKills) {
   ShmObject registered(UniqueName("guarded"), 4096);
   ShmObject other(UniqueName("unguarded"), 4096);
-  RegionRegistry registry({});
+  RegionRegistry registry(CpuBackend());
   ASSERT_TRUE(registry.RegisterShm({.name = registered.name(), .byte_size = 4096}).ok());
   const int fd = shm_open(("/" + other.name()).c_str(), O_RDWR, 0);
   ASSERT_GE(fd, 0);
@@ -292,7 +299,7 @@ TEST(RegionRegistryDeathTest, FaultOutsideTheRegisteredRegionsStillKills) {
 // the request released its lease.
 TEST(RegionRegistryTest, UnregisterWaitsForInFlightRequests) {
   ShmObject object(UniqueName("drain"), 4096);
-  RegionRegistry registry({});
+  RegionRegistry registry(CpuBackend());
   const uint64_t id = *registry.RegisterShm({.name = object.name(), .byte_size = 4096});
   auto acquired = registry.Acquire(id);
   ASSERT_TRUE(acquired.ok());
@@ -330,7 +337,7 @@ TEST(RegionRegistryTest, UnregisterWaitsForInFlightRequests) {
 
 TEST(RegionRegistryTest, UnregisterDeadlineLeavesTheRegionDraining) {
   ShmObject object(UniqueName("deadline"), 4096);
-  RegionRegistry registry({});
+  RegionRegistry registry(CpuBackend());
   const uint64_t id = *registry.RegisterShm({.name = object.name(), .byte_size = 64});
   {
     auto lease = registry.Acquire(id);
@@ -411,8 +418,8 @@ kernels::CudaIpcRegionSpec IpcSpec(int64_t offset, int64_t byte_size) {
 
 TEST(RegionRegistryCudaIpcTest, RegistersADeviceRegion) {
   FakeDeviceBackend backend;
-  RegionRegistry registry({});
-  auto id = registry.RegisterCudaIpc(IpcSpec(256, 1024), /*writable=*/true, backend);
+  RegionRegistry registry(backend);
+  auto id = registry.RegisterCudaIpc(IpcSpec(256, 1024), /*writable=*/true);
   ASSERT_TRUE(id.ok()) << id.status();
   EXPECT_EQ(backend.open(), 1);
   const std::vector<RegionInfo> list = registry.List();
@@ -433,25 +440,25 @@ TEST(RegionRegistryCudaIpcTest, RegistersADeviceRegion) {
 
 TEST(RegionRegistryCudaIpcTest, BadRegistrationsLeaveNothingOpen) {
   FakeDeviceBackend backend;
-  RegionRegistry registry({});
+  RegionRegistry registry(backend);
   kernels::CudaIpcRegionSpec short_handle = IpcSpec(0, 64);
   short_handle.handle.resize(63);
-  EXPECT_THAT(registry.RegisterCudaIpc(short_handle, false, backend).status(),
+  EXPECT_THAT(registry.RegisterCudaIpc(short_handle, false).status(),
               IsStatus(absl::StatusCode::kInvalidArgument, "cuda_ipc.handle has 63 bytes"));
   kernels::CudaIpcRegionSpec bad_uuid = IpcSpec(0, 64);
   bad_uuid.device_uuid = "GPU-not-a-uuid";
-  EXPECT_THAT(registry.RegisterCudaIpc(bad_uuid, false, backend).status(),
+  EXPECT_THAT(registry.RegisterCudaIpc(bad_uuid, false).status(),
               IsStatus(absl::StatusCode::kInvalidArgument, "device_uuid"));
-  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(-1, 64), false, backend).status(),
+  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(-1, 64), false).status(),
               IsStatus(absl::StatusCode::kInvalidArgument, "cuda_ipc.offset = -1"));
-  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(0, 0), false, backend).status(),
+  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(0, 0), false).status(),
               IsStatus(absl::StatusCode::kInvalidArgument, "cuda_ipc.byte_size = 0"));
   EXPECT_EQ(backend.imports(), 0) << "malformed specs must not reach the backend";
-  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(4000, 200), false, backend).status(),
+  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(4000, 200), false).status(),
               IsStatus(absl::StatusCode::kOutOfRange, "past the allocation"));
   kernels::CudaIpcRegionSpec other_device = IpcSpec(0, 64);
   other_device.device_uuid = "ffffffff-4455-6677-8899-aabbccddeeff";  // bare form accepted
-  EXPECT_THAT(registry.RegisterCudaIpc(other_device, false, backend).status(),
+  EXPECT_THAT(registry.RegisterCudaIpc(other_device, false).status(),
               IsStatus(absl::StatusCode::kNotFound, "device_uuid"));
   EXPECT_TRUE(registry.List().empty());
   EXPECT_EQ(backend.open(), 0);
@@ -461,16 +468,16 @@ TEST(RegionRegistryCudaIpcTest, TheCpuBackendCannotOpenHandles) {
   // The base class's ImportCudaIpcImpl: what a backend without device memory answers.
   auto backend = kernels::CreateBackend("cpu");
   ASSERT_TRUE(backend.ok()) << backend.status();
-  RegionRegistry registry({});
-  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(0, 64), false, **backend).status(),
+  RegionRegistry registry(**backend);
+  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(0, 64), false).status(),
               IsStatus(absl::StatusCode::kUnimplemented, "cuda_ipc regions need the CUDA backend"));
   EXPECT_TRUE(registry.List().empty());
 }
 
 TEST(RegionRegistryCudaIpcTest, ClosesAfterTheLastLeaseOfADrainingRegion) {
   FakeDeviceBackend backend;
-  RegionRegistry registry({});
-  const uint64_t id = *registry.RegisterCudaIpc(IpcSpec(0, 4096), false, backend);
+  RegionRegistry registry(backend);
+  const uint64_t id = *registry.RegisterCudaIpc(IpcSpec(0, 4096), false);
   auto acquired = registry.Acquire(id);
   ASSERT_TRUE(acquired.ok());
   std::optional<RegionLease> first(std::move(acquired).value());
@@ -505,8 +512,8 @@ TEST(RegionRegistryCudaIpcTest, ClosesAfterTheLastLeaseOfADrainingRegion) {
 
 TEST(RegionRegistryCudaIpcTest, DeadlineLeavesItOpenUntilTheLastLease) {
   FakeDeviceBackend backend;
-  RegionRegistry registry({});
-  const uint64_t id = *registry.RegisterCudaIpc(IpcSpec(0, 64), false, backend);
+  RegionRegistry registry(backend);
+  const uint64_t id = *registry.RegisterCudaIpc(IpcSpec(0, 64), false);
   {
     auto lease = registry.Acquire(id);
     ASSERT_TRUE(lease.ok());
@@ -520,9 +527,9 @@ TEST(RegionRegistryCudaIpcTest, DeadlineLeavesItOpenUntilTheLastLease) {
 
 TEST(RegionRegistryCudaIpcTest, RegionLimitCountsDeviceRegionsAndClosesTheExtraOne) {
   FakeDeviceBackend backend;
-  RegionRegistry registry({.max_regions = 1});
-  ASSERT_TRUE(registry.RegisterCudaIpc(IpcSpec(0, 64), false, backend).ok());
-  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(0, 64), false, backend).status(),
+  RegionRegistry registry(backend, {.max_regions = 1});
+  ASSERT_TRUE(registry.RegisterCudaIpc(IpcSpec(0, 64), false).ok());
+  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(0, 64), false).status(),
               IsStatus(absl::StatusCode::kResourceExhausted, "limit 1"));
   EXPECT_EQ(backend.open(), 1);
 }

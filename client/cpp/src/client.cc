@@ -7,6 +7,7 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <type_traits>
 #include <utility>
 
 #include <fcntl.h>
@@ -19,7 +20,9 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "laprox/kernels/layer_tensors.h"
 #include "laprox/v1/laprox.grpc.pb.h"
+#include "laprox/v1/plan_wire.h"
 #include "laprox/v1/policy_wire.h"
 
 namespace laprox::client {
@@ -118,9 +121,10 @@ absl::StatusOr<ServerInfo> Client::GetServerInfo() {
   info.version = response.version();
   info.backend = response.backend() == v1::BACKEND_KIND_CUDA ? "cuda" : "cpu";
   info.backend_description = response.backend_description();
-  for (int kind : response.supported_policies()) {
-    if (kind > v1::POLICY_KIND_UNSPECIFIED && kind <= v1::PolicyKind_MAX) {
-      info.supported_policies.push_back(static_cast<PolicyKind>(kind - 1));
+  for (int wire : response.supported_policies()) {
+    // A kind this build does not know (a newer server's) is left out.
+    if (const std::optional<PolicyKind> kind = v1::PolicyKindFromProto(wire)) {
+      info.supported_policies.push_back(*kind);
     }
   }
   for (const v1::DeviceInfo& d : response.devices()) {
@@ -234,13 +238,7 @@ absl::StatusOr<uint64_t> Client::RegisterModel(const std::string& name,
                                                bool cross_grams) {
   v1::RegisterModelRequest request;
   request.set_name(name);
-  v1::ModelGeometry* g = request.mutable_geometry();
-  g->set_num_layers(geometry.num_layers);
-  g->set_num_heads(geometry.num_heads);
-  g->set_num_kv_heads(geometry.num_kv_heads);
-  g->set_head_dim(geometry.head_dim);
-  g->set_hidden_size(geometry.hidden_size);
-  g->set_softmax_scale(geometry.softmax_scale);
+  v1::GeometryToProto(geometry, request.mutable_geometry());
   for (const TensorRef& ref : o_proj) ToProto(ref, request.add_o_proj());
   request.set_prepare_cross_grams(cross_grams);
   v1::RegisterModelResponse response;
@@ -288,49 +286,30 @@ absl::StatusOr<KeepPlan> Client::ComputeKeepPlanImpl(uint64_t model_id, int64_t 
   // PolicySpec::ForKind for a kind's defaults).
   v1::PolicyToProto(policy, request.mutable_policy());
   v1::BudgetToProto(policy.budget, request.mutable_budget());
-  request.mutable_outputs()->set_positions(outputs.positions);
-  request.mutable_outputs()->set_bitmask(outputs.bitmask);
-  request.mutable_outputs()->set_scores(outputs.scores);
-  if (destination != nullptr) {
-    v1::OutputDestination* to = request.mutable_outputs()->mutable_destination();
-    to->set_region_id(destination->region_id);
-    if (destination->counts_offset) to->set_counts_offset(*destination->counts_offset);
-    if (destination->offsets_offset) to->set_offsets_offset(*destination->offsets_offset);
-    if (destination->positions_offset) to->set_positions_offset(*destination->positions_offset);
-    if (destination->bitmask_offset) to->set_bitmask_offset(*destination->bitmask_offset);
-    if (destination->scores_offset) to->set_scores_offset(*destination->scores_offset);
-  }
+  v1::OutputsToProto(outputs, destination, request.mutable_outputs());
+  static constexpr v1::LayerTensorMutators kMutators;
   for (const LayerRefs& layer : layers) {
     v1::LayerInputs* in = request.add_layers();
-    ToProto(layer.keys, in->mutable_keys());
-    ToProto(layer.values, in->mutable_values());
-    if (layer.window_queries) ToProto(*layer.window_queries, in->mutable_window_queries());
-    if (layer.window_attention) ToProto(*layer.window_attention, in->mutable_window_attention());
-    if (layer.window_lse) ToProto(*layer.window_lse, in->mutable_window_lse());
+    kernels::ForEachLayerTensor(
+        [&](kernels::LayerTensor, const auto& ref, auto mutator) {
+          // keys and values are TensorRefs; the window tensors are optional ones.
+          if constexpr (std::is_same_v<std::decay_t<decltype(ref)>, TensorRef>) {
+            ToProto(ref, (in->*mutator)());
+          } else if (ref) {
+            ToProto(*ref, (in->*mutator)());
+          }
+          return absl::OkStatus();
+        },
+        layer, kMutators)
+        .IgnoreError();
   }
   v1::ComputeKeepMaskResponse response;
   if (absl::Status s = impl_->Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response);
       !s.ok()) {
     return s;
   }
-  KeepPlan plan;
-  plan.num_layers = response.num_layers();
-  plan.num_kv_heads = response.num_kv_heads();
-  plan.n = response.n();
-  plan.window = response.window();
-  plan.sinks = response.sinks();
-  plan.quota = response.quota();
-  plan.selected_total = response.selected_total();
-  plan.counts.assign(response.counts().begin(), response.counts().end());
-  plan.offsets.assign(response.offsets().begin(), response.offsets().end());
-  plan.positions.assign(response.positions().begin(), response.positions().end());
-  plan.bitmask.assign(response.bitmask().begin(), response.bitmask().end());
-  plan.scores.assign(response.scores().begin(), response.scores().end());
-  plan.layer_sums.assign(response.layer_sums().begin(), response.layer_sums().end());
+  KeepPlan plan = v1::KeepPlanFromProto(response);
   const v1::Timing& timing = response.timing();
-  plan.timing = {.validate_seconds = timing.validate_seconds(),
-                 .score_seconds = timing.score_seconds(),
-                 .select_seconds = timing.select_seconds()};
   if (server_timing != nullptr) {
     *server_timing = {.queue_seconds = timing.queue_seconds(),
                       .respond_seconds = timing.respond_seconds(),

@@ -428,7 +428,9 @@ class Compressor:
             keep = torch.zeros(batch, self.geometry.num_kv_heads, width, dtype=torch.bool)
             for b, p in enumerate(plans):
                 for g in range(self.geometry.num_kv_heads):
-                    pos = torch.as_tensor(np.asarray(p.kept(l, g)), dtype=torch.long)
+                    # A writable int64 copy: the plan's views are read-only, and a tensor made
+                    # from one warns ("The given NumPy array is not writable").
+                    pos = torch.from_numpy(np.array(p.kept(l, g), dtype=np.int64))
                     idx[b, g, :pos.numel()] = pos
                     idx[b, g, pos.numel():] = pos[-1] if pos.numel() else 0
                     keep[b, g, :pos.numel()] = True

@@ -155,7 +155,8 @@ class Backend {
   // OUT_OF_RANGE: offset + byte_size past the end of the allocation.
   absl::StatusOr<std::unique_ptr<ImportedRegion>> ImportCudaIpc(const CudaIpcRegionSpec& spec);
 
-  // The GPUs this backend sees (empty for the CPU backend).
+  // The GPUs this backend sees (empty for the CPU backend), the active one with its memory in
+  // use. Queries the driver: for GetServerInfo and metric scrapes, not the hot path.
   virtual std::vector<DeviceDescription> Devices() const { return {}; }
 
   // Copies `bytes` host bytes to `dst` in `space` (a registered output region) and waits for

@@ -57,6 +57,9 @@ struct DeviceDescription {
   int32_t compute_capability_major = 0;
   int32_t compute_capability_minor = 0;
   bool active = false;  // the device this backend computes on
+  // Device memory in use on the active device (every process's: total - free, as the driver
+  // reports it when Devices() is called); -1 for the other devices or when unknown.
+  int64_t used_memory_bytes = -1;
 };
 
 // The UUID in the form DeviceDescription::uuid uses ("GPU-" + 36 lower-case characters) from

@@ -3,6 +3,7 @@
 #define LAPROX_KERNELS_KEEP_PLAN_H_
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "absl/types/span.h"
@@ -15,6 +16,23 @@ struct OutputOptions {
   bool bitmask = false;   // [L, Hkv, ceil(n/8)] bytes, bit i%8 of byte i/8 (LSB first)
   bool scores = false;    // [L, Hkv, n] fp32 competing scores; +inf for sinks and window
                           // (baselines: the score they rank by, with their sentinels)
+};
+
+// Where a keep-plan's arrays go instead of (positions, bitmask, scores) or besides (counts,
+// offsets) the response: byte offsets into one registered, writable region of the service
+// (laprox.v1 OutputDestination). An array without an offset is not written there.
+struct OutputDestination {
+  uint64_t region_id = 0;
+  // int32 [L * Hkv]; also in the returned plan.
+  std::optional<int64_t> counts_offset = std::nullopt;
+  // int64 [L * Hkv + 1]; also in the returned plan.
+  std::optional<int64_t> offsets_offset = std::nullopt;
+  // int32, every kept position in (layer, head) order; L * Hkv * n of them always fit.
+  std::optional<int64_t> positions_offset = std::nullopt;
+  // uint8 [L, Hkv, ceil(n / 8)], bit i % 8 of byte i / 8.
+  std::optional<int64_t> bitmask_offset = std::nullopt;
+  // float32 [L, Hkv, n].
+  std::optional<int64_t> scores_offset = std::nullopt;
 };
 
 // Where the time of one ComputeKeepPlan went (seconds, steady clock).

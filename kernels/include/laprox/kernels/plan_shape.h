@@ -9,6 +9,16 @@
 
 namespace laprox::kernels {
 
+// The selections index (layer, head, position) with 32 bits: one request scores fewer than
+// 2^32 tokens, L * Hkv * n < kMaxPlanEntries (Backend::ComputeKeepPlan answers OUT_OF_RANGE).
+inline constexpr int64_t kMaxPlanEntries = int64_t{1} << 32;
+
+// Whether L * Hkv * n stays below kMaxPlanEntries, without overflow for any non-negative sizes.
+constexpr bool FitsPlanEntries(int64_t layers, int64_t kv_heads, int64_t n) {
+  if (layers <= 0 || kv_heads <= 0 || n <= 0) return true;
+  return layers <= kMaxPlanEntries / kv_heads && layers * kv_heads <= (kMaxPlanEntries - 1) / n;
+}
+
 // The derived shape of one validated request.
 struct PlanShape {
   int64_t n = 0;

@@ -43,6 +43,13 @@ using kernels::OutputOptions;
 using kernels::PolicyKind;
 using kernels::PolicySpec;
 
+// Where ComputeKeepPlanInto writes a plan's outputs instead of the response: byte offsets into a
+// region registered writable (on the server's CPU: shared memory; on its GPU: a cuda_ipc region,
+// written on the device). An output whose offset is set is written there; positions, bitmask
+// and scores are then left out of the returned plan (counts and offsets are always returned as
+// well). The area must lie inside the region (OUT_OF_RANGE) and be aligned to its element size.
+using kernels::OutputDestination;
+
 // A tensor for the server: a slice of a registered region (no copy), or host bytes sent inline
 // with the call (small tensors, tests).
 struct TensorRef {
@@ -108,25 +115,6 @@ class SharedBuffer {
   std::byte* data_ = nullptr;
   size_t size_ = 0;
   uint64_t region_id_ = 0;
-};
-
-// Where ComputeKeepPlanInto writes a plan's outputs instead of the response: byte offsets into a
-// region registered writable (on the server's CPU: shared memory; on its GPU: a cuda_ipc region,
-// written on the device). An output whose offset is set is written there; positions, bitmask
-// and scores are then left out of the returned plan (counts and offsets are always returned as
-// well). The area must lie inside the region (OUT_OF_RANGE) and be aligned to its element size.
-struct OutputDestination {
-  uint64_t region_id = 0;
-  // int32 [L * Hkv]; also in the returned plan.
-  std::optional<int64_t> counts_offset = std::nullopt;
-  // int64 [L * Hkv + 1]; also in the returned plan.
-  std::optional<int64_t> offsets_offset = std::nullopt;
-  // int32, every kept position in (layer, head) order; L * Hkv * n of them always fit.
-  std::optional<int64_t> positions_offset = std::nullopt;
-  // uint8 [L, Hkv, ceil(n / 8)], bit i % 8 of byte i / 8.
-  std::optional<int64_t> bitmask_offset = std::nullopt;
-  // float32 [L, Hkv, n].
-  std::optional<int64_t> scores_offset = std::nullopt;
 };
 
 // laproxd's own account of one ComputeKeepPlan beside the compute (the response's Timing), in
