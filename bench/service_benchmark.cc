@@ -37,6 +37,7 @@
 #include "service/core/core.h"
 #include "service/core/work_queue.h"
 #include "service/grpc/laprox_service.h"
+#include "tests/common/test_server.h"
 
 namespace laprox {
 namespace {
@@ -56,13 +57,9 @@ void BM_ServiceOverhead(benchmark::State& state) {
   service::Core core(*kernels::CreateBackend("cpu"), {});
   service::WorkQueue work(1, 16);
   service::LaproxService service(core, work, "bench");
-  const std::string socket = absl::StrCat("/tmp/laprox-bench-", getpid(), ".sock");
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("unix:" + socket, grpc::InsecureServerCredentials());
-  builder.SetMaxReceiveMessageSize(256 << 20);  // laproxd's default --max_request_bytes
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  auto client = *client::Client::Connect("unix:" + socket);
+  // laproxd's default --max_request_bytes.
+  auto server = testing::TestServer::Start(&service, "laprox-bench", 256 << 20);
+  auto client = *client::Client::Connect(server->target());
 
   // Inputs in one shared buffer: per layer keys, values, queries.
   const int64_t kv = int64_t{kHkv} * n * kD, q = int64_t{kH} * kWindow * kD;
@@ -211,8 +208,7 @@ void BM_ServiceOverhead(benchmark::State& state) {
   state.counters["transport_p99_us"] = Percentile(transport, 0.99);
   state.counters["in_server_p50_us"] = Percentile(in_server, 0.5);
   state.counters["in_server_p99_us"] = Percentile(in_server, 0.99);
-  server->Shutdown();
-  unlink(socket.c_str());
+  server.reset();
 }
 
 BENCHMARK(BM_ServiceOverhead)->Arg(256)->Arg(4096)->Iterations(1)->Unit(benchmark::kMillisecond);

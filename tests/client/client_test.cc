@@ -18,6 +18,7 @@
 #include "service/core/core.h"
 #include "service/core/work_queue.h"
 #include "service/grpc/laprox_service.h"
+#include "tests/common/test_server.h"
 
 namespace laprox::client {
 namespace {
@@ -31,32 +32,24 @@ class ClientTest : public ::testing::Test {
     core_ = std::make_unique<service::Core>(*kernels::CreateBackend("cpu"), service::CoreLimits{});
     work_ = std::make_unique<service::WorkQueue>(2, 16);
     service_ = std::make_unique<service::LaproxService>(*core_, *work_, "client-test");
-    static std::atomic<int> counter{0};
-    socket_ =
-        absl::StrCat(::testing::TempDir(), "laprox-client-", getpid(), "-", counter++, ".sock");
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort("unix:" + socket_, grpc::InsecureServerCredentials());
-    builder.RegisterService(service_.get());
-    server_ = builder.BuildAndStart();
+    server_ = laprox::testing::TestServer::Start(service_.get(), "laprox-client");
     ASSERT_NE(server_, nullptr);
-    auto client = Client::Connect("unix:" + socket_);
+    auto client = Client::Connect(server_->target());
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = *std::move(client);
   }
 
   void TearDown() override {
     client_.reset();
-    server_->Shutdown();
+    server_.reset();
     work_.reset();
-    unlink(socket_.c_str());
   }
 
   std::unique_ptr<service::Core> core_;
   std::unique_ptr<service::WorkQueue> work_;
   std::unique_ptr<service::LaproxService> service_;
-  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<laprox::testing::TestServer> server_;
   std::unique_ptr<Client> client_;
-  std::string socket_;
 };
 
 TEST_F(ClientTest, ServerInfo) {

@@ -40,6 +40,7 @@
 #include "service/core/core.h"
 #include "service/core/work_queue.h"
 #include "service/grpc/laprox_service.h"
+#include "tests/common/test_server.h"
 #include "tests/cuda/ipc_sample.h"
 
 namespace laprox::ipc_test {
@@ -162,14 +163,9 @@ class IpcTest : public ::testing::Test {
     core_ = std::make_unique<service::Core>(*std::move(backend), service::CoreLimits{});
     work_ = std::make_unique<service::WorkQueue>(2, 64);
     service_ = std::make_unique<service::LaproxService>(*core_, *work_, "ipc-test");
-    static std::atomic<int> counter{0};
-    socket_ = absl::StrCat(::testing::TempDir(), "laprox-ipc-", getpid(), "-", counter++, ".sock");
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort("unix:" + socket_, grpc::InsecureServerCredentials());
-    builder.RegisterService(service_.get());
-    server_ = builder.BuildAndStart();
+    server_ = laprox::testing::TestServer::Start(service_.get(), "laprox-ipc");
     ASSERT_NE(server_, nullptr);
-    client_ = *client::Client::Connect("unix:" + socket_);
+    client_ = *client::Client::Connect(server_->target());
 
     std::string error;
     exporter_ = Exporter::Start(kSeed, &error);
@@ -180,11 +176,10 @@ class IpcTest : public ::testing::Test {
   void TearDown() override {
     if (server_ == nullptr) return;
     client_.reset();
-    server_->Shutdown();
+    server_.reset();
     work_.reset();
     core_.reset();      // closes the regions while the exporter still holds the memory
     exporter_.reset();  // then the exporter frees it and exits
-    unlink(socket_.c_str());
   }
 
   uint64_t RegisterModel() {
@@ -289,10 +284,9 @@ class IpcTest : public ::testing::Test {
   std::unique_ptr<service::Core> core_;
   std::unique_ptr<service::WorkQueue> work_;
   std::unique_ptr<service::LaproxService> service_;
-  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<laprox::testing::TestServer> server_;
   std::unique_ptr<client::Client> client_;
   std::unique_ptr<Exporter> exporter_;
-  std::string socket_;
   Sample sample_;
 };
 

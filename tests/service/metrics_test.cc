@@ -26,6 +26,7 @@
 #include "service/core/work_queue.h"
 #include "service/grpc/laprox_service.h"
 #include "service/metrics/http_exposer.h"
+#include "tests/common/test_server.h"
 
 namespace laprox::service {
 namespace {
@@ -74,15 +75,9 @@ class MetricsTest : public ::testing::Test {
         ServiceOptions{.metrics = metrics_.get(), .models_changed = [this](int64_t models) {
                          metrics_->SetReady(models > 0);
                        }});
-    static std::atomic<int> counter{0};
-    socket_ =
-        absl::StrCat(::testing::TempDir(), "laprox-metrics-", getpid(), "-", counter++, ".sock");
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort("unix:" + socket_, grpc::InsecureServerCredentials());
-    builder.RegisterService(service_.get());
-    server_ = builder.BuildAndStart();
+    server_ = testing::TestServer::Start(service_.get(), "laprox-metrics");
     ASSERT_NE(server_, nullptr);
-    client_ = *client::Client::Connect("unix:" + socket_);
+    client_ = *client::Client::Connect(server_->target());
 
     std::mt19937 rng(7);
     std::normal_distribution<float> normal(0.f, 1.f);
@@ -101,9 +96,8 @@ class MetricsTest : public ::testing::Test {
 
   void TearDown() override {
     client_.reset();
-    server_->Shutdown();
+    server_.reset();
     work_.reset();
-    unlink(socket_.c_str());
   }
 
   std::string Text() const { return metrics_->SerializeText(); }
@@ -139,9 +133,8 @@ class MetricsTest : public ::testing::Test {
   std::unique_ptr<WorkQueue> work_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<LaproxService> service_;
-  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<testing::TestServer> server_;
   std::unique_ptr<client::Client> client_;
-  std::string socket_;
   std::vector<std::vector<float>> o_proj_, keys_, values_, queries_;
 };
 

@@ -26,6 +26,7 @@
 #include "service/core/core.h"
 #include "service/core/work_queue.h"
 #include "service/grpc/laprox_service.h"
+#include "tests/common/test_server.h"
 
 namespace laprox::service {
 // SmolLM2-like but small: L=3, H=6, Hkv=2, d=16, D=48, n=300, w=32.
@@ -87,24 +88,21 @@ class ServerTest : public ::testing::Test {
   // `workers` and `max_pending`: the compute queue's.
   void StartServer(CoreLimits limits, ServiceOptions options = {}, int workers = 2,
                    int64_t max_pending = 64) {
+    server_.reset();  // a test may start its own server after SetUp's: stop that one first
+    work_.reset();
     core_ = std::make_unique<Core>(*kernels::CreateBackend("cpu"), limits);
     work_ = std::make_unique<WorkQueue>(workers, max_pending);
     service_ = std::make_unique<LaproxService>(*core_, *work_, "test", std::move(options));
-    static std::atomic<int> counter{0};
-    socket_ = absl::StrCat(::testing::TempDir(), "laprox-", getpid(), "-", counter++, ".sock");
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort("unix:" + socket_, grpc::InsecureServerCredentials());
-    builder.RegisterService(service_.get());
-    server_ = builder.BuildAndStart();
+    server_ = testing::TestServer::Start(service_.get(), "laprox");
     ASSERT_NE(server_, nullptr);
+    socket_ = server_->socket();
     stub_ = v1::Laprox::NewStub(
-        grpc::CreateChannel("unix:" + socket_, grpc::InsecureChannelCredentials()));
+        grpc::CreateChannel(server_->target(), grpc::InsecureChannelCredentials()));
   }
 
   void TearDown() override {
-    server_->Shutdown();
+    server_.reset();
     work_.reset();
-    unlink(socket_.c_str());
   }
 
   grpc::Status Call(auto method, const auto& request, auto* response,
@@ -198,7 +196,7 @@ class ServerTest : public ::testing::Test {
   std::unique_ptr<Core> core_;
   std::unique_ptr<WorkQueue> work_;
   std::unique_ptr<LaproxService> service_;
-  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<testing::TestServer> server_;
   std::unique_ptr<v1::Laprox::Stub> stub_;
   std::string socket_;
 };
