@@ -200,7 +200,8 @@ absl::StatusOr<KeepPlan> Backend::ComputeKeepPlan(const PreparedModel& model,
   absl::StatusOr<KeepPlan> plan = ComputeKeepPlanImpl(model, request, shape);
   if (plan.ok()) {
     PlanTiming& t = plan->timing;
-    t.validate_seconds += std::chrono::duration<double>(validated - start).count();
+    t.validate_seconds =
+        std::chrono::duration<double>(validated - request.checks_started.value_or(start)).count();
     if (t.score_seconds == 0 && t.select_seconds == 0) {  // the backend did not split its time
       t.score_seconds = std::chrono::duration<double>(Clock::now() - validated).count();
     }

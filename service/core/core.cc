@@ -323,7 +323,7 @@ Core::ModelTotals Core::model_totals() const {
 
 absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call,
                                                         const CallContext& context) {
-  const auto started = std::chrono::steady_clock::now();
+  const auto started = context.started.value_or(std::chrono::steady_clock::now());
   if (call.model_id == 0) return absl::InvalidArgumentError("model_id is 0 (ids start at 1)");
   std::shared_ptr<const Model> model;
   {
@@ -387,12 +387,11 @@ absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call
                           model->info.geometry.num_layers, " layers x ",
                           model->info.geometry.num_kv_heads, " KV heads)"));
   if (!memory.ok()) return memory.status();
-  const auto resolved = std::chrono::steady_clock::now();
+  request.checks_started = started;
   auto plan = backend_->ComputeKeepPlan(*model->prepared, request);
   if (!plan.ok()) return plan;
   // Whatever was read from a region its client shrank meanwhile is garbage.
   if (absl::Status s = resolver.CheckIntact(); !s.ok()) return s;
-  plan->timing.validate_seconds += std::chrono::duration<double>(resolved - started).count();
   if (destination != nullptr) {
     const OutputDestination& to = *call.destination;
     std::vector<Area> areas;

@@ -15,6 +15,7 @@
 #ifndef LAPROX_SERVICE_CORE_CORE_H_
 #define LAPROX_SERVICE_CORE_CORE_H_
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -94,6 +95,9 @@ struct CallContext {
   MemoryBudget::Reservation* hold_memory = nullptr;
   // Who asks: the model and every region the call names must be visible to it (owner.h).
   Owner owner = Owner::Laproxd();
+  // When the caller began on this request (before decoding it); unset: Core's entry. The
+  // plan's validate_seconds counts from here.
+  std::optional<std::chrono::steady_clock::time_point> started;
 };
 
 struct CoreOptions {

@@ -304,13 +304,13 @@ grpc::ServerUnaryReactor* LaproxService::ComputeKeepMask(grpc::CallbackServerCon
         const Clock::time_point started = Clock::now();
         auto call = KeepPlanCallFromProto(*request);
         if (!call.ok()) return call.status();
-        const Clock::time_point converted = Clock::now();
         MemoryBudget::Reservation memory;  // covers the response built below
         auto plan =
             core_.ComputeKeepPlan(*call, {.deadline = Deadline(context),
                                           .cancelled = [context] { return context->IsCancelled(); },
                                           .hold_memory = &memory,
-                                          .owner = owner});
+                                          .owner = owner,
+                                          .started = started});
         if (!plan.ok()) return plan.status();
         const Clock::time_point computed = Clock::now();
         v1::KeepPlanToProto(*plan, call->policy, response);
@@ -324,17 +324,13 @@ grpc::ServerUnaryReactor* LaproxService::ComputeKeepMask(grpc::CallbackServerCon
                            "(outputs.destination)"));
         }
         const Clock::time_point done = Clock::now();
-        const StageSeconds stages = {
-            .queue = SecondsBetween(rpc.received(), started),
-            .validate = SecondsBetween(started, converted) + plan->timing.validate_seconds,
-            .score = plan->timing.score_seconds,
-            .select = plan->timing.select_seconds,
-            .respond = SecondsBetween(computed, done)};
-        v1::Timing* timing = response->mutable_timing();
+        const StageSeconds stages = {.queue = SecondsBetween(rpc.received(), started),
+                                     .validate = plan->timing.validate_seconds,
+                                     .score = plan->timing.score_seconds,
+                                     .select = plan->timing.select_seconds,
+                                     .respond = SecondsBetween(computed, done)};
+        v1::Timing* timing = response->mutable_timing();  // the plan's own stages are in already
         timing->set_queue_seconds(stages.queue);
-        timing->set_validate_seconds(stages.validate);
-        timing->set_score_seconds(stages.score);
-        timing->set_select_seconds(stages.select);
         timing->set_respond_seconds(stages.respond);
         timing->set_total_seconds(SecondsBetween(rpc.received(), done));
         if (options_.metrics != nullptr) {

@@ -1,6 +1,7 @@
 // Hand-checked keep-plans: tiny cases whose kept positions are worked out on paper (the
 // arithmetic is in the comments) and written here literally. The random-input comparison with
 // the float64 oracle lives in tests/reference/compare_test.py.
+#include <chrono>
 #include <cmath>
 #include <vector>
 
@@ -252,6 +253,29 @@ TEST(DeterminismTest, SamePlanForAnyThreadCount) {
     EXPECT_EQ(plans[i].scores, plans[0].scores);
     EXPECT_EQ(plans[i].layer_sums, plans[0].layer_sums);
   }
+}
+
+// validate_seconds is measured once, by the backend, from when its caller began checking the
+// request (the service decodes and resolves regions first), and from the backend's entry when
+// the caller says nothing.
+TEST(TimingTest, ValidateCountsFromWhenTheCallerBeganItsChecks) {
+  TinyCase c(1, 2, 1, 4, 4, 64, 4);
+  c.Randomize(3);
+  c.policy.window = 4;
+  c.policy.budget = Budget::TokensPerHead(16);
+  auto backend = *CreateBackend("cpu");
+  auto model = backend->PrepareModel(c.geometry, c.OProjViews());
+  ASSERT_TRUE(model.ok()) << model.status();
+  KeepPlanRequest request = c.Request();
+  auto plain = backend->ComputeKeepPlan(**model, request);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_GE(plain->timing.validate_seconds, 0);
+  EXPECT_LT(plain->timing.validate_seconds, 5);
+  request.checks_started = std::chrono::steady_clock::now() - std::chrono::seconds(10);
+  auto late = backend->ComputeKeepPlan(**model, request);
+  ASSERT_TRUE(late.ok()) << late.status();
+  EXPECT_GE(late->timing.validate_seconds, 10);
+  EXPECT_LT(late->timing.validate_seconds, 15);
 }
 
 }  // namespace

@@ -15,9 +15,11 @@
 #ifndef LAPROX_KERNELS_BACKEND_H_
 #define LAPROX_KERNELS_BACKEND_H_
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -86,6 +88,10 @@ struct KeepPlanRequest {
   std::vector<LayerInputs> layers;  // one per model layer
   PolicySpec policy;
   OutputOptions outputs;
+  // When the caller began checking this request (decoding it, resolving its regions). The
+  // plan's timing.validate_seconds runs from here to the end of the backend's own checks, so
+  // it is measured once, here, for every layer above; unset: from ComputeKeepPlan's entry.
+  std::optional<std::chrono::steady_clock::time_point> checks_started;
 
   static constexpr int64_t kMaxTokens = (int64_t{1} << 30);
 };

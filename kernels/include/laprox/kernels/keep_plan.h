@@ -37,7 +37,7 @@ struct OutputDestination {
 
 // Where the time of one ComputeKeepPlan went (seconds, steady clock).
 struct PlanTiming {
-  double validate_seconds = 0;  // checks before any tensor data is read
+  double validate_seconds = 0;  // checks before any tensor data is read (see checks_started)
   double score_seconds = 0;     // reading the inputs and scoring every (layer, head, token)
   double select_seconds = 0;    // allocating the budget and selecting (0 when fused into score)
 };
