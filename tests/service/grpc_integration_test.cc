@@ -368,13 +368,7 @@ TEST_F(GrpcIntegrationTest, CudaIpcRegionsOnTheCpuBackend) {
 
   // The server still answers a good request.
   Prefill prefill(9);
-  const uint64_t region = RegisterRegion(prefill);
-  const uint64_t model = RegisterModel(prefill);
-  v1::ComputeKeepMaskResponse response;
-  grpc::Status s =
-      Call(&v1::Laprox::Stub::ComputeKeepMask, GoodRequest(model, region, prefill), &response);
-  ASSERT_TRUE(s.ok()) << s.error_message();
-  EXPECT_THAT(response.positions(), ::testing::ElementsAreArray(DirectPlan(prefill).positions));
+  ExpectServes(prefill);
   const std::vector<v1::RegionInfo> regions = Regions();
   ASSERT_EQ(regions.size(), 1u);
   EXPECT_EQ(regions[0].kind(), v1::REGION_KIND_SHM);

@@ -33,18 +33,6 @@ using ::testing::HasSubstr;
 
 class RobustnessTest : public ServerTest {
  protected:
-  // A fresh prefill and model: the server answers a good request with the library's plan.
-  void ExpectServes(uint32_t seed) {
-    Prefill prefill(seed);
-    const uint64_t region = RegisterRegion(prefill);
-    const uint64_t model = RegisterModel(prefill);
-    v1::ComputeKeepMaskResponse response;
-    grpc::Status s =
-        Call(&v1::Laprox::Stub::ComputeKeepMask, GoodRequest(model, region, prefill), &response);
-    ASSERT_TRUE(s.ok()) << s.error_message();
-    EXPECT_THAT(response.positions(), ::testing::ElementsAreArray(DirectPlan(prefill).positions));
-  }
-
   // The model of row 3: 4095 KV heads of dimension 1, nearly free to register.
   static constexpr int64_t kWideHeads = 4095, kWideTokens = int64_t{1} << 20;
   uint64_t RegisterWideModel() {

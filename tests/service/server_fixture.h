@@ -17,6 +17,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -186,6 +187,19 @@ class ServerTest : public ::testing::Test {
     }
     return *backend->ComputeKeepPlan(*model, request);
   }
+
+  // The server answers a good request on this prefill (a region and a model registered for it)
+  // with the library's plan.
+  void ExpectServes(const Prefill& prefill) {
+    const uint64_t region = RegisterRegion(prefill);
+    const uint64_t model = RegisterModel(prefill);
+    v1::ComputeKeepMaskResponse response;
+    grpc::Status s =
+        Call(&v1::Laprox::Stub::ComputeKeepMask, GoodRequest(model, region, prefill), &response);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    EXPECT_THAT(response.positions(), ::testing::ElementsAreArray(DirectPlan(prefill).positions));
+  }
+  void ExpectServes(uint32_t seed) { ExpectServes(Prefill(seed)); }
 
   std::vector<v1::RegionInfo> Regions() {
     v1::ListRegionsResponse response;
