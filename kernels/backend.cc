@@ -17,8 +17,13 @@ namespace {
 
 // Checks rank, shape and extent of one input view. `name` is the field path for messages,
 // e.g. "layers[3].keys".
-absl::Status CheckView(const std::string& name, const TensorView& view, const Dims& expected) {
+absl::Status CheckView(const std::string& name, const TensorView& view, const Dims& expected,
+                       bool pageable = false) {
   if (view.empty()) return absl::InvalidArgumentError(absl::StrCat(name, " is missing"));
+  if (view.paged() && !pageable) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " is paged; only keys and values may be (", view.DebugString(), ")"));
+  }
   if (view.shape() != expected) {
     return absl::InvalidArgumentError(absl::StrCat(name, " has shape ", view.DebugString(),
                                                    ", expected [", absl::StrJoin(expected, ", "),
@@ -101,8 +106,8 @@ absl::StatusOr<PlanShape> ValidateKeepPlanRequest(const ModelGeometry& geometry,
   for (int64_t l = 0; l < L; ++l) {
     const LayerInputs& layer = request.layers[l];
     const std::string prefix = absl::StrCat("layers[", l, "].");
-    LAPROX_RETURN_IF_ERROR(CheckView(prefix + "keys", layer.keys, {Hkv, n, d}));
-    LAPROX_RETURN_IF_ERROR(CheckView(prefix + "values", layer.values, {Hkv, n, d}));
+    LAPROX_RETURN_IF_ERROR(CheckView(prefix + "keys", layer.keys, {Hkv, n, d}, true));
+    LAPROX_RETURN_IF_ERROR(CheckView(prefix + "values", layer.values, {Hkv, n, d}, true));
     if (!layer.window_queries.empty() && !layer.window_attention.empty()) {
       return absl::InvalidArgumentError(
           absl::StrCat(prefix, "window_queries and window_attention are both given"));
@@ -181,10 +186,18 @@ absl::StatusOr<PlanShape> Backend::CheckKeepPlanRequest(const PreparedModel& mod
   for (size_t l = 0; l < request.layers.size(); ++l) {
     LAPROX_RETURN_IF_ERROR(ForEachLayerTensor(
         [&](LayerTensor tensor, const TensorView& view) {
-          if (view.empty() || CanRead(view.space())) return absl::OkStatus();
-          return absl::UnimplementedError(
-              absl::StrCat("layers[", l, "].", tensor.name, " is in a memory space the ",
-                           BackendKindName(kind()), " backend cannot read"));
+          if (view.empty()) return absl::OkStatus();
+          if (!CanRead(view.space())) {
+            return absl::UnimplementedError(
+                absl::StrCat("layers[", l, "].", tensor.name, " is in a memory space the ",
+                             BackendKindName(kind()), " backend cannot read"));
+          }
+          if (view.paged() && !CanReadPaged()) {
+            return absl::UnimplementedError(absl::StrCat(
+                "layers[", l, "].", tensor.name, " is paged; the ", BackendKindName(kind()),
+                " backend does not read paged tensors yet (gather them)"));
+          }
+          return absl::OkStatus();
         },
         request.layers[l]));
   }

@@ -23,9 +23,9 @@ void ConvertRow(const uint16_t* src, int64_t stride, int64_t cols, Convert conve
 // Converts rows into dst (ld = cols).
 void ConvertRows(const TensorView& view, int64_t head, int64_t row0, int64_t count, float* dst) {
   const int64_t cols = view.dim(2);
-  const int64_t s0 = view.stride(0), s1 = view.stride(1), s2 = view.stride(2);
+  const int64_t s2 = view.stride(2);
   for (int64_t r = 0; r < count; ++r) {
-    const int64_t offset = head * s0 + (row0 + r) * s1;
+    const int64_t offset = view.RowOffset(head, row0 + r);  // through the block table if paged
     float* row = dst + r * cols;
     switch (view.dtype()) {
       case DType::kF32: {
@@ -82,9 +82,12 @@ float BlockMaxAbs(const float* data, int64_t ld, int64_t count, int64_t cols) {
 absl::Status LoadRows(const TensorView& view, int64_t head, int64_t row0, int64_t count,
                       TensorName name, std::vector<float>& scratch, RowBlock* out, float* max_abs) {
   const int64_t cols = view.dim(2);
-  if (view.dtype() == DType::kF32 && view.stride(2) == 1 && view.stride(1) >= cols) {
-    out->data =
-        static_cast<const float*>(view.data()) + head * view.stride(0) + row0 * view.stride(1);
+  // In place: fp32 rows with unit column stride, and for a paged view all in one block.
+  const bool one_block = !view.paged() || count <= 1 ||
+                         row0 / view.layout().table->block_size() ==
+                             (row0 + count - 1) / view.layout().table->block_size();
+  if (view.dtype() == DType::kF32 && view.stride(2) == 1 && view.stride(1) >= cols && one_block) {
+    out->data = static_cast<const float*>(view.data()) + view.RowOffset(head, row0);
     out->ld = view.stride(1);
   } else {
     if (static_cast<int64_t>(scratch.size()) < count * cols) scratch.resize(count * cols);

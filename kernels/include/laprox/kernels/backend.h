@@ -178,6 +178,8 @@ class Backend {
   Backend() = default;
 
   virtual bool CanRead(MemorySpace space) const = 0;
+  // Whether keys and values may be paged views (TensorView::Paged).
+  virtual bool CanReadPaged() const { return false; }
   // Preconditions: geometry valid, o_proj.size() == L, each [D, H*d] in a readable space.
   virtual absl::StatusOr<std::shared_ptr<const PreparedModel>> PrepareModelImpl(
       const ModelGeometry& geometry, absl::Span<const TensorView> o_proj,
