@@ -67,8 +67,11 @@ class Resolver {
     int64_t byte_offset, byte_count;
   };
 
-  // Leases regions on behalf of `owner`: another owner's region is NOT_FOUND.
-  Resolver(RegionRegistry& regions, const Owner& owner) : regions_(regions), owner_(owner) {}
+  // Leases regions on behalf of `owner`: another owner's region is NOT_FOUND. Paged references
+  // name `tables` by index.
+  Resolver(RegionRegistry& regions, const Owner& owner,
+           absl::Span<const kernels::BlockTable> tables = {})
+      : regions_(regions), owner_(owner), tables_(tables) {}
 
   absl::StatusOr<TensorView> Resolve(const TensorRef& ref, const std::string& field) {
     if (ref.source == TensorRef::Source::kAbsent) return TensorView();
@@ -78,8 +81,20 @@ class Resolver {
       return absl::InvalidArgumentError(absl::StrCat(
           field, " has ", ref.shape.size(), " dimensions but ", strides.size(), " strides"));
     }
+    std::optional<kernels::PagedLayout> layout;
+    if (ref.paged) {
+      if (ref.paged->block_table >= tables_.size()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ".paged.block_table = ", ref.paged->block_table,
+                         " but the request has ", tables_.size(), " block tables"));
+      }
+      layout = kernels::PagedLayout{&tables_[ref.paged->block_table], ref.paged->block_stride,
+                                    ref.paged->slot_stride, ref.paged->head_stride,
+                                    ref.paged->dim_stride};
+    }
     // A view over nothing yet, only to compute the extent with the kernels' overflow checks.
-    const TensorView shape_only(nullptr, ref.dtype, ref.shape, strides);
+    const TensorView shape_only = layout ? TensorView::Paged(nullptr, ref.dtype, ref.shape, *layout)
+                                         : TensorView(nullptr, ref.dtype, ref.shape, strides);
     int64_t extent = 0;
     if (absl::Status s = shape_only.ElementExtent(&extent); !s.ok()) {
       return absl::Status(s.code(), absl::StrCat(field, ": ", s.message()));
@@ -130,6 +145,7 @@ class Resolver {
       data = *slice;
       space = (*lease)->space();  // cuda_ipc regions are read in place on the device
     }
+    if (layout) return TensorView::Paged(data, ref.dtype, ref.shape, *layout, space);
     return TensorView(data, ref.dtype, ref.shape, strides, space);
   }
 
@@ -160,6 +176,7 @@ class Resolver {
  private:
   RegionRegistry& regions_;
   const Owner& owner_;
+  absl::Span<const kernels::BlockTable> tables_;
   std::map<uint64_t, RegionLease> leases_;
   std::vector<std::vector<uint64_t>> copies_;
   std::vector<Input> inputs_;
@@ -339,7 +356,27 @@ absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call
                                               limits_.max_tokens, " tokens (max_tokens)"));
   }
   if (absl::Status s = CheckCall(context, "nothing was computed"); !s.ok()) return s;
-  Resolver resolver(regions_, context.owner);
+  // Each table is checked once and copied: the views read laproxd's copy, and the request's
+  // bytes stay the client's.
+  const size_t max_tables = 2 * call.layers.size();
+  if (call.block_tables.size() > max_tables) {
+    return absl::InvalidArgumentError(absl::StrCat("block_tables has ", call.block_tables.size(),
+                                                   " tables; at most 2 * ", call.layers.size(),
+                                                   " layers = ", max_tables));
+  }
+  std::vector<kernels::BlockTable> tables;
+  tables.reserve(call.block_tables.size());
+  for (size_t t = 0; t < call.block_tables.size(); ++t) {
+    const BlockTableSpec& spec = call.block_tables[t];
+    auto table = kernels::BlockTable::Create({spec.ids.begin(), spec.ids.end()}, spec.block_size,
+                                             spec.allow_repeated_ids);
+    if (!table.ok()) {
+      return absl::Status(table.status().code(),
+                          absl::StrCat("block_tables[", t, "]: ", table.status().message()));
+    }
+    tables.push_back(*std::move(table));
+  }
+  Resolver resolver(regions_, context.owner, tables);
   const MappedRegion* destination = nullptr;
   if (call.destination) {
     auto region = resolver.Lease(call.destination->region_id, "outputs.destination");

@@ -28,6 +28,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "laprox/kernels/backend.h"
 #include "service/core/memory_budget.h"
 #include "service/core/owner.h"
@@ -45,6 +46,20 @@ struct TensorRef {
   kernels::DType dtype = kernels::DType::kF32;
   kernels::Dims shape;
   kernels::Dims strides;  // elements; empty means contiguous row-major
+  // Set for a paged tensor (kRegion only, strides empty): the index of its table in
+  // KeepPlanCall::block_tables and the layout's strides (kernels::PagedLayout).
+  struct Paged {
+    uint32_t block_table = 0;
+    int64_t block_stride = 0, slot_stride = 0, head_stride = 0, dim_stride = 0;
+  };
+  std::optional<Paged> paged;
+};
+
+// A block table as the request gives it; Core checks it once (kernels::BlockTable::Create).
+struct BlockTableSpec {
+  absl::Span<const int32_t> ids;  // not owned, must outlive the call
+  int64_t block_size = 0;
+  bool allow_repeated_ids = false;
 };
 
 struct LayerRefs {
@@ -71,6 +86,7 @@ struct KeepPlanCall {
   kernels::PolicySpec policy;
   kernels::OutputOptions outputs;
   std::optional<OutputDestination> destination;
+  std::vector<BlockTableSpec> block_tables;
 };
 
 struct CoreLimits {

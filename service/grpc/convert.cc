@@ -14,7 +14,7 @@ namespace {
 constexpr v1::LayerTensorGetters kGetters;
 
 absl::StatusOr<TensorRef> TensorFromProto(const v1::TensorRef& proto, const std::string& field,
-                                          bool optional) {
+                                          bool optional, bool pageable = false) {
   TensorRef ref;
   switch (proto.source_case()) {
     case v1::TensorRef::SOURCE_NOT_SET:
@@ -39,6 +39,26 @@ absl::StatusOr<TensorRef> TensorFromProto(const v1::TensorRef& proto, const std:
   ref.dtype = *dtype;
   ref.shape.assign(proto.shape().begin(), proto.shape().end());
   ref.strides.assign(proto.strides().begin(), proto.strides().end());
+  if (proto.has_paged()) {
+    if (!pageable) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".paged is set; only keys and values may be paged"));
+    }
+    if (ref.source != TensorRef::Source::kRegion) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".paged needs the pool in a region (source region)"));
+    }
+    if (!ref.strides.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".strides must be empty for a paged tensor (its layout gives the strides)"));
+    }
+    const v1::PagedLayout& paged = proto.paged();
+    ref.paged = {.block_table = paged.block_table(),
+                 .block_stride = paged.block_stride(),
+                 .slot_stride = paged.slot_stride(),
+                 .head_stride = paged.head_stride(),
+                 .dim_stride = paged.dim_stride()};
+  }
   return ref;
 }
 
@@ -74,13 +94,19 @@ absl::StatusOr<KeepPlanCall> KeepPlanCallFromProto(const v1::ComputeKeepMaskRequ
     LayerRefs& refs = call.layers.emplace_back();
     absl::Status converted = kernels::ForEachLayerTensor(
         [&](kernels::LayerTensor tensor, TensorRef& ref, auto getter) {
-          auto from = TensorFromProto((in.*getter)(), prefix + tensor.name, !tensor.required);
+          auto from = TensorFromProto((in.*getter)(), prefix + tensor.name, !tensor.required,
+                                      tensor.pageable);
           if (!from.ok()) return from.status();
           ref = *std::move(from);
           return absl::OkStatus();
         },
         refs, kGetters);
     if (!converted.ok()) return converted;
+  }
+  for (const v1::BlockTable& table : proto.block_tables()) {
+    call.block_tables.push_back({.ids = table.block_ids(),
+                                 .block_size = table.block_size(),
+                                 .allow_repeated_ids = table.allow_repeated_ids()});
   }
   return call;
 }

@@ -147,8 +147,49 @@ v1::ComputeKeepMaskRequest KeepMaskRequest(const KeepMaskShape& s) {
   return r;
 }
 
+// KeepMaskRequest's region request with every layer's keys and values paged through one block
+// table: pools of 8 blocks per layer (vLLM FlashAttention layout, K pool then V pool) at the
+// start of the dtype's section, the window queries after them.
+v1::ComputeKeepMaskRequest PagedKeepMaskRequest(const KeepMaskShape& s, int64_t block_size,
+                                                std::vector<int32_t> ids) {
+  v1::ComputeKeepMaskRequest r = KeepMaskRequest(s);
+  const FuzzModel& m = kModels[s.model - 1];
+  const int64_t block = block_size * m.num_kv_heads * m.head_dim, physical = 8;
+  v1::BlockTable* table = r.add_block_tables();
+  table->mutable_block_ids()->Assign(ids.begin(), ids.end());
+  table->set_block_size(static_cast<int32_t>(block_size));
+  const int64_t element = ElementBytes(s.dtype);
+  int64_t cursor = 0;
+  for (v1::LayerInputs& in : *r.mutable_layers()) {
+    for (v1::TensorRef* t : {in.mutable_keys(), in.mutable_values()}) {
+      t->mutable_region()->set_byte_offset(SectionOffset(s.dtype) + cursor);
+      cursor += physical * block * element;
+      v1::PagedLayout* paged = t->mutable_paged();
+      paged->set_block_stride(block);
+      paged->set_slot_stride(m.num_kv_heads * m.head_dim);
+      paged->set_head_stride(m.head_dim);
+      paged->set_dim_stride(1);
+    }
+  }
+  for (v1::LayerInputs& in : *r.mutable_layers()) {
+    v1::TensorRef* q = in.mutable_window_queries();
+    q->mutable_region()->set_byte_offset(SectionOffset(s.dtype) + cursor);
+    cursor += int64_t{m.num_heads} * s.rows * m.head_dim * element;
+  }
+  return r;
+}
+
 void ComputeKeepMaskSeeds(SeedWriter& w) {
   const std::string t = "compute_keep_mask";
+  w.Write(t, "paged_f32", PagedKeepMaskRequest({}, 16, {5, 2, 7, 0}));
+  w.Write(t, "paged_bf16_partial_block",
+          PagedKeepMaskRequest({.n = 40, .dtype = v1::DTYPE_BF16}, 16, {3, 1, 6}));
+  {
+    auto r = PagedKeepMaskRequest({.n = 8, .rows = 4}, 1, {7, 6, 5, 4, 3, 2, 1, 0});
+    r.mutable_block_tables(0)->set_allow_repeated_ids(true);
+    r.mutable_block_tables(0)->set_block_ids(3, 7);
+    w.Write(t, "token_pool_repeated", r);
+  }
   w.Write(t, "region_f32", KeepMaskRequest({}));
   w.Write(t, "region_f16", KeepMaskRequest({.dtype = v1::DTYPE_F16}));
   w.Write(t, "region_bf16", KeepMaskRequest({.dtype = v1::DTYPE_BF16}));

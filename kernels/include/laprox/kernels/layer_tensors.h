@@ -11,10 +11,12 @@ namespace laprox::kernels {
 
 // One of the five: its field name (as in laprox.v1 LayerInputs and every C++ struct of them)
 // and whether every request must give it (keys, values; of the window tensors the request gives
-// queries or attention, and the log-sum-exp only with queries).
+// queries or attention, and the log-sum-exp only with queries), and whether it may be paged
+// (TensorView::Paged: keys and values, which an engine keeps in its block pool).
 struct LayerTensor {
   const char* name;
   bool required;
+  bool pageable;
 };
 
 // Calls f(tensor, layers.<member>...) for each of the five tensors, in the order above, of all
@@ -23,11 +25,11 @@ struct LayerTensor {
 // status that is not OK (then the rest are not visited). f returns absl::Status.
 template <typename F, typename... Layers>
 absl::Status ForEachLayerTensor(F&& f, Layers&... layers) {
-  absl::Status s = f(LayerTensor{"keys", true}, layers.keys...);
-  if (s.ok()) s = f(LayerTensor{"values", true}, layers.values...);
-  if (s.ok()) s = f(LayerTensor{"window_queries", false}, layers.window_queries...);
-  if (s.ok()) s = f(LayerTensor{"window_attention", false}, layers.window_attention...);
-  if (s.ok()) s = f(LayerTensor{"window_lse", false}, layers.window_lse...);
+  absl::Status s = f(LayerTensor{"keys", true, true}, layers.keys...);
+  if (s.ok()) s = f(LayerTensor{"values", true, true}, layers.values...);
+  if (s.ok()) s = f(LayerTensor{"window_queries", false, false}, layers.window_queries...);
+  if (s.ok()) s = f(LayerTensor{"window_attention", false, false}, layers.window_attention...);
+  if (s.ok()) s = f(LayerTensor{"window_lse", false, false}, layers.window_lse...);
   return s;
 }
 

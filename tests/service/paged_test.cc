@@ -1,0 +1,185 @@
+// Paged keys and values over gRPC: the pool lives in a shared-memory region, the block table
+// travels in the request, and a bad table or layout gets its exact code and field.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "tests/service/server_fixture.h"
+
+namespace laprox::service {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int64_t kBlock = 20, kBlocks = kN / kBlock;  // 15 blocks of 20 rows per head
+static_assert(kN % kBlock == 0);
+
+class PagedServiceTest : public ServerTest {
+ protected:
+  // Rewrites the prefill's shared memory so that logical block b of every head of every layer's
+  // keys and values sits at physical block ids[b] of that tensor (DirectPlan keeps reading the
+  // unshuffled host copy).
+  static void ShuffleBlocks(const Prefill& prefill, const std::vector<int32_t>& ids) {
+    const int fd = shm_open(("/" + prefill.name()).c_str(), O_RDWR, 0);
+    ASSERT_GE(fd, 0);
+    void* p = mmap(nullptr, prefill.Bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    ASSERT_NE(p, MAP_FAILED);
+    auto* pool = static_cast<float*>(p);
+    for (int l = 0; l < kL; ++l) {
+      for (int64_t tensor = 0; tensor < 2; ++tensor) {
+        const int64_t base = l * prefill.LayerFloats() + tensor * prefill.KvFloats();
+        for (int64_t h = 0; h < kHkv; ++h) {
+          for (int64_t b = 0; b < kBlocks; ++b) {
+            std::memcpy(
+                pool + base + h * kN * kD + ids[b] * kBlock * kD,
+                prefill.layer(l) + tensor * prefill.KvFloats() + h * kN * kD + b * kBlock * kD,
+                kBlock * kD * sizeof(float));
+          }
+        }
+      }
+    }
+    munmap(p, prefill.Bytes());
+  }
+
+  // The fixture's good request with every layer's keys and values paged through one table (as
+  // vLLM shares one block table across layers).
+  static v1::ComputeKeepMaskRequest PagedRequest(uint64_t model, uint64_t region,
+                                                 const Prefill& prefill,
+                                                 const std::vector<int32_t>& ids) {
+    v1::ComputeKeepMaskRequest request = GoodRequest(model, region, prefill);
+    v1::BlockTable* table = request.add_block_tables();
+    table->mutable_block_ids()->Assign(ids.begin(), ids.end());
+    table->set_block_size(kBlock);
+    for (v1::LayerInputs& in : *request.mutable_layers()) {
+      for (v1::TensorRef* t : {in.mutable_keys(), in.mutable_values()}) {
+        v1::PagedLayout* paged = t->mutable_paged();
+        paged->set_block_table(0);
+        paged->set_block_stride(kBlock * kD);
+        paged->set_slot_stride(kD);
+        paged->set_head_stride(kN * kD);
+        paged->set_dim_stride(1);
+      }
+    }
+    return request;
+  }
+
+  static std::vector<int32_t> Shuffled() {
+    std::vector<int32_t> ids(kBlocks);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), std::mt19937(5));
+    return ids;
+  }
+};
+
+TEST_F(PagedServiceTest, ShuffledBlocksGiveTheLibrarysPlan) {
+  Prefill prefill(31);
+  const std::vector<int32_t> ids = Shuffled();
+  ShuffleBlocks(prefill, ids);
+  const uint64_t region = RegisterRegion(prefill);
+  const uint64_t model = RegisterModel(prefill);
+  v1::ComputeKeepMaskResponse response;
+  grpc::Status s = Call(&v1::Laprox::Stub::ComputeKeepMask,
+                        PagedRequest(model, region, prefill, ids), &response);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  const kernels::KeepPlan direct = DirectPlan(prefill);
+  EXPECT_THAT(response.positions(), ::testing::ElementsAreArray(direct.positions));
+  EXPECT_THAT(response.counts(), ::testing::ElementsAreArray(direct.counts));
+
+  // The table is what is read: the identity table over the shuffled pool gives another plan.
+  std::vector<int32_t> identity(kBlocks);
+  std::iota(identity.begin(), identity.end(), 0);
+  s = Call(&v1::Laprox::Stub::ComputeKeepMask, PagedRequest(model, region, prefill, identity),
+           &response);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_THAT(response.positions(), ::testing::Not(::testing::ElementsAreArray(direct.positions)));
+}
+
+struct BadPaged {
+  const char* what;
+  std::function<void(v1::ComputeKeepMaskRequest&)> mutate;
+  grpc::StatusCode code;
+  std::string message;
+};
+
+TEST_F(PagedServiceTest, BadTablesAndLayoutsAreRefusedWithTheirField) {
+  Prefill prefill(32);
+  const uint64_t region = RegisterRegion(prefill);
+  const uint64_t model = RegisterModel(prefill);
+  std::vector<int32_t> identity(kBlocks);
+  std::iota(identity.begin(), identity.end(), 0);
+  auto keys = [](v1::ComputeKeepMaskRequest& r, int l) {
+    return r.mutable_layers(l)->mutable_keys();
+  };
+  auto ids = [](v1::ComputeKeepMaskRequest& r) {
+    return r.mutable_block_tables(0)->mutable_block_ids();
+  };
+  const std::vector<BadPaged> cases = {
+      {"an id beyond the region", [&](auto& r) { ids(r)->Set(14, 1 << 20); },
+       grpc::StatusCode::OUT_OF_RANGE, "layers[0].keys: bytes ["},
+      {"a negative id", [&](auto& r) { ids(r)->Set(3, -1); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "block_tables[0]: block id [3] = -1 is negative"},
+      {"a repeated id", [&](auto& r) { ids(r)->Set(9, 2); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "block_tables[0]: block ids [2] and [9] are both physical block 2"},
+      {"a short table", [&](auto& r) { ids(r)->RemoveLast(); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "layers[0].keys: the block table has 14 ids, but 300 rows in blocks of 20 need "
+       "ceil(300 / 20) = 15"},
+      {"a long table", [&](auto& r) { ids(r)->Add(15); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "layers[0].keys: the block table has 16 ids"},
+      {"block size 0", [&](auto& r) { r.mutable_block_tables(0)->set_block_size(0); },
+       grpc::StatusCode::INVALID_ARGUMENT, "block_tables[0]: block_size = 0 is outside [1, 65536]"},
+      {"an unknown table", [&](auto& r) { keys(r, 2)->mutable_paged()->set_block_table(1); },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "layers[2].keys.paged.block_table = 1 but the request has 1 block tables"},
+      {"an overflowing block stride",
+       [&](auto& r) { keys(r, 1)->mutable_paged()->set_block_stride(int64_t{1} << 61); },
+       grpc::StatusCode::OUT_OF_RANGE, "layers[1].keys: extent of"},
+      {"a negative stride", [&](auto& r) { keys(r, 1)->mutable_paged()->set_dim_stride(-1); },
+       grpc::StatusCode::INVALID_ARGUMENT, "layers[1].keys: negative stride"},
+      {"strides beside the layout", [&](auto& r) { keys(r, 0)->add_strides(1); },
+       grpc::StatusCode::INVALID_ARGUMENT, "layers[0].keys.strides must be empty"},
+      {"a misaligned pool", [&](auto& r) { keys(r, 0)->mutable_region()->set_byte_offset(2); },
+       grpc::StatusCode::INVALID_ARGUMENT, "layers[0].keys.region.byte_offset = 2 is not aligned"},
+      {"paged window queries",
+       [&](auto& r) { r.mutable_layers(0)->mutable_window_queries()->mutable_paged(); },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "layers[0].window_queries.paged is set; only keys and values may be paged"},
+      {"an inline pool",
+       [&](auto& r) { keys(r, 0)->set_inline_bytes(std::string(4 * kHkv * kN * kD, '\0')); },
+       grpc::StatusCode::INVALID_ARGUMENT, "layers[0].keys.paged needs the pool in a region"},
+      {"more tables than 2 per layer",
+       [&](auto& r) {
+         for (int t = 0; t < 2 * kL; ++t) *r.add_block_tables() = r.block_tables(0);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "block_tables has 7 tables; at most 2 * 3 layers = 6"},
+  };
+  for (const BadPaged& c : cases) {
+    v1::ComputeKeepMaskRequest request = PagedRequest(model, region, prefill, identity);
+    c.mutate(request);
+    v1::ComputeKeepMaskResponse response;
+    grpc::Status s = Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response);
+    EXPECT_EQ(s.error_code(), c.code) << c.what << ": " << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr(c.message)) << c.what;
+  }
+  // The identity table reads the unshuffled pool: the library's plan.
+  v1::ComputeKeepMaskResponse response;
+  grpc::Status s = Call(&v1::Laprox::Stub::ComputeKeepMask,
+                        PagedRequest(model, region, prefill, identity), &response);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_THAT(response.positions(), ::testing::ElementsAreArray(DirectPlan(prefill).positions));
+  ExpectServes(33);
+}
+
+}  // namespace
+}  // namespace laprox::service
