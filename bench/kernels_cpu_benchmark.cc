@@ -43,6 +43,7 @@
 #include <fstream>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -84,7 +85,14 @@ constexpr Geometry kLlama{"Llama-3.1-8B", 32, 32, 8, 128, 4096};
 struct Case {
   Geometry geometry;
   int64_t n;
-  std::string Name() const { return absl::StrCat(geometry.name, "_n", n); }
+  // 0: keys and values contiguous [Hkv, n, d] per layer. Otherwise paged, as vLLM's
+  // FlashAttention pool [num_blocks, block_size, Hkv, d] per layer and tensor, the sequence's
+  // blocks at shuffled ids (one table for every layer): the same numbers, read through the table.
+  int64_t block_size = 0;
+  std::string Name() const {
+    return absl::StrCat(geometry.name, "_n", n,
+                        block_size ? absl::StrCat("_paged", block_size) : std::string());
+  }
   double Flops() const {
     const Geometry& g = geometry;
     const double per_layer = 2.0 * g.H * kWindow * n * g.d + 2.0 * g.H * n * g.d * g.d;
@@ -310,11 +318,22 @@ class CaseData {
     request_.policy.gqa_value = GqaValue::kMeanHeadNorm;
     request_.policy.pool_kernel = kPoolKernel;
     request_.policy.budget = Budget::TokensPerHead(kTokensPerHead);
+    if (c.block_size > 0) Page(c);
     for (int l = 0; l < g.L; ++l) {
       LayerInputs in;
       const int64_t kv_offset = int64_t{l} * g.Hkv * c.n * g.d;
-      in.keys = TensorView(keys_.data() + kv_offset, DType::kF32, Dims{g.Hkv, c.n, g.d});
-      in.values = TensorView(values_.data() + kv_offset, DType::kF32, Dims{g.Hkv, c.n, g.d});
+      if (table_) {
+        const PagedLayout layout = {&*table_, c.block_size * g.Hkv * g.d, int64_t{g.Hkv} * g.d, g.d,
+                                    1};
+        const int64_t pool_offset = int64_t{l} * blocks_ * c.block_size * g.Hkv * g.d;
+        in.keys = TensorView::Paged(keys_.data() + pool_offset, DType::kF32, Dims{g.Hkv, c.n, g.d},
+                                    layout);
+        in.values = TensorView::Paged(values_.data() + pool_offset, DType::kF32,
+                                      Dims{g.Hkv, c.n, g.d}, layout);
+      } else {
+        in.keys = TensorView(keys_.data() + kv_offset, DType::kF32, Dims{g.Hkv, c.n, g.d});
+        in.values = TensorView(values_.data() + kv_offset, DType::kF32, Dims{g.Hkv, c.n, g.d});
+      }
       in.window_queries = TensorView(queries_.data() + int64_t{l} * g.H * kWindow * g.d,
                                      DType::kF32, Dims{g.H, kWindow, g.d});
       request_.layers.push_back(in);
@@ -328,7 +347,8 @@ class CaseData {
       status_ = plan.status();
       return;
     }
-    if (const std::string root = DumpRoot(); !root.empty()) Dump(root, o_proj, *plan);
+    // numpy reads contiguous dumps; a paged case holds the same numbers as its contiguous twin.
+    if (const std::string root = DumpRoot(); !root.empty() && !table_) Dump(root, o_proj, *plan);
   }
 
   const absl::Status& status() const { return status_; }
@@ -336,6 +356,34 @@ class CaseData {
   const KeepPlanRequest& request() const { return request_; }
 
  private:
+  // Moves keys_ and values_ into per-layer pools of whole blocks (the last one padded with
+  // zeros), logical block b at physical block table_->ids()[b].
+  void Page(const Case& c) {
+    const Geometry& g = c.geometry;
+    const int64_t bs = c.block_size, row = int64_t{g.Hkv} * g.d;
+    blocks_ = (c.n + bs - 1) / bs;
+    std::vector<int32_t> ids(blocks_);
+    for (int64_t b = 0; b < blocks_; ++b) ids[b] = static_cast<int32_t>(b);
+    for (int64_t b = blocks_ - 1; b > 0; --b) {  // Fisher-Yates on the benchmark's own stream
+      std::swap(ids[b], ids[SplitMix64(kSeed + static_cast<uint64_t>(b)) % (b + 1)]);
+    }
+    for (std::vector<float>* tensor : {&keys_, &values_}) {
+      std::vector<float> pool(static_cast<size_t>(g.L) * blocks_ * bs * row, 0.f);
+      for (int64_t l = 0; l < g.L; ++l) {
+        const float* src = tensor->data() + l * g.Hkv * c.n * g.d;
+        float* dst = pool.data() + l * blocks_ * bs * row;
+        for (int64_t h = 0; h < g.Hkv; ++h) {
+          for (int64_t i = 0; i < c.n; ++i) {
+            std::copy_n(src + (h * c.n + i) * g.d, g.d,
+                        dst + ids[i / bs] * bs * row + (i % bs) * row + h * g.d);
+          }
+        }
+      }
+      *tensor = std::move(pool);
+    }
+    table_ = *BlockTable::Create(std::move(ids), bs);
+  }
+
   void Dump(const std::string& root, const std::vector<float>& o_proj, const KeepPlan& plan) {
     const std::filesystem::path dir = std::filesystem::path(root) / case_.Name();
     std::filesystem::create_directories(dir);
@@ -361,6 +409,8 @@ class CaseData {
   std::vector<float> keys_, values_, queries_;
   std::shared_ptr<const PreparedModel> model_;
   KeepPlanRequest request_;
+  std::optional<BlockTable> table_;  // paged cases
+  int64_t blocks_ = 0;
 };
 
 struct Globals {
@@ -458,7 +508,9 @@ int Run(int argc, char** argv) {
   // The backend already set this process-wide; say it again because the floor depends on it.
   openblas_set_num_threads(1);
 
-  const std::vector<Case> cases = {{kSmolLM2, 4096}, {kSmolLM2, 32768}, {kLlama, 4096}};
+  // Each paged case right after its contiguous twin, so the two see the same machine.
+  const std::vector<Case> cases = {{kSmolLM2, 4096},      {kSmolLM2, 4096, 16}, {kSmolLM2, 32768},
+                                   {kSmolLM2, 32768, 16}, {kLlama, 4096},       {kLlama, 4096, 16}};
 
   // The floor, measured before the cases so that no case's memory is in the way.
   RefreshRates(/*trials=*/5);
@@ -478,8 +530,11 @@ int Run(int argc, char** argv) {
   benchmark::AddCustomContext("laprox_read_gbs", absl::StrCat(s.rates.read_bytes * 1e-9));
 
   for (const Case& c : cases) {
-    benchmark::RegisterBenchmark(absl::StrCat("KeepPlan/", c.geometry.name, "/n:", c.n).c_str(),
-                                 [c](benchmark::State& state) { BM_KeepPlan(state, c); })
+    benchmark::RegisterBenchmark(
+        absl::StrCat(c.block_size ? "KeepPlanPaged/" : "KeepPlan/", c.geometry.name, "/n:", c.n,
+                     c.block_size ? absl::StrCat("/block:", c.block_size) : std::string())
+            .c_str(),
+        [c](benchmark::State& state) { BM_KeepPlan(state, c); })
         ->Iterations(kIterations)
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);

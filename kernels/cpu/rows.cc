@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -20,17 +21,40 @@ void ConvertRow(const uint16_t* src, int64_t stride, int64_t cols, Convert conve
   }
 }
 
+constexpr int64_t kPrefetchRows = 16;
+
 // Converts rows into dst (ld = cols).
 void ConvertRows(const TensorView& view, int64_t head, int64_t row0, int64_t count, float* dst) {
   const int64_t cols = view.dim(2);
   const int64_t s2 = view.stride(2);
+  // Within a block (the whole tensor when not paged) consecutive rows are stride(1) apart, so
+  // the table is read once per block, not per row.
+  const int64_t block_size = view.paged() ? view.layout().table->block_size() : count;
+  int64_t offset = 0;
   for (int64_t r = 0; r < count; ++r) {
-    const int64_t offset = view.RowOffset(head, row0 + r);  // through the block table if paged
+    if (r == 0 || (row0 + r) % block_size == 0) {
+      offset = view.RowOffset(head, row0 + r);
+    } else {
+      offset += view.stride(1);
+    }
     float* row = dst + r * cols;
+    if (view.paged() && r + kPrefetchRows < count && s2 == 1) {
+      // Blocks lie anywhere in the pool, so the hardware prefetcher loses the stream at every
+      // block boundary: ask for a row a few ahead.
+      const char* ahead = static_cast<const char*>(view.data()) +
+                          view.RowOffset(head, row0 + r + kPrefetchRows) * DTypeSize(view.dtype());
+      for (int64_t b = 0; b < cols * static_cast<int64_t>(DTypeSize(view.dtype())); b += 64) {
+        __builtin_prefetch(ahead + b);
+      }
+    }
     switch (view.dtype()) {
       case DType::kF32: {
         const float* src = static_cast<const float*>(view.data()) + offset;
-        for (int64_t c = 0; c < cols; ++c) row[c] = src[c * s2];
+        if (s2 == 1) {
+          std::memcpy(row, src, cols * sizeof(float));
+        } else {
+          for (int64_t c = 0; c < cols; ++c) row[c] = src[c * s2];
+        }
         break;
       }
       case DType::kF16:
