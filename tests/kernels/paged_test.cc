@@ -240,8 +240,9 @@ TEST_F(PagedViewTest, OverflowingAndNegativeStridesAreRefused) {
   EXPECT_THAT(s.message(), HasSubstr("negative stride"));
 }
 
-// Through a backend: only keys and values may be paged, the messages name the layer and field,
-// and a backend that cannot read paged views says so.
+// Through a backend: only keys and values may be paged, and the messages name the layer and
+// field. (A backend that cannot read paged views, CUDA for now, answers UNIMPLEMENTED from
+// Backend::CheckKeepPlanRequest; no GPU here to show it.)
 TEST(PagedRequestTest, BadPagedInputsNameTheirField) {
   TinyCase c(2, 2, 1, 4, 4, 40, 4);
   c.Randomize(5);
