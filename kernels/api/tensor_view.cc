@@ -201,8 +201,8 @@ absl::StatusOr<BlockTable> BlockTable::Create(std::vector<int32_t> ids, int64_t 
   }
   if (!allow_repeated_ids && ids.size() > 1) {
     // (id, index) pairs sorted: a repeated id shows up as two neighbours.
-    std::vector<std::pair<int32_t, int32_t>> sorted(ids.size());
-    for (size_t i = 0; i < ids.size(); ++i) sorted[i] = {ids[i], static_cast<int32_t>(i)};
+    std::vector<std::pair<int32_t, size_t>> sorted(ids.size());
+    for (size_t i = 0; i < ids.size(); ++i) sorted[i] = {ids[i], i};
     std::sort(sorted.begin(), sorted.end());
     for (size_t i = 1; i < sorted.size(); ++i) {
       if (sorted[i].first == sorted[i - 1].first) {

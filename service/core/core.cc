@@ -368,6 +368,17 @@ absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call
   tables.reserve(call.block_tables.size());
   for (size_t t = 0; t < call.block_tables.size(); ++t) {
     const BlockTableSpec& spec = call.block_tables[t];
+    // Every table is this sequence's: its length follows from n, checked before the ids are
+    // copied and sorted so that a bloated table costs nothing.
+    if (spec.block_size >= 1 && call.n >= 1) {
+      const int64_t blocks = (call.n + spec.block_size - 1) / spec.block_size;
+      if (static_cast<int64_t>(spec.ids.size()) != blocks) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("block_tables[", t, "] has ", spec.ids.size(), " ids, but n = ", call.n,
+                         " tokens in blocks of ", spec.block_size, " need ceil(", call.n, " / ",
+                         spec.block_size, ") = ", blocks));
+      }
+    }
     auto table = kernels::BlockTable::Create({spec.ids.begin(), spec.ids.end()}, spec.block_size,
                                              spec.allow_repeated_ids);
     if (!table.ok()) {

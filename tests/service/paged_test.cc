@@ -133,10 +133,16 @@ TEST_F(PagedServiceTest, BadTablesAndLayoutsAreRefusedWithTheirField) {
       {"a repeated id", [&](auto& r) { ids(r)->Set(9, 2); }, grpc::StatusCode::INVALID_ARGUMENT,
        "block_tables[0]: block ids [2] and [9] are both physical block 2"},
       {"a short table", [&](auto& r) { ids(r)->RemoveLast(); }, grpc::StatusCode::INVALID_ARGUMENT,
-       "layers[0].keys: the block table has 14 ids, but 300 rows in blocks of 20 need "
-       "ceil(300 / 20) = 15"},
+       "block_tables[0] has 14 ids, but n = 300 tokens in blocks of 20 need ceil(300 / 20) = 15"},
       {"a long table", [&](auto& r) { ids(r)->Add(15); }, grpc::StatusCode::INVALID_ARGUMENT,
-       "layers[0].keys: the block table has 16 ids"},
+       "block_tables[0] has 16 ids"},
+      {"a table for a shorter sequence",
+       [&](auto& r) {
+         r.set_n(280);  // the tensors' shapes still say 300
+         ids(r)->RemoveLast();
+       },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "layers[0].keys: the block table has 14 ids, but 300 rows in blocks of 20 need"},
       {"block size 0", [&](auto& r) { r.mutable_block_tables(0)->set_block_size(0); },
        grpc::StatusCode::INVALID_ARGUMENT, "block_tables[0]: block_size = 0 is outside [1, 65536]"},
       {"an unknown table", [&](auto& r) { keys(r, 2)->mutable_paged()->set_block_table(1); },
