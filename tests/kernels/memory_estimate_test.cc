@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <new>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -132,8 +133,28 @@ TEST(MemoryEstimateTest, KeepPlanAllocatesAtMostTheEstimate) {
   EXPECT_EQ(model->ByteSize(), prepare_estimate->output_bytes);
   EXPECT_LE(prepare_peak, prepare_estimate->total());
 
-  for (const Case& c : Cases()) {
+  // Every case again with keys and values paged (blocks of 20 rows over the same memory, an
+  // identity table): paged rows are converted through the row scratch even in fp32.
+  std::vector<int32_t> ids(3000 / 20);
+  std::iota(ids.begin(), ids.end(), 0);
+  const BlockTable table = *BlockTable::Create(ids, 20);
+  std::vector<Case> cases = Cases();
+  const size_t contiguous = cases.size();
+  for (size_t i = 0; i < contiguous; ++i) {
+    cases.push_back(cases[i]);
+    cases.back().name += "_paged";
+  }
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const Case& c = cases[i];
     KeepPlanRequest request = tiny.Request();
+    if (i >= contiguous) {
+      for (LayerInputs& in : request.layers) {
+        for (TensorView* view : {&in.keys, &in.values}) {
+          *view = TensorView::Paged(view->data(), DType::kF32, view->shape(),
+                                    {&table, 20 * 32, 32, 3000 * 32, 1});
+        }
+      }
+    }
     request.policy = c.policy;
     request.policy.budget = Budget::TokensPerHead(300);
     request.outputs = c.outputs;
