@@ -128,7 +128,7 @@ absl::Status TensorView::PagedExtent(int64_t* extent) const {
     }
   }
   const int64_t rows = shape_[1], block_size = table.block_size();
-  const int64_t blocks = rows / block_size + (rows % block_size != 0);
+  const int64_t blocks = BlockTable::BlocksFor(rows, block_size);
   if (static_cast<int64_t>(table.ids().size()) != blocks) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the block table has ", table.ids().size(), " ids, but ", rows, " rows in blocks of ",

@@ -371,7 +371,7 @@ absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call
     // Every table is this sequence's: its length follows from n, checked before the ids are
     // copied and sorted so that a bloated table costs nothing.
     if (spec.block_size >= 1 && call.n >= 1) {
-      const int64_t blocks = (call.n + spec.block_size - 1) / spec.block_size;
+      const int64_t blocks = kernels::BlockTable::BlocksFor(call.n, spec.block_size);
       if (static_cast<int64_t>(spec.ids.size()) != blocks) {
         return absl::InvalidArgumentError(
             absl::StrCat("block_tables[", t, "] has ", spec.ids.size(), " ids, but n = ", call.n,

@@ -77,9 +77,10 @@ class TensorView {
   int64_t num_elements() const;
   // One past the largest element offset the view touches (0 for an empty shape), or an
   // OUT_OF_RANGE error when that number does not fit in int64. Callers that own the buffer
-  // compare it with the buffer's element count. A paged view is checked here too: rank 3, a
-  // table of exactly ceil(rows / block_size) ids, and blocks that do not overlap (block_stride
-  // at least the span of one block); its extent covers the largest id's whole block.
+  // compare it with the buffer's element count. A paged view is checked here too: rank 3,
+  // strides >= 0 and a table of exactly BlocksFor(rows, block_size) ids; its extent covers the
+  // largest id's whole block. Blocks that overlap each other are not refused (reading them is
+  // safe; the plan is then the engine's own garbage).
   absl::Status ElementExtent(int64_t* extent) const;
 
   // Reads element at flat element offset `offset` as fp32 (host memory only).
@@ -112,6 +113,12 @@ class BlockTable {
   // message names both indices and the id).
   static absl::StatusOr<BlockTable> Create(std::vector<int32_t> ids, int64_t block_size,
                                            bool allow_repeated_ids = false);
+
+  // ceil(rows / block_size): the ids a table of a sequence of `rows` tokens holds (rows >= 0,
+  // block_size >= 1).
+  static int64_t BlocksFor(int64_t rows, int64_t block_size) {
+    return rows / block_size + (rows % block_size != 0);
+  }
 
   const std::vector<int32_t>& ids() const { return ids_; }
   int64_t block_size() const { return block_size_; }
