@@ -10,6 +10,7 @@
 #include "common/saturating.h"
 #include "common/status_macros.h"
 #include "laprox/kernels/layer_tensors.h"
+#include "policy/blocks.h"
 #include "policy/budget.h"
 
 namespace laprox::kernels {
@@ -35,9 +36,44 @@ absl::Status CheckView(const std::string& name, const TensorView& view, const Di
   return absl::OkStatus();
 }
 
+// The block size of a block-shaped plan (policy.block_size, else the block size of the table
+// layers[0].keys is read through) into shape.block_size and num_blocks; every table a paged
+// key or value is read through must have that block size.
+absl::Status ResolveBlockSize(const KeepPlanRequest& request, RequestShape& shape) {
+  const PlanShape plan_shape = request.policy.EffectivePlanShape();
+  if (!IsBlockShape(plan_shape)) return absl::OkStatus();
+  int64_t bs = request.policy.block_size;
+  const TensorView& keys = request.layers[0].keys;
+  if (bs == 0) {
+    if (!keys.paged()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy.plan_shape = ", PlanShapeName(plan_shape),
+          " needs a block size: set policy.block_size, or page layers[0].keys through a block "
+          "table"));
+    }
+    bs = keys.layout().table->block_size();
+  }
+  for (size_t l = 0; l < request.layers.size(); ++l) {
+    for (const auto& [name, view] : {std::pair<const char*, const TensorView*>{
+                                         "keys", &request.layers[l].keys},
+                                     {"values", &request.layers[l].values}}) {
+      if (view->paged() && view->layout().table->block_size() != bs) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "layers[", l, "].", name, " is read through a block table of block size ",
+            view->layout().table->block_size(), ", but the plan's blocks have ", bs,
+            request.policy.block_size != 0 ? " (policy.block_size)"
+                                           : " (the block size of layers[0].keys)"));
+      }
+    }
+  }
+  shape.block_size = bs;
+  shape.num_blocks = BlockTable::BlocksFor(shape.n, bs);
+  return absl::OkStatus();
+}
+
 // The checks ComputeKeepPlan runs before any tensor data is read (the backend-independent
 // part; CheckKeepPlanRequest adds the backend's own). Returns the derived shape.
-absl::StatusOr<PlanShape> ValidateKeepPlanRequest(const ModelGeometry& geometry,
+absl::StatusOr<RequestShape> ValidateKeepPlanRequest(const ModelGeometry& geometry,
                                                   const PrepareOptions& prepared,
                                                   const KeepPlanRequest& request) {
   LAPROX_RETURN_IF_ERROR(request.policy.Validate());
@@ -70,7 +106,7 @@ absl::StatusOr<PlanShape> ValidateKeepPlanRequest(const ModelGeometry& geometry,
                                                       "output_projection"));
   }
 
-  PlanShape shape;
+  RequestShape shape;
   shape.n = n;
   shape.num_layers = geometry.num_layers;
   shape.num_kv_heads = geometry.num_kv_heads;
@@ -140,6 +176,7 @@ absl::StatusOr<PlanShape> ValidateKeepPlanRequest(const ModelGeometry& geometry,
     }
   }
   policy::DeriveBudget(request.policy, shape);
+  LAPROX_RETURN_IF_ERROR(ResolveBlockSize(request, shape));
   return shape;
 }
 
@@ -169,7 +206,7 @@ absl::StatusOr<std::shared_ptr<const PreparedModel>> Backend::PrepareModel(
   return PrepareModelImpl(geometry, o_proj, options);
 }
 
-absl::StatusOr<PlanShape> Backend::CheckKeepPlanRequest(const PreparedModel& model,
+absl::StatusOr<RequestShape> Backend::CheckKeepPlanRequest(const PreparedModel& model,
                                                         const KeepPlanRequest& request) const {
   if (!Supports(request.policy.kind)) {
     return absl::UnimplementedError(
@@ -181,7 +218,7 @@ absl::StatusOr<PlanShape> Backend::CheckKeepPlanRequest(const PreparedModel& mod
                                                       BackendKindName(model.backend()),
                                                       " backend, not ", BackendKindName(kind())));
   }
-  LAPROX_ASSIGN_OR_RETURN(PlanShape shape,
+  LAPROX_ASSIGN_OR_RETURN(RequestShape shape,
                           ValidateKeepPlanRequest(model.geometry(), model.options(), request));
   for (size_t l = 0; l < request.layers.size(); ++l) {
     LAPROX_RETURN_IF_ERROR(ForEachLayerTensor(
@@ -208,9 +245,18 @@ absl::StatusOr<KeepPlan> Backend::ComputeKeepPlan(const PreparedModel& model,
                                                   const KeepPlanRequest& request) {
   using Clock = std::chrono::steady_clock;
   const Clock::time_point start = Clock::now();
-  LAPROX_ASSIGN_OR_RETURN(PlanShape shape, CheckKeepPlanRequest(model, request));
+  LAPROX_ASSIGN_OR_RETURN(RequestShape shape, CheckKeepPlanRequest(model, request));
   const Clock::time_point validated = Clock::now();
   absl::StatusOr<KeepPlan> plan = ComputeKeepPlanImpl(model, request, shape);
+  if (plan.ok() && plan->blocks) {
+    // Physical ids come from the unit's keys (kBlocksShared: layers[0]'s).
+    std::vector<const BlockTable*> tables;
+    for (int32_t u = 0; u < plan->blocks->units; ++u) {
+      const TensorView& keys = request.layers[u].keys;
+      tables.push_back(keys.paged() ? keys.layout().table : nullptr);
+    }
+    policy::FillBlockTables(tables, *plan->blocks);
+  }
   if (plan.ok()) {
     PlanTiming& t = plan->timing;
     t.validate_seconds =
@@ -226,7 +272,7 @@ int64_t MemoryEstimate::total() const { return SatAdd(workspace_bytes, output_by
 
 absl::StatusOr<MemoryEstimate> Backend::EstimateKeepPlanMemory(
     const PreparedModel& model, const KeepPlanRequest& request) const {
-  LAPROX_ASSIGN_OR_RETURN(PlanShape shape, CheckKeepPlanRequest(model, request));
+  LAPROX_ASSIGN_OR_RETURN(RequestShape shape, CheckKeepPlanRequest(model, request));
   const int64_t heads = SatMul(shape.num_layers, shape.num_kv_heads), n = shape.n;
   const int64_t entries = SatMul(heads, n);
   // LAPROX keeps exactly window + sinks + quota per head on average; a baseline at most n.
@@ -239,7 +285,20 @@ absl::StatusOr<MemoryEstimate> Backend::EstimateKeepPlanMemory(
       SatAdd({SatMul(heads, 4), SatMul(SatAdd(heads, 1), 8), out.positions ? SatMul(kept, 4) : 0,
               out.bitmask ? SatMul(heads, (n + 7) / 8) : 0, out.scores ? SatMul(entries, 4) : 0,
               SatMul(shape.num_layers, 8)});
+  if (shape.num_blocks > 0) {
+    // Per (unit, block): kept, new table and freed ids (4 bytes each), scores (8), offsets.
+    const int64_t unit_blocks = SatMul(shape.num_layers, shape.num_blocks);
+    estimate.output_bytes = SatAdd({estimate.output_bytes, SatMul(unit_blocks, 12),
+                                    out.scores ? SatMul(unit_blocks, 8) : 0,
+                                    SatMul(SatAdd(shape.num_layers, 1), 16)});
+  }
   estimate.workspace_bytes = KeepPlanWorkspaceBytes(model.geometry(), shape, request.policy);
+  if (shape.num_blocks > 0) {
+    // The block selection's scores, marks and candidate pool (policy/blocks.cc); its per-token
+    // buffers stay within the token selection's, which the backend counted.
+    estimate.workspace_bytes = SatAdd(estimate.workspace_bytes,
+                                      SatMul({shape.num_layers, shape.num_blocks, 32}));
+  }
   return estimate;
 }
 
@@ -257,7 +316,7 @@ absl::StatusOr<MemoryEstimate> Backend::EstimatePrepareMemory(const ModelGeometr
   return estimate;
 }
 
-int64_t Backend::KeepPlanWorkspaceBytes(const ModelGeometry&, const PlanShape& shape,
+int64_t Backend::KeepPlanWorkspaceBytes(const ModelGeometry&, const RequestShape& shape,
                                         const PolicySpec&) const {
   // The raw scores read back and the selection's 32-bit marks, per (layer, head, token).
   const int64_t heads = SatMul(shape.num_layers, shape.num_kv_heads);

@@ -34,6 +34,41 @@ absl::Status ValidateBaseline(const BaselineParams& b) {
   return absl::OkStatus();
 }
 
+// The plan shape against the kind, head_uniform_layers and block_size (SEMANTICS.md, "Plan
+// shapes").
+absl::Status ValidatePlanShape(const PolicySpec& p) {
+  const bool blocks = IsBlockShape(p.plan_shape);
+  if (blocks && p.head_uniform_layers && p.kind == PolicyKind::kLaprox) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.head_uniform_layers = true asks for LAYER_UNIFORM plans, but policy.plan_shape = ",
+        PlanShapeName(p.plan_shape)));
+  }
+  const bool block_kind = p.kind == PolicyKind::kLaprox || p.kind == PolicyKind::kStreamingLlm ||
+                          p.kind == PolicyKind::kSnapKv || p.kind == PolicyKind::kAdaKv;
+  if (blocks && !block_kind) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.plan_shape = ", PlanShapeName(p.plan_shape), " is not defined for policy.kind = ",
+        PolicyKindName(p.kind), " (block shapes: LAPROX, STREAMING_LLM, SNAPKV, ADAKV)"));
+  }
+  if (p.plan_shape == PlanShape::kLayerUniform &&
+      (p.kind == PolicyKind::kAdaKv || p.kind == PolicyKind::kCriticalAdaKv)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.plan_shape = LAYER_UNIFORM is not defined for policy.kind = ",
+        PolicyKindName(p.kind), ", whose heads keep different counts by design"));
+  }
+  if (p.block_size < 0 || p.block_size > PolicySpec::kMaxBlockSize) {
+    return absl::InvalidArgumentError(absl::StrCat("policy.block_size = ", p.block_size,
+                                                   " is outside [1, ", PolicySpec::kMaxBlockSize,
+                                                   "]"));
+  }
+  if (p.block_size != 0 && !blocks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.block_size = ", p.block_size, " is set, but policy.plan_shape = ",
+        PlanShapeName(p.plan_shape), " is not a block shape (BLOCKS_SHARED, BLOCKS_PER_LAYER)"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::string_view PolicyKindName(PolicyKind k) {
@@ -143,6 +178,27 @@ absl::string_view PoolTargetName(PoolTarget t) {
   return t == PoolTarget::kScore ? "SCORE" : "ATTENTION";
 }
 
+absl::string_view PlanShapeName(PlanShape s) {
+  switch (s) {
+    case PlanShape::kRagged:
+      return "RAGGED";
+    case PlanShape::kLayerUniform:
+      return "LAYER_UNIFORM";
+    case PlanShape::kBlocksShared:
+      return "BLOCKS_SHARED";
+    case PlanShape::kBlocksPerLayer:
+      return "BLOCKS_PER_LAYER";
+  }
+  return "?";
+}
+
+PlanShape PolicySpec::EffectivePlanShape() const {
+  if (plan_shape == PlanShape::kRagged && head_uniform_layers && kind == PolicyKind::kLaprox) {
+    return PlanShape::kLayerUniform;
+  }
+  return plan_shape;
+}
+
 GqaValue PolicySpec::EffectiveGqaValue() const {
   if (gqa_value) return *gqa_value;
   return kind == PolicyKind::kLaprox && indicator == Indicator::kAttentionXProjectedValue
@@ -182,6 +238,7 @@ absl::Status PolicySpec::Validate() const {
         "policy.gqa_value = ", GqaValueName(EffectiveGqaValue()), " needs indicator ",
         IndicatorName(Indicator::kAttentionXProjectedValue), ", got ", IndicatorName(indicator)));
   }
+  if (absl::Status s = ValidatePlanShape(*this); !s.ok()) return s;
   switch (budget.kind) {
     case Budget::Kind::kTokensPerHead:
       if (budget.tokens_per_head < 0 || budget.tokens_per_head > kMaxTokensPerHead) {

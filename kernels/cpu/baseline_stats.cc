@@ -45,7 +45,7 @@ void RowMoments(const float* rows, int64_t we, int64_t n, int64_t prefix, float*
 // shortcut, so V W_O^h is formed, but a chunk of tokens at a time (never n x D at once).
 // KVPRESS_COMPAT rounds like kvpress's vwl1norm in the model dtype: each product element, each
 // head's norm and the group mean. *max_values: the largest |v| of the head.
-absl::Status ProjectedValueL1(const PlanShape& shape, const HeadTask& task, ScoreWorkspace& ws,
+absl::Status ProjectedValueL1(const RequestShape& shape, const HeadTask& task, ScoreWorkspace& ws,
                               float* u, float* max_values) {
   const int64_t n = shape.n, d = shape.head_dim, G = shape.group_size, D = task.hidden_size;
   const int64_t Hd = int64_t{shape.num_kv_heads} * G * d;
@@ -102,7 +102,7 @@ void CompatRowMean(DType T, const float* rows, int64_t we, int64_t n, int64_t pr
 // Each query head's score is pooled before the group mean (they commute only for AVG).
 // KVPRESS_COMPAT (task.kvpress_compat) rounds the row mean, the pooled score and the group mean
 // to T as kvpress's bf16 tensor ops do (mean = fp32 sum / count, rounded once).
-void WindowStatistics(const PlanShape& shape, const PolicySpec& policy, const HeadTask& task,
+void WindowStatistics(const RequestShape& shape, const PolicySpec& policy, const HeadTask& task,
                       DType attention_dtype, ScoreWorkspace& ws, const BaselineHeadOutput& out) {
   const int64_t n = shape.n, we = shape.window, G = shape.group_size, prefix = n - we;
   const bool cake = policy.kind == PolicyKind::kCake;
@@ -167,7 +167,7 @@ void WindowStatistics(const PlanShape& shape, const PolicySpec& policy, const He
 
 }  // namespace
 
-absl::Status BaselineHead(const PlanShape& shape, const PolicySpec& policy, const HeadTask& task,
+absl::Status BaselineHead(const RequestShape& shape, const PolicySpec& policy, const HeadTask& task,
                           DType attention_dtype, ScoreWorkspace& ws,
                           const BaselineHeadOutput& out) {
   LAPROX_RETURN_IF_ERROR(WindowAttention(shape, task, ws));

@@ -33,7 +33,7 @@ struct BaselineHeadOutput {
 // window attention comes from rounded logits (window.h), and the row mean (fp32 sum / we), the
 // pooled score (AVG: sum / k), the group mean (sum / G), every element of v_i W_O^h, each head's
 // L1 norm and the norms' group mean are rounded to T, as kvpress computes them in the model dtype.
-absl::Status BaselineHead(const PlanShape& shape, const PolicySpec& policy, const HeadTask& task,
+absl::Status BaselineHead(const RequestShape& shape, const PolicySpec& policy, const HeadTask& task,
                           DType attention_dtype, ScoreWorkspace& ws, const BaselineHeadOutput& out);
 
 }  // namespace laprox::kernels::cpu

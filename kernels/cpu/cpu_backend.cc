@@ -158,7 +158,7 @@ absl::StatusOr<std::shared_ptr<const PreparedModel>> CpuBackend::PrepareModelImp
 
 absl::StatusOr<KeepPlan> CpuBackend::ComputeKeepPlanImpl(const PreparedModel& model,
                                                          const KeepPlanRequest& request,
-                                                         const PlanShape& shape) {
+                                                         const RequestShape& shape) {
   const auto& prepared = static_cast<const CpuPreparedModel&>(model);
   if (request.policy.kind != PolicyKind::kLaprox) {
     return ComputeBaselinePlan(prepared, request, shape);
@@ -191,7 +191,7 @@ absl::StatusOr<KeepPlan> CpuBackend::ComputeKeepPlanImpl(const PreparedModel& mo
 
 absl::StatusOr<KeepPlan> CpuBackend::ComputeBaselinePlan(const CpuPreparedModel& model,
                                                          const KeepPlanRequest& request,
-                                                         const PlanShape& shape) {
+                                                         const RequestShape& shape) {
   const auto started = std::chrono::steady_clock::now();
   const PolicySpec& policy = request.policy;
   const int64_t L = shape.num_layers, Hkv = shape.num_kv_heads, n = shape.n;
@@ -251,7 +251,7 @@ absl::StatusOr<KeepPlan> CpuBackend::ComputeBaselinePlan(const CpuPreparedModel&
 // Upper bounds of the buffers above and in score.cc, window.cc, baseline_stats.cc and the
 // selection (policy/select.cc, policy/baselines.cc); tests/kernels/memory_estimate_test.cc
 // measures every policy's peak heap use against them.
-int64_t CpuBackend::KeepPlanWorkspaceBytes(const ModelGeometry& geometry, const PlanShape& shape,
+int64_t CpuBackend::KeepPlanWorkspaceBytes(const ModelGeometry& geometry, const RequestShape& shape,
                                            const PolicySpec& policy) const {
   const int64_t heads = SatMul(shape.num_layers, shape.num_kv_heads), n = shape.n;
   const int64_t G = shape.group_size, d = shape.head_dim, D = geometry.hidden_size;

@@ -32,8 +32,8 @@ class CpuBackend final : public Backend {
       const PrepareOptions& options) override;
   absl::StatusOr<KeepPlan> ComputeKeepPlanImpl(const PreparedModel& model,
                                                const KeepPlanRequest& request,
-                                               const PlanShape& shape) override;
-  int64_t KeepPlanWorkspaceBytes(const ModelGeometry& geometry, const PlanShape& shape,
+                                               const RequestShape& shape) override;
+  int64_t KeepPlanWorkspaceBytes(const ModelGeometry& geometry, const RequestShape& shape,
                                  const PolicySpec& policy) const override;
   int64_t PrepareWorkspaceBytes(const ModelGeometry& geometry,
                                 const PrepareOptions& options) const override;
@@ -41,7 +41,7 @@ class CpuBackend final : public Backend {
  private:
   absl::StatusOr<KeepPlan> ComputeBaselinePlan(const CpuPreparedModel& model,
                                                const KeepPlanRequest& request,
-                                               const PlanShape& shape);
+                                               const RequestShape& shape);
 
   int threads_;
 };

@@ -33,7 +33,7 @@ int AttentionScaleExponent(int64_t we, int64_t G) {
 
 // Per-token attention statistics over the prefix [0, prefix) into ws.attention, times 2^(2k)
 // with k = AttentionScaleExponent (fp32: at most 2^126).
-void AttentionStatistics(const PlanShape& shape, AttentionStat stat, int64_t prefix, int k,
+void AttentionStatistics(const RequestShape& shape, AttentionStat stat, int64_t prefix, int k,
                          ScoreWorkspace& ws) {
   const int64_t n = shape.n, we = shape.window, G = shape.group_size;
   const float* probs = ws.probs.data();
@@ -88,7 +88,7 @@ void AttentionStatistics(const PlanShape& shape, AttentionStat stat, int64_t pre
 // Per-token value statistics over the prefix into ws.value ([F, prefix]); checks every value
 // row of the head, window rows included, and that the values cannot overflow the scores
 // (policy::CheckValueMagnitude; the statistics are then discarded).
-absl::Status ValueStatistics(const PlanShape& shape, const PolicySpec& policy, const HeadTask& task,
+absl::Status ValueStatistics(const RequestShape& shape, const PolicySpec& policy, const HeadTask& task,
                              const ScoreModes& modes, int64_t prefix, ScoreWorkspace& ws) {
   const TensorView& values = task.inputs->values;
   const TensorName name{task.layer, "values"};
@@ -167,7 +167,7 @@ const float* PoolPerHead(const PolicySpec& policy, int64_t G, int64_t prefix, in
 
 }  // namespace
 
-absl::Status ScoreHead(const PlanShape& shape, const PolicySpec& policy, const HeadTask& task,
+absl::Status ScoreHead(const RequestShape& shape, const PolicySpec& policy, const HeadTask& task,
                        ScoreWorkspace& ws, float* raw) {
   const int64_t G = shape.group_size;
   const int64_t prefix = shape.n - shape.window;  // pooled range: sinks and candidates

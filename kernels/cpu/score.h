@@ -15,7 +15,7 @@ namespace laprox::kernels::cpu {
 // the scores (policy/magnitude.h; task.hidden_size and task.max_o_proj must be set). Every p
 // written is finite, and attention far below 1e-19 keeps its order (the attention statistics
 // are scaled by a power of two so that their squares stay normal fp32: score.cc).
-absl::Status ScoreHead(const PlanShape& shape, const PolicySpec& policy, const HeadTask& task,
+absl::Status ScoreHead(const RequestShape& shape, const PolicySpec& policy, const HeadTask& task,
                        ScoreWorkspace& ws, float* raw);
 
 }  // namespace laprox::kernels::cpu

@@ -23,7 +23,7 @@ constexpr double kRowSumTolerance = 1e-2;
 
 // Fills ws.probs columns [0, prefix) and ws.row_scale with the group's window attention given
 // by the engine, checking every given row of the group's heads.
-absl::Status LoadGivenAttention(const PlanShape& shape, const HeadTask& task, int64_t prefix,
+absl::Status LoadGivenAttention(const RequestShape& shape, const HeadTask& task, int64_t prefix,
                                 ScoreWorkspace& ws) {
   const TensorView& attention = task.inputs->window_attention;
   const int64_t n = shape.n, we = shape.window, wq = shape.window_rows, G = shape.group_size;
@@ -60,7 +60,7 @@ absl::Status LoadGivenAttention(const PlanShape& shape, const HeadTask& task, in
 
 // KVPRESS_COMPAT rounds the logits q . k to the model dtype, where finite inputs may overflow
 // (fp16 ends at 65504): INVALID_ARGUMENT naming the first infinite logit of window row r.
-absl::Status CompatLogitOverflow(const PlanShape& shape, const HeadTask& task, int64_t r,
+absl::Status CompatLogitOverflow(const RequestShape& shape, const HeadTask& task, int64_t r,
                                  const float* row, int64_t visible) {
   const int64_t we = shape.window;
   const int64_t h = task.kv_head * shape.group_size + r / we;
@@ -77,7 +77,7 @@ absl::Status CompatLogitOverflow(const PlanShape& shape, const HeadTask& task, i
 
 // Computes the group's window attention from queries and keys into ws.probs (unnormalised,
 // columns [0, prefix) valid) and ws.row_scale.
-absl::Status ComputeAttention(const PlanShape& shape, const HeadTask& task, int64_t prefix,
+absl::Status ComputeAttention(const RequestShape& shape, const HeadTask& task, int64_t prefix,
                               ScoreWorkspace& ws) {
   const LayerInputs& in = *task.inputs;
   const int64_t n = shape.n, d = shape.head_dim, we = shape.window, wq = shape.window_rows,
@@ -172,7 +172,7 @@ absl::Status ComputeAttention(const PlanShape& shape, const HeadTask& task, int6
 
 }  // namespace
 
-absl::Status WindowAttention(const PlanShape& shape, const HeadTask& task, ScoreWorkspace& ws) {
+absl::Status WindowAttention(const RequestShape& shape, const HeadTask& task, ScoreWorkspace& ws) {
   const int64_t prefix = shape.n - shape.window;
   if (!shape.attention_given) return ComputeAttention(shape, task, prefix, ws);
   LAPROX_RETURN_IF_ERROR(LoadGivenAttention(shape, task, prefix, ws));

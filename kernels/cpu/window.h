@@ -74,7 +74,7 @@ T* Zeroed(std::vector<T>& v, int64_t size) {
 // every input element it reads (the group's keys, queries or attention rows, LSE) and answers
 // INVALID_ARGUMENT naming the tensor and element on bad data, and naming the keys when the logits
 // could overflow (policy::CheckLogitMagnitude) or, in KVPRESS_COMPAT, overflow the model dtype.
-absl::Status WindowAttention(const PlanShape& shape, const HeadTask& task, ScoreWorkspace& ws);
+absl::Status WindowAttention(const RequestShape& shape, const HeadTask& task, ScoreWorkspace& ws);
 
 // out[i] for i in [begin, len) = pool(x)_i over x[0, len) (SEMANTICS.md, "pool"); `sums` is
 // scratch. AVG adds each window's own terms in fp64 (no difference of prefix sums, which would

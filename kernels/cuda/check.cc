@@ -78,7 +78,7 @@ absl::Status AttentionError(int64_t layer, const TensorView& view, unsigned long
 }  // namespace
 
 absl::Status InputChecker::Check(const DeviceContext& context,
-                                 const std::vector<LayerInputs>& layers, const PlanShape& shape,
+                                 const std::vector<LayerInputs>& layers, const RequestShape& shape,
                                  InputMagnitudes* magnitudes) {
   const auto L = static_cast<int64_t>(layers.size());
   if (L == 0) return absl::OkStatus();

@@ -30,7 +30,7 @@ class InputChecker {
   // The same cases, in the same words, as the CPU backend (kernels/cpu/rows.cc, window.cc).
   // INTERNAL on a CUDA error. When OK, `magnitudes` (if not null) holds the inputs' maxima.
   absl::Status Check(const DeviceContext& context, const std::vector<LayerInputs>& layers,
-                     const PlanShape& shape, InputMagnitudes* magnitudes = nullptr);
+                     const RequestShape& shape, InputMagnitudes* magnitudes = nullptr);
 
  private:
   DeviceBuffer scratch_;

@@ -13,6 +13,7 @@
 #include "cuda/prepare.h"
 #include "laprox/kernels/layer_tensors.h"
 #include "policy/magnitude.h"
+#include "policy/select.h"
 
 namespace laprox::kernels::cuda {
 namespace {
@@ -54,7 +55,7 @@ absl::Status CheckAligned(const TensorView& view, absl::string_view name) {
 // The CPU backend's magnitude checks (policy/magnitude.h) on the maxima the input check found,
 // in its order: per (layer, KV head), the logits, then the values.
 absl::Status CheckMagnitudes(const CudaPreparedModel& model, const PolicySpec& policy,
-                             const PlanShape& shape, const InputMagnitudes& m) {
+                             const RequestShape& shape, const InputMagnitudes& m) {
   const int64_t Hkv = shape.num_kv_heads, G = shape.group_size;
   const bool logits = !shape.attention_given && shape.window > 0;
   const double scale = model.geometry().EffectiveScale();
@@ -187,7 +188,7 @@ absl::StatusOr<std::shared_ptr<const PreparedModel>> CudaBackend::PrepareModelIm
 
 absl::StatusOr<KeepPlan> CudaBackend::ComputeKeepPlanImpl(const PreparedModel& model,
                                                           const KeepPlanRequest& request,
-                                                          const PlanShape& shape) {
+                                                          const RequestShape& shape) {
   using Clock = std::chrono::steady_clock;
   const auto& prepared = static_cast<const CudaPreparedModel&>(model);
   absl::MutexLock lock(&mu_);
@@ -229,10 +230,24 @@ absl::StatusOr<KeepPlan> CudaBackend::ComputeKeepPlanImpl(const PreparedModel& m
       Track(scorer.Score(context_, prepared, layers, shape, request.policy, raw_.as<float>())));
   const Clock::time_point scored = Clock::now();
 
-  absl::StatusOr<KeepPlan> plan =
-      selector_.Select(context_, shape, request.policy, raw_.as<float>(), request.outputs,
-                       use_v1 ? SelectAlgorithm::kHistogram : SelectAlgorithm::kRadixSort);
-  LAPROX_RETURN_IF_ERROR(Track(plan.status()));
+  absl::StatusOr<KeepPlan> plan;
+  if (IsBlockShape(request.policy.EffectivePlanShape())) {
+    // Block plans are selected on the host from the raw scores (L * Hkv * n floats read back):
+    // the device selector knows only token-granular competitions.
+    std::vector<float> raw(raw_bytes / sizeof(float));
+    LAPROX_RETURN_IF_ERROR(Track(CudaStatus(
+        cudaMemcpyAsync(raw.data(), raw_.as<float>(), raw_bytes, cudaMemcpyDeviceToHost,
+                        context_.stream),
+        "reading the raw scores back")));
+    LAPROX_RETURN_IF_ERROR(Track(
+        CudaStatus(cudaStreamSynchronize(context_.stream), "reading the raw scores back")));
+    plan = policy::SelectKeepPlan(shape, request.policy, raw, request.outputs);
+    LAPROX_RETURN_IF_ERROR(plan.status());
+  } else {
+    plan = selector_.Select(context_, shape, request.policy, raw_.as<float>(), request.outputs,
+                            use_v1 ? SelectAlgorithm::kHistogram : SelectAlgorithm::kRadixSort);
+    LAPROX_RETURN_IF_ERROR(Track(plan.status()));
+  }
   plan->timing.score_seconds = std::chrono::duration<double>(scored - started).count();
   plan->timing.select_seconds = std::chrono::duration<double>(Clock::now() - scored).count();
   return plan;

@@ -58,7 +58,7 @@ class CudaBackend final : public Backend {
       const PrepareOptions& options) override;
   absl::StatusOr<KeepPlan> ComputeKeepPlanImpl(const PreparedModel& model,
                                                const KeepPlanRequest& request,
-                                               const PlanShape& shape) override;
+                                               const RequestShape& shape) override;
   absl::StatusOr<std::unique_ptr<ImportedRegion>> ImportCudaIpcImpl(
       const CudaIpcRegionSpec& spec) override;
 

@@ -31,7 +31,7 @@ class Scorer {
   // Whether Score handles this request (every LAPROX option for v0; v1 needs a group-mean
   // gqa_value, not MEAN_HEAD_PRODUCT (the default) or EXACT_BLOCK, bf16 or fp16 keys, values
   // and queries with unit innermost stride, and window_queries, not window_attention).
-  virtual bool Supports(const PlanShape& shape, const PolicySpec& policy,
+  virtual bool Supports(const RequestShape& shape, const PolicySpec& policy,
                         const std::vector<LayerInputs>& layers) const = 0;
 
   // Writes p[(l * Hkv + g) * n + i] for every layer l, KV head g and candidate position
@@ -43,7 +43,7 @@ class Scorer {
   // no bad value. RESOURCE_EXHAUSTED when the device is full; INTERNAL for CUDA / cuBLAS errors.
   // Not thread-safe: a Scorer keeps its workspace between calls.
   virtual absl::Status Score(const DeviceContext& context, const CudaPreparedModel& model,
-                             const std::vector<LayerInputs>& layers, const PlanShape& shape,
+                             const std::vector<LayerInputs>& layers, const RequestShape& shape,
                              const PolicySpec& policy, float* d_raw) = 0;
 };
 

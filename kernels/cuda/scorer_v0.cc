@@ -87,12 +87,12 @@ absl::Status Gemm(const DeviceContext& context, cublasOperation_t op_a, cublasOp
 class ScorerV0 final : public Scorer {
  public:
   absl::string_view name() const override { return "v0"; }
-  bool Supports(const PlanShape&, const PolicySpec&,
+  bool Supports(const RequestShape&, const PolicySpec&,
                 const std::vector<LayerInputs>&) const override {
     return true;
   }
   absl::Status Score(const DeviceContext& context, const CudaPreparedModel& model,
-                     const std::vector<LayerInputs>& layers, const PlanShape& shape,
+                     const std::vector<LayerInputs>& layers, const RequestShape& shape,
                      const PolicySpec& policy, float* d_raw) override;
 
  private:
@@ -270,7 +270,7 @@ absl::Status ScorerV0::ValueStatistics(const DeviceContext& context, const Plan&
 }
 
 absl::Status ScorerV0::Score(const DeviceContext& context, const CudaPreparedModel& model,
-                             const std::vector<LayerInputs>& layers, const PlanShape& shape,
+                             const std::vector<LayerInputs>& layers, const RequestShape& shape,
                              const PolicySpec& policy, float* d_raw) {
   Plan p{};
   p.kv_heads = shape.num_kv_heads;

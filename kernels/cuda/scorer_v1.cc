@@ -100,7 +100,7 @@ class ScorerV1 final : public Scorer {
  public:
   absl::string_view name() const override { return "v1"; }
 
-  bool Supports(const PlanShape& shape, const PolicySpec& policy,
+  bool Supports(const RequestShape& shape, const PolicySpec& policy,
                 const std::vector<LayerInputs>& layers) const override {
     FusedValueMode mode;
     if (policy.kind != PolicyKind::kLaprox || !ChooseValueMode(policy, &mode)) return false;
@@ -134,7 +134,7 @@ class ScorerV1 final : public Scorer {
   }
 
   absl::Status Score(const DeviceContext& context, const CudaPreparedModel& model,
-                     const std::vector<LayerInputs>& layers, const PlanShape& shape,
+                     const std::vector<LayerInputs>& layers, const RequestShape& shape,
                      const PolicySpec& policy, float* d_raw) override {
     FusedValueMode mode = FusedValueMode::kNone;
     if (!ChooseValueMode(policy, &mode)) {

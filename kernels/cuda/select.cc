@@ -30,7 +30,7 @@ struct SelectStep {
 // The steps SelectKeepPlan takes, in its order. Segments are per head (m), per layer (Hkv*m) or
 // the whole model (C); a per-layer sequence "reserve, then compete" is the same as all
 // reservations first, because layers do not interact.
-std::vector<SelectStep> PlanSteps(const PlanShape& shape, const PolicySpec& policy) {
+std::vector<SelectStep> PlanSteps(const RequestShape& shape, const PolicySpec& policy) {
   const uint64_t m = static_cast<uint64_t>(shape.candidates);
   const uint64_t heads = static_cast<uint64_t>(shape.num_kv_heads);
   const uint64_t rows = static_cast<uint64_t>(shape.num_layers) * heads;
@@ -55,14 +55,14 @@ std::vector<SelectStep> PlanSteps(const PlanShape& shape, const PolicySpec& poli
       add(m, q);
       break;
   }
-  if (policy.head_uniform_layers) steps.push_back({m, 0, true});
+  if (policy.EffectivePlanShape() == PlanShape::kLayerUniform) steps.push_back({m, 0, true});
   return steps;
 }
 
 }  // namespace
 
 absl::StatusOr<KeepPlan> DeviceSelector::Select(const DeviceContext& context,
-                                                const PlanShape& shape, const PolicySpec& policy,
+                                                const RequestShape& shape, const PolicySpec& policy,
                                                 const float* d_raw, const OutputOptions& outputs,
                                                 SelectAlgorithm algorithm) {
   const int64_t num_layers = shape.num_layers, heads = shape.num_kv_heads, n = shape.n;

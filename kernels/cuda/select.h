@@ -31,7 +31,7 @@ class DeviceSelector {
   // RESOURCE_EXHAUSTED when the device is full; INTERNAL for CUDA errors, and (in
   // SelectKeepPlan's words) when a candidate's raw score is NaN or infinite.
   // Not thread-safe: the selector keeps its workspace between calls.
-  absl::StatusOr<KeepPlan> Select(const DeviceContext& context, const PlanShape& shape,
+  absl::StatusOr<KeepPlan> Select(const DeviceContext& context, const RequestShape& shape,
                                   const PolicySpec& policy, const float* d_raw,
                                   const OutputOptions& outputs, SelectAlgorithm algorithm);
 

@@ -6,6 +6,8 @@
 #include <limits>
 
 #include "common/half.h"
+#include "common/status_macros.h"
+#include "policy/blocks.h"
 #include "policy/budget.h"
 #include "policy/magnitude.h"
 #include "policy/select.h"
@@ -19,7 +21,7 @@ namespace {
 // heads of one layer), so PartitionBest's index order is the tie order.
 class Plan {
  public:
-  explicit Plan(const PlanShape& shape)
+  explicit Plan(const RequestShape& shape)
       : shape_(shape),
         n_(shape.n),
         heads_(shape.num_kv_heads),
@@ -59,6 +61,7 @@ class Plan {
   // The output scores (fp32; values beyond its range become +-inf) and the kept marks.
   std::vector<float> OutputScores() const { return {scores_.begin(), scores_.end()}; }
   const std::vector<uint8_t>& all_kept() const { return kept_; }
+  absl::Span<const double> all_scores() const { return scores_; }
 
  private:
   int64_t Offset(int64_t layer, int64_t g) const { return (layer * heads_ + g) * n_; }
@@ -75,7 +78,7 @@ class Plan {
     for (int64_t j = 0; j < k; ++j) mark[pool_[j].index] = 1;
   }
 
-  const PlanShape& shape_;
+  const RequestShape& shape_;
   int64_t n_, heads_;
   std::vector<double> scores_;
   std::vector<uint8_t> kept_;
@@ -96,9 +99,21 @@ float RoundTo(DType dtype, float x) {
   return x;
 }
 
+// StreamingLLM's scores (kvpress StreamingLLMPress.score): 1 except at [sinks, sinks + n -
+// n_kept), from the unfloored int((1 - cr) * n); the best n_kept per head are then the sinks and
+// the most recent positions.
+void StreamingLlmScores(const RequestShape& shape, const PolicySpec& policy, Plan& plan) {
+  const int64_t n = shape.n, sinks = shape.sinks;
+  const int64_t pruned = n - std::min(BudgetTokensPerHead(policy.budget, n), n);
+  for (int64_t lg = 0; lg < int64_t{shape.num_layers} * shape.num_kv_heads; ++lg) {
+    double* s = plan.scores(lg / shape.num_kv_heads, lg % shape.num_kv_heads);
+    for (int64_t i = 0; i < n; ++i) s[i] = i < sinks || i >= sinks + pruned ? 1.0 : 0.0;
+  }
+}
+
 // SnapKV scores of every head of every layer: the prefix score, and the window positions at the
 // layer's maximum prefix score (over all its heads) + 1 so that they rank first.
-void SnapKvScores(const PlanShape& shape, const BaselineStatistics& st, Plan& plan) {
+void SnapKvScores(const RequestShape& shape, const BaselineStatistics& st, Plan& plan) {
   const int64_t Hkv = shape.num_kv_heads, n = shape.n, prefix = n - shape.window;
   for (int64_t l = 0; l < shape.num_layers; ++l) {
     float top = 0.f;  // prefix scores are >= 0; an empty prefix leaves the sentinel at 1
@@ -119,7 +134,7 @@ void SnapKvScores(const PlanShape& shape, const BaselineStatistics& st, Plan& pl
 }
 
 // Ada-KV's safeguard: each head's best n_safe scores become the layer's safeguard value.
-void Safeguard(const PlanShape& shape, const PolicySpec& policy, const BaselineStatistics& st,
+void Safeguard(const RequestShape& shape, const PolicySpec& policy, const BaselineStatistics& st,
                int64_t layer, Plan& plan, std::vector<uint8_t>& mark) {
   const int64_t n = shape.n;
   const int64_t safe =
@@ -137,7 +152,7 @@ void Safeguard(const PlanShape& shape, const PolicySpec& policy, const BaselineS
 // CriticalKV inside one head with `budget` kept tokens: the best `first` by the current score
 // are kept (and scored with the safeguard value), the remaining budget goes to the best of the
 // others by (score + epsilon) * u.
-void CriticalStages(const PlanShape& shape, const PolicySpec& policy, const BaselineStatistics& st,
+void CriticalStages(const RequestShape& shape, const PolicySpec& policy, const BaselineStatistics& st,
                     int64_t layer, int64_t g, int64_t budget, int64_t first, Plan& plan,
                     std::vector<uint8_t>& stage1) {
   const int64_t n = shape.n;
@@ -172,7 +187,7 @@ void CriticalStages(const PlanShape& shape, const PolicySpec& policy, const Base
 
 // CAKE: layer preferences from the entropy and variance sums (returned as layer sums), prefix
 // budgets, and each head's best prefix tokens by the eviction score plus the window.
-std::vector<double> Cake(const PlanShape& shape, const PolicySpec& policy,
+std::vector<double> Cake(const RequestShape& shape, const PolicySpec& policy,
                          const BaselineStatistics& st, Plan& plan) {
   const int64_t L = shape.num_layers, Hkv = shape.num_kv_heads, n = shape.n;
   const int64_t we = shape.window, prefix = n - we, kept = shape.kept_per_head;
@@ -308,12 +323,34 @@ std::vector<int64_t> CakeLayerBudgets(absl::Span<const double> preferences, int6
   return b;
 }
 
-absl::StatusOr<KeepPlan> SelectBaselinePlan(const PlanShape& shape, const PolicySpec& policy,
+absl::StatusOr<KeepPlan> SelectBaselinePlan(const RequestShape& shape, const PolicySpec& policy,
                                             const BaselineStatistics& st,
                                             const OutputOptions& outputs) {
   const int64_t L = shape.num_layers, Hkv = shape.num_kv_heads, n = shape.n;
   const int64_t kept = shape.kept_per_head;
   Plan plan(shape);
+  const PlanShape plan_shape = policy.EffectivePlanShape();
+  if (IsBlockShape(plan_shape)) {
+    // The kinds Validate allows with a block shape: whole blocks by summed SnapKV scores (ADAKV's
+    // per-head budgets have nothing to act on when heads share blocks), or the most recent.
+    BlockRule rule = {.plan_shape = plan_shape};
+    if (policy.kind == PolicyKind::kStreamingLlm) {
+      StreamingLlmScores(shape, policy, plan);
+      rule.forced_begin = shape.sinks;
+      rule.forced_end = n;
+      rule.by_recency = true;
+    } else {
+      SnapKvScores(shape, st, plan);
+      rule.forced_end = n - shape.window;
+    }
+    LAPROX_ASSIGN_OR_RETURN(
+        KeepPlan result,
+        SelectBlockPlan<double>(shape, rule, plan.all_scores(),
+                                outputs.scores ? plan.OutputScores() : std::vector<float>(),
+                                outputs));
+    result.layer_sums.assign(L, 0.0);
+    return result;
+  }
   std::vector<double> layer_sums(L, 0.0);
   std::vector<uint8_t> head_mark(n), layer_mark;
   // kvpress's PyramidKV and CriticalKV budgets come from (1 - cr) * n before truncation.
@@ -323,18 +360,13 @@ absl::StatusOr<KeepPlan> SelectBaselinePlan(const PlanShape& shape, const Policy
 
   switch (policy.kind) {
     case PolicyKind::kLaprox:  // not a baseline; callers never pass it
-    case PolicyKind::kStreamingLlm: {
-      // kvpress: score 1 except at [sinks, sinks + n - n_kept), then the best n_kept per head;
-      // the scores come from the unfloored int((1 - cr) * n) (StreamingLLMPress.score).
-      const int64_t sinks = shape.sinks;
-      const int64_t pruned = n - std::min(BudgetTokensPerHead(policy.budget, n), n);
+    case PolicyKind::kStreamingLlm:
+      StreamingLlmScores(shape, policy, plan);
       for (int64_t lg = 0; lg < L * Hkv; ++lg) {
-        double* s = plan.scores(lg / Hkv, lg % Hkv);
-        for (int64_t i = 0; i < n; ++i) s[i] = i < sinks || i >= sinks + pruned ? 1.0 : 0.0;
-        plan.MarkBest(s, 0, n, kept, nullptr, plan.kept(lg / Hkv, lg % Hkv));
+        plan.MarkBest(plan.scores(lg / Hkv, lg % Hkv), 0, n, kept, nullptr,
+                      plan.kept(lg / Hkv, lg % Hkv));
       }
       break;
-    }
     case PolicyKind::kSnapKv:
     case PolicyKind::kPyramidKv: {
       SnapKvScores(shape, st, plan);

@@ -20,7 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "laprox/kernels/keep_plan.h"
-#include "laprox/kernels/plan_shape.h"
+#include "laprox/kernels/request_shape.h"
 #include "laprox/kernels/policy.h"
 #include "laprox/kernels/tensor_view.h"
 
@@ -51,7 +51,7 @@ struct BaselineStatistics {
 // sentinels above, products beyond fp64 or a 16-bit dtype); a NaN ranking score would break the
 // strict order of the selection and cannot come from checked inputs, so it is never selected and
 // the result is INTERNAL naming its (layer, KV head, position).
-absl::StatusOr<KeepPlan> SelectBaselinePlan(const PlanShape& shape, const PolicySpec& policy,
+absl::StatusOr<KeepPlan> SelectBaselinePlan(const RequestShape& shape, const PolicySpec& policy,
                                             const BaselineStatistics& statistics,
                                             const OutputOptions& outputs);
 

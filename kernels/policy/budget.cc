@@ -23,7 +23,7 @@ bool KvpressFloorsBudget(const PolicySpec& policy) {
          policy.kind != PolicyKind::kLaprox && policy.kind != PolicyKind::kCake;
 }
 
-void DeriveBudget(const PolicySpec& policy, PlanShape& shape) {
+void DeriveBudget(const PolicySpec& policy, RequestShape& shape) {
   const bool streaming = policy.kind == PolicyKind::kStreamingLlm;
   const bool sinks = streaming || policy.kind == PolicyKind::kLaprox;
   shape.window = streaming ? 0 : static_cast<int32_t>(std::min<int64_t>(policy.window, shape.n));

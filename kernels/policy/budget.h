@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "laprox/kernels/plan_shape.h"
+#include "laprox/kernels/request_shape.h"
 #include "laprox/kernels/policy.h"
 
 namespace laprox::kernels::policy {
@@ -29,7 +29,7 @@ bool KvpressFloorsBudget(const PolicySpec& policy);
 // where KvpressFloorsBudget).
 // Preconditions: policy validated, shape.n >= 1, 1 <= policy.window <= shape.window_rows
 // unless the kind is STREAMING_LLM.
-void DeriveBudget(const PolicySpec& policy, PlanShape& shape);
+void DeriveBudget(const PolicySpec& policy, RequestShape& shape);
 
 }  // namespace laprox::kernels::policy
 

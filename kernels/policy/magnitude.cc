@@ -22,7 +22,7 @@ double FactorBoundOf(int64_t hidden_size, int64_t group, double max_o_proj) {
 // A squared LAPROX score is at most this times the bound on its value factor squared (see
 // magnitude.h): G^2 (the EXACT_BLOCK sum over head pairs) * 1.03 (attention rows that sum to at
 // most 1.01) * we (window rows).
-double SquaredScorePerValue(const PlanShape& shape) {
+double SquaredScorePerValue(const RequestShape& shape) {
   const double G = shape.group_size;
   return G * G * 1.03 * std::max<double>(shape.window, 1.0);
 }
@@ -53,7 +53,7 @@ absl::Status CheckFactorMagnitude(const ModelGeometry& geometry, int64_t layer, 
       max_o_proj, ")", Beyond(absl::StrCat("o_proj[", layer, "] is"))));
 }
 
-absl::Status CheckValueMagnitude(const PlanShape& shape, const PolicySpec& policy,
+absl::Status CheckValueMagnitude(const RequestShape& shape, const PolicySpec& policy,
                                  int64_t hidden_size, int64_t layer, int64_t kv_head,
                                  double max_values, double max_o_proj) {
   const double d = shape.head_dim;

@@ -22,7 +22,7 @@
 
 #include "absl/status/status.h"
 #include "laprox/kernels/geometry.h"
-#include "laprox/kernels/plan_shape.h"
+#include "laprox/kernels/request_shape.h"
 #include "laprox/kernels/policy.h"
 
 namespace laprox::kernels::policy {
@@ -60,7 +60,7 @@ absl::Status CheckFactorMagnitude(const ModelGeometry& geometry, int64_t layer, 
 //     ("layers[l].values: ||v W_O^h||_1 of KV head g may reach ...");
 //   every other policy (LAPROX with indicator ATTENTION, the SnapKV and CAKE kinds,
 //   STREAMING_LLM) reads values only for the NaN/Inf check: OK.
-absl::Status CheckValueMagnitude(const PlanShape& shape, const PolicySpec& policy,
+absl::Status CheckValueMagnitude(const RequestShape& shape, const PolicySpec& policy,
                                  int64_t hidden_size, int64_t layer, int64_t kv_head,
                                  double max_values, double max_o_proj);
 

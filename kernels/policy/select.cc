@@ -5,6 +5,8 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "policy/blocks.h"
 
 namespace laprox::kernels::policy {
 namespace {
@@ -12,7 +14,7 @@ namespace {
 // Selection state over the flat [L, Hkv, n] index space.
 class Selector {
  public:
-  Selector(const PlanShape& shape, const std::vector<float>& scores)
+  Selector(const RequestShape& shape, const std::vector<float>& scores)
       : shape_(shape), scores_(scores), selected_(scores.size(), 0) {}
 
   const std::vector<uint8_t>& selected() const { return selected_; }
@@ -54,14 +56,14 @@ class Selector {
   }
 
  private:
-  const PlanShape& shape_;
+  const RequestShape& shape_;
   const std::vector<float>& scores_;
   std::vector<uint8_t> selected_;
 };
 
 }  // namespace
 
-absl::Status NonFiniteScoreError(const PlanShape& shape, uint64_t flat_index, double score,
+absl::Status NonFiniteScoreError(const RequestShape& shape, uint64_t flat_index, double score,
                                  absl::string_view what) {
   const uint64_t n = static_cast<uint64_t>(shape.n);
   const uint64_t heads = static_cast<uint64_t>(std::max(shape.num_kv_heads, 1));
@@ -72,7 +74,7 @@ absl::Status NonFiniteScoreError(const PlanShape& shape, uint64_t flat_index, do
       ", not finite, although every input was checked (a broken invariant of the backend)"));
 }
 
-absl::StatusOr<KeepPlan> SelectKeepPlan(const PlanShape& shape, const PolicySpec& policy,
+absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicySpec& policy,
                                         absl::Span<const float> raw, const OutputOptions& outputs) {
   const int64_t L = shape.num_layers, Hkv = shape.num_kv_heads, n = shape.n;
   const int64_t se = shape.sinks, m = shape.candidates, q = shape.quota;
@@ -110,6 +112,20 @@ absl::StatusOr<KeepPlan> SelectKeepPlan(const PlanShape& shape, const PolicySpec
     }
   }
 
+  const PlanShape plan_shape = policy.EffectivePlanShape();
+  if (IsBlockShape(plan_shape)) {
+    const BlockRule rule = {.plan_shape = plan_shape,
+                            .forced_begin = se,
+                            .forced_end = candidates_end,
+                            .model_wide = policy.allocation == Allocation::kGlobalNormalized ||
+                                          policy.allocation == Allocation::kGlobalRaw};
+    std::vector<float> output_scores = outputs.scores ? scores : std::vector<float>();
+    LAPROX_ASSIGN_OR_RETURN(
+        KeepPlan plan, SelectBlockPlan<float>(shape, rule, scores, std::move(output_scores), outputs));
+    plan.layer_sums = std::move(layer_sums);
+    return plan;
+  }
+
   Selector selector(shape, scores);
   std::vector<ScoredToken> pool;
   const int64_t reserve = std::min<int64_t>(policy.min_per_head, q);
@@ -136,7 +152,7 @@ absl::StatusOr<KeepPlan> SelectKeepPlan(const PlanShape& shape, const PolicySpec
       for (int64_t l = 0; l < L; ++l) selector.TakePerHead(l, q, 0, pool);
       break;
   }
-  if (policy.head_uniform_layers) {
+  if (plan_shape == PlanShape::kLayerUniform) {
     for (int64_t l = 0; l < L; ++l) {
       const int64_t total = selector.CountInLayer(l);
       selector.ClearLayer(l);
@@ -156,7 +172,7 @@ absl::StatusOr<KeepPlan> SelectKeepPlan(const PlanShape& shape, const PolicySpec
   return plan;
 }
 
-KeepPlan PlanHeader(const PlanShape& shape) {
+KeepPlan PlanHeader(const RequestShape& shape) {
   KeepPlan plan;
   plan.num_layers = shape.num_layers;
   plan.num_kv_heads = shape.num_kv_heads;
@@ -168,7 +184,7 @@ KeepPlan PlanHeader(const PlanShape& shape) {
   return plan;
 }
 
-KeepPlan BuildKeepPlan(const PlanShape& shape, absl::Span<const uint8_t> kept,
+KeepPlan BuildKeepPlan(const RequestShape& shape, absl::Span<const uint8_t> kept,
                        std::vector<float> scores, const OutputOptions& outputs) {
   const int64_t L = shape.num_layers, Hkv = shape.num_kv_heads, n = shape.n;
   const int64_t candidates_begin = shape.sinks, candidates_end = n - shape.window;

@@ -13,7 +13,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "laprox/kernels/keep_plan.h"
-#include "laprox/kernels/plan_shape.h"
+#include "laprox/kernels/request_shape.h"
 #include "laprox/kernels/policy.h"
 
 namespace laprox::kernels::policy {
@@ -46,13 +46,13 @@ void PartitionBest(absl::Span<Ranked<Score>> tokens, int64_t k) {
 }
 
 // A KeepPlan with only the fields `shape` fixes: L, Hkv, n, window, sinks, quota.
-KeepPlan PlanHeader(const PlanShape& shape);
+KeepPlan PlanHeader(const RequestShape& shape);
 
 // The KeepPlan of a kept mask `kept` ([L, Hkv, n], nonzero = kept) with the output scores
 // `scores` ([L, Hkv, n], moved into the plan when requested): counts, offsets, positions and
 // bitmask as `outputs` asks, window / sinks / quota from `shape`, selected_total = the kept
 // positions among the candidates [sinks, n - window). layer_sums are left empty.
-KeepPlan BuildKeepPlan(const PlanShape& shape, absl::Span<const uint8_t> kept,
+KeepPlan BuildKeepPlan(const RequestShape& shape, absl::Span<const uint8_t> kept,
                        std::vector<float> scores, const OutputOptions& outputs);
 
 // Builds the keep-plan from raw scores `raw` ([L, Hkv, n], read only at candidate positions).
@@ -61,12 +61,12 @@ KeepPlan BuildKeepPlan(const PlanShape& shape, absl::Span<const uint8_t> kept,
 // non-finite (policy/magnitude.h), so a NaN or infinite raw score is a broken invariant: INTERNAL
 // naming the first one in (layer, KV head, position) order, and nothing is selected (a NaN would
 // break the strict order the selection sorts by).
-absl::StatusOr<KeepPlan> SelectKeepPlan(const PlanShape& shape, const PolicySpec& policy,
+absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicySpec& policy,
                                         absl::Span<const float> raw, const OutputOptions& outputs);
 
 // The INTERNAL status for a non-finite score a backend produced: "layers[l], KV head g, position
 // i: the <what> is <score>, not finite: ..." (the device selection reports the same words).
-absl::Status NonFiniteScoreError(const PlanShape& shape, uint64_t flat_index, double score,
+absl::Status NonFiniteScoreError(const RequestShape& shape, uint64_t flat_index, double score,
                                  absl::string_view what);
 
 }  // namespace laprox::kernels::policy

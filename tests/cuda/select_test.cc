@@ -80,7 +80,7 @@ struct Case {
   OutputOptions outputs;
   uint64_t seed = 0;
 
-  std::string Describe(const PlanShape& shape) const {
+  std::string Describe(const RequestShape& shape) const {
     std::string kinds_text;
     for (LayerKind k : kinds) absl::StrAppend(&kinds_text, LayerKindName(k), " ");
     return absl::StrCat("seed ", seed, ": L ", layers, " Hkv ", heads, " n ", n, " window ",
@@ -94,8 +94,8 @@ struct Case {
   }
 };
 
-PlanShape ShapeOf(const Case& c) {
-  PlanShape shape;
+RequestShape ShapeOf(const Case& c) {
+  RequestShape shape;
   shape.n = c.n;
   shape.num_layers = c.layers;
   shape.num_kv_heads = c.heads;
@@ -108,7 +108,7 @@ PlanShape ShapeOf(const Case& c) {
 
 // Raw scores [L, Hkv, n]: candidates drawn per the layer's kind, every other position NaN (they
 // must never be read).
-std::vector<float> MakeRaw(const Case& c, const PlanShape& shape) {
+std::vector<float> MakeRaw(const Case& c, const RequestShape& shape) {
   std::mt19937_64 rng(c.seed);
   std::vector<float> raw(static_cast<size_t>(c.layers) * c.heads * c.n,
                          std::numeric_limits<float>::quiet_NaN());
@@ -204,7 +204,7 @@ class DeviceSelectTest : public ::testing::Test {
     return static_cast<const float*>(raw_->data());
   }
 
-  KeepPlan DeviceSelect(const PlanShape& shape, const PolicySpec& policy, const float* d_raw,
+  KeepPlan DeviceSelect(const RequestShape& shape, const PolicySpec& policy, const float* d_raw,
                         const OutputOptions& outputs, SelectAlgorithm algorithm) {
     absl::StatusOr<KeepPlan> plan =
         selector_.Select(context_, shape, policy, d_raw, outputs, algorithm);
@@ -214,7 +214,7 @@ class DeviceSelectTest : public ::testing::Test {
 
   // Both device algorithms against the host selection on the case's raw scores.
   void CheckBothAlgorithms(const Case& c) {
-    const PlanShape shape = ShapeOf(c);
+    const RequestShape shape = ShapeOf(c);
     const std::vector<float> raw = MakeRaw(c, shape);
     const absl::StatusOr<KeepPlan> host = policy::SelectKeepPlan(shape, c.policy, raw, c.outputs);
     ASSERT_TRUE(host.ok()) << host.status();
@@ -373,7 +373,7 @@ TEST_F(DeviceSelectTest, IsDeterministic) {
   c.kinds.assign(c.layers, LayerKind::kGeneral);
   c.policy.budget = Budget::TokensPerHead(512);
   c.outputs = AllOutputs();
-  const PlanShape shape = ShapeOf(c);
+  const RequestShape shape = ShapeOf(c);
   const float* d_raw = Upload(MakeRaw(c, shape));
   for (SelectAlgorithm algorithm : kAlgorithms) {
     SCOPED_TRACE(absl::StrCat(AlgorithmName(algorithm), ", ", c.Describe(shape)));
@@ -406,7 +406,7 @@ TEST_F(DeviceSelectTest, GeneralFloatsAgreeUpToNearTies) {
       c.policy.allocation = allocation;
       c.policy.min_per_head = static_cast<int32_t>(i % 2) * 3;
       c.policy.head_uniform_layers = i % 4 >= 2;
-      const PlanShape shape = ShapeOf(c);
+      const RequestShape shape = ShapeOf(c);
       const std::vector<float> raw = MakeRaw(c, shape);
       const absl::StatusOr<KeepPlan> host = policy::SelectKeepPlan(shape, c.policy, raw, c.outputs);
       ASSERT_TRUE(host.ok()) << host.status();
@@ -472,7 +472,7 @@ TEST_F(DeviceSelectTest, NonFiniteRawScoreIsInternal) {
   c.policy.budget = Budget::TokensPerHead(100);
   c.kinds.assign(2, LayerKind::kDyadic);  // exact layer sums: the plans must be equal
   c.outputs = AllOutputs();
-  const PlanShape shape = ShapeOf(c);
+  const RequestShape shape = ShapeOf(c);
   ASSERT_GT(shape.candidates, 300);
   for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
                     -std::numeric_limits<float>::infinity()}) {
@@ -503,7 +503,7 @@ TEST_F(DeviceSelectTest, NonFiniteRawScoreIsInternal) {
 }
 
 TEST_F(DeviceSelectTest, RejectsInconsistentShape) {
-  PlanShape shape;
+  RequestShape shape;
   shape.n = 10;
   shape.num_layers = 1;
   shape.num_kv_heads = 1;

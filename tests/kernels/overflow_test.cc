@@ -433,7 +433,7 @@ TEST(UnderflowTest, TinyAttentionKeepsItsOrder) {
 // The selections' last line of defence: a non-finite score that got past the backend's checks
 // is INTERNAL naming where it is, never undefined behaviour in a sort.
 TEST(NonFiniteScoreTest, SelectKeepPlanRefusesNonFiniteRawScores) {
-  PlanShape shape;
+  RequestShape shape;
   shape.n = 50;
   shape.num_layers = 2;
   shape.num_kv_heads = 3;
@@ -458,7 +458,7 @@ TEST(NonFiniteScoreTest, SelectKeepPlanRefusesNonFiniteRawScores) {
 }
 
 TEST(NonFiniteScoreTest, SelectBaselinePlanRefusesNaNRankingScores) {
-  PlanShape shape;
+  RequestShape shape;
   shape.n = 50;
   shape.num_layers = 2;
   shape.num_kv_heads = 2;
@@ -471,7 +471,7 @@ TEST(NonFiniteScoreTest, SelectBaselinePlanRefusesNaNRankingScores) {
     PolicySpec policy = PolicySpec::ForKind(kind);
     policy.window = 4;
     policy.budget = Budget::TokensPerHead(20);
-    PlanShape s = shape;
+    RequestShape s = shape;
     policy::DeriveBudget(policy, s);
     std::vector<float> scores(2 * 2 * 50), norms(2 * 2 * 50, 1.f);
     for (size_t i = 0; i < scores.size(); ++i) scores[i] = static_cast<float>(i % 13) / 16.f;

@@ -106,7 +106,7 @@ TEST(BudgetTest, DerivesWindowSinksAndQuota) {
   p.window = 32;
   p.sinks = 4;
   p.budget = Budget::TokensPerHead(128);
-  PlanShape s{.n = 1000, .window_rows = 32};
+  RequestShape s{.n = 1000, .window_rows = 32};
   policy::DeriveBudget(p, s);
   EXPECT_EQ(s.window, 32);
   EXPECT_EQ(s.sinks, 4);

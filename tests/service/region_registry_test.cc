@@ -387,7 +387,7 @@ class FakeDeviceBackend final : public kernels::Backend {
   }
   absl::StatusOr<kernels::KeepPlan> ComputeKeepPlanImpl(const kernels::PreparedModel&,
                                                         const kernels::KeepPlanRequest&,
-                                                        const kernels::PlanShape&) override {
+                                                        const kernels::RequestShape&) override {
     return absl::UnimplementedError("fake");
   }
   absl::StatusOr<std::unique_ptr<kernels::ImportedRegion>> ImportCudaIpcImpl(

@@ -30,7 +30,7 @@
 #include "laprox/kernels/device.h"
 #include "laprox/kernels/geometry.h"
 #include "laprox/kernels/keep_plan.h"
-#include "laprox/kernels/plan_shape.h"
+#include "laprox/kernels/request_shape.h"
 #include "laprox/kernels/policy.h"
 #include "laprox/kernels/tensor_view.h"
 
@@ -188,7 +188,7 @@ class Backend {
   // dtypes, readable spaces, options, the model's preparation); `shape` derived from `request`.
   virtual absl::StatusOr<KeepPlan> ComputeKeepPlanImpl(const PreparedModel& model,
                                                        const KeepPlanRequest& request,
-                                                       const PlanShape& shape) = 0;
+                                                       const RequestShape& shape) = 0;
   // Preconditions: handle size, UUID syntax, offset and byte_size checked. The default is
   // UNIMPLEMENTED (no device memory).
   virtual absl::StatusOr<std::unique_ptr<ImportedRegion>> ImportCudaIpcImpl(
@@ -197,7 +197,7 @@ class Backend {
   // The scratch ComputeKeepPlanImpl allocates at most for `shape`, beyond the plan it returns
   // (saturating). The default counts what a device backend keeps on the host: the raw scores
   // read back and the selection's marks.
-  virtual int64_t KeepPlanWorkspaceBytes(const ModelGeometry& geometry, const PlanShape& shape,
+  virtual int64_t KeepPlanWorkspaceBytes(const ModelGeometry& geometry, const RequestShape& shape,
                                          const PolicySpec& policy) const;
   // The scratch PrepareModelImpl allocates at most, beyond the prepared model (saturating).
   virtual int64_t PrepareWorkspaceBytes(const ModelGeometry& geometry,
@@ -205,7 +205,7 @@ class Backend {
 
  private:
   // Everything ComputeKeepPlan checks before it reads any tensor data.
-  absl::StatusOr<PlanShape> CheckKeepPlanRequest(const PreparedModel& model,
+  absl::StatusOr<RequestShape> CheckKeepPlanRequest(const PreparedModel& model,
                                                  const KeepPlanRequest& request) const;
 };
 

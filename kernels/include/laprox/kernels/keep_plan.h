@@ -42,6 +42,37 @@ struct PlanTiming {
   double select_seconds = 0;    // allocating the budget and selecting (0 when fused into score)
 };
 
+// The blocks a block-shaped plan keeps (PlanShape kBlocksShared and kBlocksPerLayer;
+// tests/reference/SEMANTICS.md, "Plan shapes"). A unit is the whole model (kBlocksShared) or
+// one layer (kBlocksPerLayer); every (layer, KV head) of a unit keeps every position of the
+// unit's kept blocks.
+struct BlockPlan {
+  int64_t block_size = 0;
+  int64_t num_blocks = 0;         // logical blocks, ceil(n / block_size)
+  int32_t units = 0;              // 1 (kBlocksShared) or L (kBlocksPerLayer)
+  std::vector<int64_t> offsets;   // [units + 1] into kept and new_table
+  std::vector<int32_t> kept;      // kept logical block indices, ascending within each unit
+  std::vector<double> scores;     // [units, num_blocks] when scores are requested; +inf for
+                                  // forced blocks (STREAMING_LLM: 1 kept, 0 evicted)
+  // When the unit's keys are paged (unit u reads layers[u].keys' table; kBlocksShared
+  // layers[0].keys'), from that table; empty otherwise:
+  std::vector<int32_t> new_table;      // the physical ids of the kept blocks, offsets as kept
+  std::vector<int64_t> freed_offsets;  // [units + 1] into freed
+  std::vector<int32_t> freed;          // the physical ids of the evicted blocks, logical order
+
+  bool paged() const { return !freed_offsets.empty(); }
+  absl::Span<const int32_t> kept_blocks(int unit) const {
+    return absl::MakeConstSpan(kept).subspan(offsets[unit], offsets[unit + 1] - offsets[unit]);
+  }
+  absl::Span<const int32_t> new_block_table(int unit) const {
+    return absl::MakeConstSpan(new_table).subspan(offsets[unit], offsets[unit + 1] - offsets[unit]);
+  }
+  absl::Span<const int32_t> freed_ids(int unit) const {
+    return absl::MakeConstSpan(freed).subspan(freed_offsets[unit],
+                                              freed_offsets[unit + 1] - freed_offsets[unit]);
+  }
+};
+
 struct KeepPlan {
   int32_t num_layers = 0;
   int32_t num_kv_heads = 0;
@@ -60,6 +91,7 @@ struct KeepPlan {
   std::vector<float> scores;       // when requested
   std::vector<double> layer_sums;  // [L] sum of raw scores p over the layer's candidates
                                    // (CAKE: layer preference P_l; other baselines: 0)
+  std::optional<BlockPlan> blocks;  // block-shaped plans only
   PlanTiming timing;
 
   int32_t count(int layer, int kv_head) const { return counts[layer * num_kv_heads + kv_head]; }

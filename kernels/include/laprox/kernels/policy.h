@@ -73,6 +73,19 @@ enum class PoolTarget {
   kScore,      // pool(c * r); MEAN_HEAD_PRODUCT pool(mean_h c^h * r^h); EXACT_BLOCK pool(||.||_F)
 };
 
+// The shape of keep-set a plan has, so that an engine can apply it (SEMANTICS.md, "Plan
+// shapes"). Values are in laprox.v1 PlanShape order (wire value = value + 1).
+enum class PlanShape {
+  kRagged,          // a keep-set per (layer, KV head)
+  kLayerUniform,    // one count per layer, spread evenly over its heads (head_uniform_layers)
+  kBlocksShared,    // whole logical blocks, the same ones in every layer and KV head (vLLM)
+  kBlocksPerLayer,  // whole logical blocks per layer, the same ones in every KV head
+};
+
+inline bool IsBlockShape(PlanShape shape) {
+  return shape == PlanShape::kBlocksShared || shape == PlanShape::kBlocksPerLayer;
+}
+
 // Budget: average kept tokens per KV head (window and sinks included), or a compression ratio.
 struct Budget {
   enum class Kind { kTokensPerHead, kCompressionRatio };
@@ -96,8 +109,9 @@ struct BaselineParams {
 };
 
 // Every option of a keep-plan request. The baselines use kind, numeric_mode, window, pooling,
-// pool_kernel, budget and `baseline` (STREAMING_LLM: sinks and budget only); they ignore
-// allocation, indicator, gqa_value, pool_target, min_per_head and head_uniform_layers.
+// pool_kernel, budget, plan_shape, block_size and `baseline` (STREAMING_LLM: sinks and budget
+// only); they ignore allocation, indicator, gqa_value, pool_target, min_per_head and
+// head_uniform_layers.
 struct PolicySpec {
   PolicyKind kind = PolicyKind::kLaprox;
   NumericMode numeric_mode = NumericMode::kExact;
@@ -111,12 +125,17 @@ struct PolicySpec {
   int32_t sinks = 0;                      // first positions always kept, outside the competition
   int32_t min_per_head = 0;          // candidates each head reserves before the global competition
   bool head_uniform_layers = false;  // keep the layer's share but spread it evenly over heads
+                                     // (LAPROX; the older spelling of kLayerUniform)
+  PlanShape plan_shape = PlanShape::kRagged;
+  int32_t block_size = 0;  // tokens per block of the block shapes, in [1, kMaxBlockSize];
+                           // 0: the block size of layers[0].keys' block table
   Budget budget;
   BaselineParams baseline;
 
   static constexpr int32_t kMaxWindow = 4096;
   static constexpr int32_t kMaxPoolKernel = 1025;
   static constexpr int64_t kMaxTokensPerHead = (int64_t{1} << 31) - 1;
+  static constexpr int32_t kMaxBlockSize = int32_t{1} << 16;  // BlockTable::kMaxBlockSize
 
   // The defaults of `kind`: LAPROX as above (window 32, gqa_value unset: MEAN_HEAD_PRODUCT with
   // the default indicator, avg pool 31 of the score, no sinks); STREAMING_LLM sinks 4 (window 32
@@ -126,8 +145,15 @@ struct PolicySpec {
 
   // OK, or INVALID_ARGUMENT naming the option and its value: ranges above (baseline parameters
   // whatever the kind) and, for LAPROX, the indicator / gqa_value combination (ATTENTION and
-  // ATTENTION_X_VALUE take only MEAN_HEAD_NORM, or gqa_value unset).
+  // ATTENTION_X_VALUE take only MEAN_HEAD_NORM, or gqa_value unset); the plan shape with the
+  // kind (block shapes: LAPROX, STREAMING_LLM, SNAPKV, ADAKV; LAYER_UNIFORM: every kind but
+  // ADAKV and CRITICAL_ADAKV), with head_uniform_layers (not with a block shape) and with
+  // block_size (0 or in [1, kMaxBlockSize]; set only with a block shape).
   absl::Status Validate() const;
+
+  // The plan shape applied: plan_shape, or kLayerUniform when it is kRagged and LAPROX's
+  // head_uniform_layers is set. Every backend reads this, never the two fields.
+  PlanShape EffectivePlanShape() const;
 
   // The GQA value combination: gqa_value, or when it is unset kMeanHeadProduct for LAPROX with
   // ATTENTION_X_PROJECTED_VALUE and kMeanHeadNorm otherwise (the only one the other indicators
@@ -149,6 +175,7 @@ absl::string_view IndicatorName(Indicator i);
 absl::string_view GqaValueName(GqaValue g);
 absl::string_view PoolingName(Pooling p);
 absl::string_view PoolTargetName(PoolTarget t);
+absl::string_view PlanShapeName(PlanShape s);
 
 }  // namespace laprox::kernels
 

@@ -1,9 +1,9 @@
-// PlanShape: everything a keep-plan request fixes before any tensor data is read — the sizes,
+// RequestShape: everything a keep-plan request fixes before any tensor data is read — the sizes,
 // the effective window and sinks, the per-head quota. Backend::ComputeKeepPlan derives it once
 // from a validated request (policy::DeriveBudget fills the budget fields) and hands it to the
 // backend's Impl, the scorers and the selection. Plain data: no behaviour, no dependencies.
-#ifndef LAPROX_KERNELS_PLAN_SHAPE_H_
-#define LAPROX_KERNELS_PLAN_SHAPE_H_
+#ifndef LAPROX_KERNELS_REQUEST_SHAPE_H_
+#define LAPROX_KERNELS_REQUEST_SHAPE_H_
 
 #include <cstdint>
 
@@ -20,7 +20,7 @@ constexpr bool FitsPlanEntries(int64_t layers, int64_t kv_heads, int64_t n) {
 }
 
 // The derived shape of one validated request.
-struct PlanShape {
+struct RequestShape {
   int64_t n = 0;
   int32_t num_layers = 0;
   int32_t num_kv_heads = 0;
@@ -34,10 +34,12 @@ struct PlanShape {
   int64_t quota = 0;             // q = clamp(B - we - se, 0, m)
   int64_t kept_per_head = 0;     // n_kept = min(B, n), the baselines' per-head budget
   int64_t tokens_per_head = 0;   // B the budget asks for at this n, before any clamping
+  int64_t block_size = 0;        // bs of a block-shaped plan (policy or keys' table); else 0
+  int64_t num_blocks = 0;        // nb = ceil(n / bs) logical blocks; 0 unless block-shaped
   bool attention_given = false;  // window_attention instead of window_queries
   bool lse_given = false;
 };
 
 }  // namespace laprox::kernels
 
-#endif  // LAPROX_KERNELS_PLAN_SHAPE_H_
+#endif  // LAPROX_KERNELS_REQUEST_SHAPE_H_
