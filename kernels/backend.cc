@@ -54,15 +54,15 @@ absl::Status ResolveBlockSize(const KeepPlanRequest& request, RequestShape& shap
     bs = keys.layout().table->block_size();
   }
   for (size_t l = 0; l < request.layers.size(); ++l) {
-    for (const auto& [name, view] : {std::pair<const char*, const TensorView*>{
-                                         "keys", &request.layers[l].keys},
-                                     {"values", &request.layers[l].values}}) {
+    for (const auto& [name, view] :
+         {std::pair<const char*, const TensorView*>{"keys", &request.layers[l].keys},
+          {"values", &request.layers[l].values}}) {
       if (view->paged() && view->layout().table->block_size() != bs) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "layers[", l, "].", name, " is read through a block table of block size ",
-            view->layout().table->block_size(), ", but the plan's blocks have ", bs,
-            request.policy.block_size != 0 ? " (policy.block_size)"
-                                           : " (the block size of layers[0].keys)"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("layers[", l, "].", name, " is read through a block table of block size ",
+                         view->layout().table->block_size(), ", but the plan's blocks have ", bs,
+                         request.policy.block_size != 0 ? " (policy.block_size)"
+                                                        : " (the block size of layers[0].keys)"));
       }
     }
   }
@@ -74,8 +74,8 @@ absl::Status ResolveBlockSize(const KeepPlanRequest& request, RequestShape& shap
 // The checks ComputeKeepPlan runs before any tensor data is read (the backend-independent
 // part; CheckKeepPlanRequest adds the backend's own). Returns the derived shape.
 absl::StatusOr<RequestShape> ValidateKeepPlanRequest(const ModelGeometry& geometry,
-                                                  const PrepareOptions& prepared,
-                                                  const KeepPlanRequest& request) {
+                                                     const PrepareOptions& prepared,
+                                                     const KeepPlanRequest& request) {
   LAPROX_RETURN_IF_ERROR(request.policy.Validate());
   const int64_t n = request.n;
   if (n < 1) return absl::InvalidArgumentError(absl::StrCat("n = ", n, " must be at least 1"));
@@ -207,7 +207,7 @@ absl::StatusOr<std::shared_ptr<const PreparedModel>> Backend::PrepareModel(
 }
 
 absl::StatusOr<RequestShape> Backend::CheckKeepPlanRequest(const PreparedModel& model,
-                                                        const KeepPlanRequest& request) const {
+                                                           const KeepPlanRequest& request) const {
   if (!Supports(request.policy.kind)) {
     return absl::UnimplementedError(
         absl::StrCat("policy.kind = ", PolicyKindName(request.policy.kind),
@@ -288,16 +288,16 @@ absl::StatusOr<MemoryEstimate> Backend::EstimateKeepPlanMemory(
   if (shape.num_blocks > 0) {
     // Per (unit, block): kept, new table and freed ids (4 bytes each), scores (8), offsets.
     const int64_t unit_blocks = SatMul(shape.num_layers, shape.num_blocks);
-    estimate.output_bytes = SatAdd({estimate.output_bytes, SatMul(unit_blocks, 12),
-                                    out.scores ? SatMul(unit_blocks, 8) : 0,
-                                    SatMul(SatAdd(shape.num_layers, 1), 16)});
+    estimate.output_bytes =
+        SatAdd({estimate.output_bytes, SatMul(unit_blocks, 12),
+                out.scores ? SatMul(unit_blocks, 8) : 0, SatMul(SatAdd(shape.num_layers, 1), 16)});
   }
   estimate.workspace_bytes = KeepPlanWorkspaceBytes(model.geometry(), shape, request.policy);
   if (shape.num_blocks > 0) {
     // The block selection's scores, marks and candidate pool (policy/blocks.cc); its per-token
     // buffers stay within the token selection's, which the backend counted.
-    estimate.workspace_bytes = SatAdd(estimate.workspace_bytes,
-                                      SatMul({shape.num_layers, shape.num_blocks, 32}));
+    estimate.workspace_bytes =
+        SatAdd(estimate.workspace_bytes, SatMul({shape.num_layers, shape.num_blocks, 32}));
   }
   return estimate;
 }

@@ -6,7 +6,8 @@
 //   laprox-cli health [--service=NAME]       exit 0 when the grpc.health.v1 service says SERVING
 //
 // Common flags: --target (default: DefaultTarget()), --budget (tokens per KV head),
-// --compression_ratio, --json (print {"counts","kept","layer_sums"}), --local (compute
+// --compression_ratio, --json (print {"counts","kept","layer_sums"}, and "kept_blocks" per unit
+// and "block_size" for a block shape), --local (compute
 // in-process with the CPU backend instead of asking laproxd; the same library the server runs),
 // --device (plan and demo: put the tensors in GPU memory and share them with a CUDA laproxd as
 // cuda_ipc regions instead of POSIX shared memory; needs a GPU, a CUDA build of this tool and a
@@ -17,7 +18,8 @@
 // lower-case value names without the enum prefix, --kind (or --policy) laprox|streaming_llm|
 // snapkv|pyramidkv|adakv|criticalkv|critical_adakv|cake, --allocation, --indicator,
 // --gqa_value (e.g. exact_block), --pool_target, --preset (default|paper), --pooling,
-// --numeric_mode; numbers --window, --pool_kernel, --sinks, --min_per_head, --pyramid_beta,
+// --numeric_mode, --plan_shape (ragged|layer_uniform|blocks_shared|blocks_per_layer); numbers
+// --block_size, --window, --pool_kernel, --sinks, --min_per_head, --pyramid_beta,
 // --alpha_safeguard, --epsilon, --first_stage_ratio, --cake_tau1, --cake_tau2, --cake_gamma;
 // --head_uniform_layers. A value that is not a name of its enum is an error naming the flag and
 // the accepted names.
@@ -86,6 +88,10 @@ ABSL_FLAG(std::optional<std::string>, preset, std::nullopt,
 ABSL_FLAG(std::optional<std::string>, pooling, std::nullopt, "avg|max|none");
 ABSL_FLAG(std::optional<std::string>, numeric_mode, std::nullopt,
           "baselines: exact|kvpress_compat");
+ABSL_FLAG(std::optional<std::string>, plan_shape, std::nullopt,
+          "ragged|layer_uniform|blocks_shared|blocks_per_layer (unset: ragged)");
+ABSL_FLAG(std::optional<int>, block_size, std::nullopt,
+          "tokens per block of the block shapes (needed here: a dump's keys are not paged)");
 ABSL_FLAG(std::optional<int>, window, std::nullopt,
           "observation window w (unset: the policy's default, 32 or 64)");
 ABSL_FLAG(std::optional<int>, pool_kernel, std::nullopt,
@@ -214,7 +220,8 @@ absl::StatusOr<kernels::PolicySpec> Policy() {
       {&FLAGS_pool_target, "pool_target"},
       {&FLAGS_preset, "preset"},
       {&FLAGS_pooling, "pooling"},
-      {&FLAGS_numeric_mode, "numeric_mode"}};
+      {&FLAGS_numeric_mode, "numeric_mode"},
+      {&FLAGS_plan_shape, "plan_shape"}};
   for (const auto& [flag, name] : enums) {
     LAPROX_RETURN_IF_ERROR(SetEnumField(*flag, name, &policy));
   }
@@ -222,6 +229,7 @@ absl::StatusOr<kernels::PolicySpec> Policy() {
   if (auto k = absl::GetFlag(FLAGS_pool_kernel)) policy.set_pool_kernel(*k);
   if (auto s = absl::GetFlag(FLAGS_sinks)) policy.set_sinks(*s);
   if (auto m = absl::GetFlag(FLAGS_min_per_head)) policy.set_min_per_head(*m);
+  if (auto b = absl::GetFlag(FLAGS_block_size)) policy.set_block_size(*b);
   policy.set_head_uniform_layers(absl::GetFlag(FLAGS_head_uniform_layers));
   if (auto x = absl::GetFlag(FLAGS_pyramid_beta)) policy.set_pyramid_beta(*x);
   if (auto x = absl::GetFlag(FLAGS_alpha_safeguard)) policy.set_alpha_safeguard(*x);
@@ -411,9 +419,17 @@ void PrintJson(const kernels::KeepPlan& plan) {
     counts.push_back(c);
     kept.push_back(k);
   }
-  std::printf(
-      "%s\n",
-      json{{"counts", counts}, {"kept", kept}, {"layer_sums", plan.layer_sums}}.dump().c_str());
+  json out = {{"counts", counts}, {"kept", kept}, {"layer_sums", plan.layer_sums}};
+  if (plan.blocks) {
+    json units = json::array();
+    for (int32_t u = 0; u < plan.blocks->units; ++u) {
+      const auto blocks = plan.blocks->kept_blocks(u);
+      units.push_back(std::vector<int32_t>(blocks.begin(), blocks.end()));
+    }
+    out["kept_blocks"] = units;
+    out["block_size"] = plan.blocks->block_size;
+  }
+  std::printf("%s\n", out.dump().c_str());
 }
 
 // Budget share: kept tokens of each (layer, head) over the uniform share (kept per head on

@@ -52,14 +52,13 @@ absl::Status ValidatePlanShape(const PolicySpec& p) {
   }
   if (p.plan_shape == PlanShape::kLayerUniform &&
       (p.kind == PolicyKind::kAdaKv || p.kind == PolicyKind::kCriticalAdaKv)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "policy.plan_shape = LAYER_UNIFORM is not defined for policy.kind = ",
-        PolicyKindName(p.kind), ", whose heads keep different counts by design"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("policy.plan_shape = LAYER_UNIFORM is not defined for policy.kind = ",
+                     PolicyKindName(p.kind), ", whose heads keep different counts by design"));
   }
   if (p.block_size < 0 || p.block_size > PolicySpec::kMaxBlockSize) {
-    return absl::InvalidArgumentError(absl::StrCat("policy.block_size = ", p.block_size,
-                                                   " is outside [1, ", PolicySpec::kMaxBlockSize,
-                                                   "]"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.block_size = ", p.block_size, " is outside [1, ", PolicySpec::kMaxBlockSize, "]"));
   }
   if (p.block_size != 0 && !blocks) {
     return absl::InvalidArgumentError(absl::StrCat(

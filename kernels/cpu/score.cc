@@ -88,8 +88,9 @@ void AttentionStatistics(const RequestShape& shape, AttentionStat stat, int64_t 
 // Per-token value statistics over the prefix into ws.value ([F, prefix]); checks every value
 // row of the head, window rows included, and that the values cannot overflow the scores
 // (policy::CheckValueMagnitude; the statistics are then discarded).
-absl::Status ValueStatistics(const RequestShape& shape, const PolicySpec& policy, const HeadTask& task,
-                             const ScoreModes& modes, int64_t prefix, ScoreWorkspace& ws) {
+absl::Status ValueStatistics(const RequestShape& shape, const PolicySpec& policy,
+                             const HeadTask& task, const ScoreModes& modes, int64_t prefix,
+                             ScoreWorkspace& ws) {
   const TensorView& values = task.inputs->values;
   const TensorName name{task.layer, "values"};
   const int64_t d = shape.head_dim, F = modes.factor_blocks;

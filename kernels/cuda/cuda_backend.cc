@@ -235,12 +235,12 @@ absl::StatusOr<KeepPlan> CudaBackend::ComputeKeepPlanImpl(const PreparedModel& m
     // Block plans are selected on the host from the raw scores (L * Hkv * n floats read back):
     // the device selector knows only token-granular competitions.
     std::vector<float> raw(raw_bytes / sizeof(float));
-    LAPROX_RETURN_IF_ERROR(Track(CudaStatus(
-        cudaMemcpyAsync(raw.data(), raw_.as<float>(), raw_bytes, cudaMemcpyDeviceToHost,
-                        context_.stream),
-        "reading the raw scores back")));
-    LAPROX_RETURN_IF_ERROR(Track(
-        CudaStatus(cudaStreamSynchronize(context_.stream), "reading the raw scores back")));
+    LAPROX_RETURN_IF_ERROR(
+        Track(CudaStatus(cudaMemcpyAsync(raw.data(), raw_.as<float>(), raw_bytes,
+                                         cudaMemcpyDeviceToHost, context_.stream),
+                         "reading the raw scores back")));
+    LAPROX_RETURN_IF_ERROR(
+        Track(CudaStatus(cudaStreamSynchronize(context_.stream), "reading the raw scores back")));
     plan = policy::SelectKeepPlan(shape, request.policy, raw, request.outputs);
     LAPROX_RETURN_IF_ERROR(plan.status());
   } else {

@@ -152,9 +152,9 @@ void Safeguard(const RequestShape& shape, const PolicySpec& policy, const Baseli
 // CriticalKV inside one head with `budget` kept tokens: the best `first` by the current score
 // are kept (and scored with the safeguard value), the remaining budget goes to the best of the
 // others by (score + epsilon) * u.
-void CriticalStages(const RequestShape& shape, const PolicySpec& policy, const BaselineStatistics& st,
-                    int64_t layer, int64_t g, int64_t budget, int64_t first, Plan& plan,
-                    std::vector<uint8_t>& stage1) {
+void CriticalStages(const RequestShape& shape, const PolicySpec& policy,
+                    const BaselineStatistics& st, int64_t layer, int64_t g, int64_t budget,
+                    int64_t first, Plan& plan, std::vector<uint8_t>& stage1) {
   const int64_t n = shape.n;
   first = std::min(first, budget);
   std::fill(stage1.begin(), stage1.end(), 0);
@@ -344,10 +344,9 @@ absl::StatusOr<KeepPlan> SelectBaselinePlan(const RequestShape& shape, const Pol
       rule.forced_end = n - shape.window;
     }
     LAPROX_ASSIGN_OR_RETURN(
-        KeepPlan result,
-        SelectBlockPlan<double>(shape, rule, plan.all_scores(),
-                                outputs.scores ? plan.OutputScores() : std::vector<float>(),
-                                outputs));
+        KeepPlan result, SelectBlockPlan<double>(
+                             shape, rule, plan.all_scores(),
+                             outputs.scores ? plan.OutputScores() : std::vector<float>(), outputs));
     result.layer_sums.assign(L, 0.0);
     return result;
   }

@@ -20,8 +20,8 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "laprox/kernels/keep_plan.h"
-#include "laprox/kernels/request_shape.h"
 #include "laprox/kernels/policy.h"
+#include "laprox/kernels/request_shape.h"
 #include "laprox/kernels/tensor_view.h"
 
 namespace laprox::kernels::policy {

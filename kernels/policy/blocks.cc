@@ -27,9 +27,9 @@ absl::StatusOr<KeepPlan> SelectBlockPlan(const RequestShape& shape, const BlockR
   int64_t forced_blocks = 0;
   for (int64_t b = 0; b < nb; ++b) forced_blocks += forced(b) ? 1 : 0;
   const bool keep_all = shape.kept_per_head >= n;
-  const int64_t quota =
-      keep_all ? nb - forced_blocks
-               : std::clamp<int64_t>(shape.kept_per_head / bs - forced_blocks, 0, nb - forced_blocks);
+  const int64_t quota = keep_all ? nb - forced_blocks
+                                 : std::clamp<int64_t>(shape.kept_per_head / bs - forced_blocks, 0,
+                                                       nb - forced_blocks);
 
   // Block scores [units, nb], +inf for forced blocks; sums in (layer, head, position) order.
   constexpr double kInf = std::numeric_limits<double>::infinity();
@@ -115,12 +115,10 @@ absl::StatusOr<KeepPlan> SelectBlockPlan(const RequestShape& shape, const BlockR
 
 template absl::StatusOr<KeepPlan> SelectBlockPlan<float>(const RequestShape&, const BlockRule&,
                                                          absl::Span<const float>,
-                                                         std::vector<float>,
-                                                         const OutputOptions&);
+                                                         std::vector<float>, const OutputOptions&);
 template absl::StatusOr<KeepPlan> SelectBlockPlan<double>(const RequestShape&, const BlockRule&,
                                                           absl::Span<const double>,
-                                                          std::vector<float>,
-                                                          const OutputOptions&);
+                                                          std::vector<float>, const OutputOptions&);
 
 void FillBlockTables(absl::Span<const BlockTable* const> unit_tables, BlockPlan& blocks) {
   blocks.new_table.clear();

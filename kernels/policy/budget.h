@@ -5,8 +5,8 @@
 
 #include <cstdint>
 
-#include "laprox/kernels/request_shape.h"
 #include "laprox/kernels/policy.h"
+#include "laprox/kernels/request_shape.h"
 
 namespace laprox::kernels::policy {
 

@@ -22,8 +22,8 @@
 
 #include "absl/status/status.h"
 #include "laprox/kernels/geometry.h"
-#include "laprox/kernels/request_shape.h"
 #include "laprox/kernels/policy.h"
+#include "laprox/kernels/request_shape.h"
 
 namespace laprox::kernels::policy {
 

@@ -121,7 +121,8 @@ absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicyS
                                           policy.allocation == Allocation::kGlobalRaw};
     std::vector<float> output_scores = outputs.scores ? scores : std::vector<float>();
     LAPROX_ASSIGN_OR_RETURN(
-        KeepPlan plan, SelectBlockPlan<float>(shape, rule, scores, std::move(output_scores), outputs));
+        KeepPlan plan,
+        SelectBlockPlan<float>(shape, rule, scores, std::move(output_scores), outputs));
     plan.layer_sums = std::move(layer_sums);
     return plan;
   }

@@ -13,8 +13,8 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "laprox/kernels/keep_plan.h"
-#include "laprox/kernels/request_shape.h"
 #include "laprox/kernels/policy.h"
+#include "laprox/kernels/request_shape.h"
 
 namespace laprox::kernels::policy {
 

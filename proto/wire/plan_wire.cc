@@ -109,6 +109,19 @@ void KeepPlanToProto(const k::KeepPlan& plan, const k::PolicySpec& effective_pol
   proto->set_selected_total(plan.selected_total);
   proto->set_tokens_per_head(plan.tokens_per_head);
   PolicyToProto(effective_policy, proto->mutable_effective_policy());
+  if (plan.blocks) {
+    const k::BlockPlan& b = *plan.blocks;
+    proto->mutable_effective_policy()->set_block_size(static_cast<int32_t>(b.block_size));
+    BlockPlan* blocks = proto->mutable_blocks();
+    blocks->set_block_size(static_cast<int32_t>(b.block_size));
+    blocks->set_num_blocks(b.num_blocks);
+    blocks->mutable_offsets()->Assign(b.offsets.begin(), b.offsets.end());
+    blocks->mutable_kept_blocks()->Assign(b.kept.begin(), b.kept.end());
+    blocks->mutable_block_scores()->Assign(b.scores.begin(), b.scores.end());
+    blocks->mutable_new_block_table()->Assign(b.new_table.begin(), b.new_table.end());
+    blocks->mutable_freed_block_ids()->Assign(b.freed.begin(), b.freed.end());
+    blocks->mutable_freed_offsets()->Assign(b.freed_offsets.begin(), b.freed_offsets.end());
+  }
   Timing* timing = proto->mutable_timing();
   timing->set_validate_seconds(plan.timing.validate_seconds);
   timing->set_score_seconds(plan.timing.score_seconds);
@@ -131,6 +144,19 @@ k::KeepPlan KeepPlanFromProto(const ComputeKeepMaskResponse& proto) {
   plan.bitmask.assign(proto.bitmask().begin(), proto.bitmask().end());
   plan.scores.assign(proto.scores().begin(), proto.scores().end());
   plan.layer_sums.assign(proto.layer_sums().begin(), proto.layer_sums().end());
+  if (proto.has_blocks()) {
+    const BlockPlan& b = proto.blocks();
+    k::BlockPlan& blocks = plan.blocks.emplace();
+    blocks.block_size = b.block_size();
+    blocks.num_blocks = b.num_blocks();
+    blocks.units = b.offsets_size() > 0 ? b.offsets_size() - 1 : 0;
+    blocks.offsets.assign(b.offsets().begin(), b.offsets().end());
+    blocks.kept.assign(b.kept_blocks().begin(), b.kept_blocks().end());
+    blocks.scores.assign(b.block_scores().begin(), b.block_scores().end());
+    blocks.new_table.assign(b.new_block_table().begin(), b.new_block_table().end());
+    blocks.freed.assign(b.freed_block_ids().begin(), b.freed_block_ids().end());
+    blocks.freed_offsets.assign(b.freed_offsets().begin(), b.freed_offsets().end());
+  }
   const Timing& timing = proto.timing();
   plan.timing = {.validate_seconds = timing.validate_seconds(),
                  .score_seconds = timing.score_seconds(),

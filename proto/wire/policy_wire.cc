@@ -13,6 +13,7 @@ static_assert(GQA_VALUE_EXACT_BLOCK == static_cast<int>(k::GqaValue::kExactBlock
 static_assert(POOLING_NONE == static_cast<int>(k::Pooling::kNone) + 1);
 static_assert(POOL_TARGET_SCORE == static_cast<int>(k::PoolTarget::kScore) + 1);
 static_assert(POLICY_KIND_CAKE == static_cast<int>(k::PolicyKind::kCake) + 1);
+static_assert(PLAN_SHAPE_BLOCKS_PER_LAYER == static_cast<int>(k::PlanShape::kBlocksPerLayer) + 1);
 static_assert(NUMERIC_MODE_KVPRESS_COMPAT == static_cast<int>(k::NumericMode::kKvpressCompat) + 1);
 // UNSPECIFIED (0) decodes to the first kernels value, which must be the default (gqa_value and
 // pool_target: UNSPECIFIED leaves them unset, PolicySpec resolves them).
@@ -20,7 +21,8 @@ static_assert(k::PolicySpec().kind == k::PolicyKind{} &&
               k::PolicySpec().numeric_mode == k::NumericMode{} &&
               k::PolicySpec().allocation == k::Allocation{} &&
               k::PolicySpec().indicator == k::Indicator{} &&
-              k::PolicySpec().pooling == k::Pooling{});
+              k::PolicySpec().pooling == k::Pooling{} &&
+              k::PolicySpec().plan_shape == k::PlanShape{});
 
 template <typename Wire>
 absl::Status CheckWire(Wire value, Wire last, const char* field) {
@@ -83,6 +85,8 @@ void PolicyToProto(const kernels::PolicySpec& policy, Policy* p) {
   p->set_sinks(policy.sinks);
   p->set_min_per_head(policy.min_per_head);
   p->set_head_uniform_layers(policy.head_uniform_layers);
+  p->set_plan_shape(EnumToWire<PlanShape>(policy.EffectivePlanShape()));
+  if (policy.block_size != 0) p->set_block_size(policy.block_size);
   const kernels::BaselineParams& b = policy.baseline;
   p->set_pyramid_beta(b.pyramid_beta);
   p->set_alpha_safeguard(b.alpha_safeguard);
@@ -114,9 +118,11 @@ absl::StatusOr<kernels::PolicySpec> PolicyFromProto(const Policy& p, const Budge
   auto gqa_value = EnumFromWire<k::GqaValue>(p.gqa_value(), GqaValue_MAX, "gqa_value");
   auto pooling = EnumFromWire<k::Pooling>(p.pooling(), Pooling_MAX, "pooling");
   auto pool_target = EnumFromWire<k::PoolTarget>(p.pool_target(), PoolTarget_MAX, "pool_target");
-  for (const absl::Status& s : {numeric_mode.status(), allocation.status(), indicator.status(),
-                                gqa_value.status(), pooling.status(), pool_target.status(),
-                                CheckWire(p.preset(), PolicyPreset_MAX, "preset")}) {
+  auto plan_shape = EnumFromWire<k::PlanShape>(p.plan_shape(), PlanShape_MAX, "plan_shape");
+  for (const absl::Status& s :
+       {numeric_mode.status(), allocation.status(), indicator.status(), gqa_value.status(),
+        pooling.status(), pool_target.status(), plan_shape.status(),
+        CheckWire(p.preset(), PolicyPreset_MAX, "preset")}) {
     if (!s.ok()) return s;
   }
   spec.numeric_mode = *numeric_mode;
@@ -130,6 +136,15 @@ absl::StatusOr<kernels::PolicySpec> PolicyFromProto(const Policy& p, const Budge
   if (p.has_sinks()) spec.sinks = p.sinks();
   if (p.has_min_per_head()) spec.min_per_head = p.min_per_head();
   spec.head_uniform_layers = p.head_uniform_layers();
+  spec.plan_shape = *plan_shape;
+  if (p.has_block_size()) {
+    if (p.block_size() < 1) {
+      return absl::InvalidArgumentError(absl::StrCat("policy.block_size = ", p.block_size(),
+                                                     " is outside [1, ",
+                                                     k::PolicySpec::kMaxBlockSize, "]"));
+    }
+    spec.block_size = p.block_size();
+  }
   kernels::BaselineParams& b = spec.baseline;
   if (p.has_pyramid_beta()) b.pyramid_beta = p.pyramid_beta();
   if (p.has_alpha_safeguard()) b.alpha_safeguard = p.alpha_safeguard();

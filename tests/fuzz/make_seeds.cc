@@ -190,6 +190,20 @@ void ComputeKeepMaskSeeds(SeedWriter& w) {
     r.mutable_block_tables(0)->set_block_ids(3, 7);
     w.Write(t, "token_pool_repeated", r);
   }
+  for (const auto& [name, shape] :
+       {std::pair{"blocks_shared", v1::PLAN_SHAPE_BLOCKS_SHARED},
+        std::pair{"blocks_per_layer", v1::PLAN_SHAPE_BLOCKS_PER_LAYER}}) {
+    auto r = PagedKeepMaskRequest({.n = 40, .dtype = v1::DTYPE_BF16}, 16, {3, 1, 6});
+    r.mutable_policy()->set_plan_shape(shape);
+    r.mutable_outputs()->set_scores(true);
+    w.Write(t, name, r);
+  }
+  {
+    auto r = KeepMaskRequest({});
+    r.mutable_policy()->set_plan_shape(v1::PLAN_SHAPE_BLOCKS_SHARED);
+    r.mutable_policy()->set_block_size(8);
+    w.Write(t, "blocks_contiguous", r);
+  }
   w.Write(t, "region_f32", KeepMaskRequest({}));
   w.Write(t, "region_f16", KeepMaskRequest({.dtype = v1::DTYPE_F16}));
   w.Write(t, "region_bf16", KeepMaskRequest({.dtype = v1::DTYPE_BF16}));

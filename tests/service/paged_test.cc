@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <numeric>
@@ -104,6 +105,65 @@ TEST_F(PagedServiceTest, ShuffledBlocksGiveTheLibrarysPlan) {
            &response);
   ASSERT_TRUE(s.ok()) << s.error_message();
   EXPECT_THAT(response.positions(), ::testing::Not(::testing::ElementsAreArray(direct.positions)));
+}
+
+// A block-shaped plan over the wire: the kept blocks are the library's on the same numbers, the
+// new table and freed ids come from the request's table, and effective_policy names the shape
+// and the block size taken from the table.
+TEST_F(PagedServiceTest, BlocksSharedPlanCarriesTheNewTableAndFreedIds) {
+  Prefill prefill(33);
+  const std::vector<int32_t> ids = Shuffled();
+  ShuffleBlocks(prefill, ids);
+  const uint64_t region = RegisterRegion(prefill);
+  const uint64_t model = RegisterModel(prefill);
+  v1::ComputeKeepMaskRequest request = PagedRequest(model, region, prefill, ids);
+  request.mutable_policy()->set_plan_shape(v1::PLAN_SHAPE_BLOCKS_SHARED);
+  request.mutable_outputs()->set_scores(true);
+  v1::ComputeKeepMaskResponse response;
+  grpc::Status s = Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+
+  kernels::PolicySpec policy;
+  policy.plan_shape = kernels::PlanShape::kBlocksShared;
+  policy.block_size = kBlock;
+  const kernels::KeepPlan direct = DirectPlan(prefill, policy);
+  ASSERT_TRUE(direct.blocks.has_value());
+  const v1::BlockPlan& blocks = response.blocks();
+  EXPECT_EQ(blocks.block_size(), kBlock);
+  EXPECT_EQ(blocks.num_blocks(), kBlocks);
+  EXPECT_THAT(blocks.offsets(), ::testing::ElementsAreArray(direct.blocks->offsets));
+  EXPECT_THAT(blocks.kept_blocks(), ::testing::ElementsAreArray(direct.blocks->kept));
+  ASSERT_EQ(blocks.block_scores_size(), kBlocks);  // the window's 32 positions: blocks 13, 14
+  for (int b = 0; b < kBlocks; ++b) EXPECT_EQ(std::isinf(blocks.block_scores(b)), b >= 13) << b;
+  EXPECT_THAT(response.positions(), ::testing::ElementsAreArray(direct.positions));
+  // 64 tokens per head in blocks of 20: 3 blocks kept, 12 freed.
+  ASSERT_EQ(blocks.kept_blocks_size(), 3);
+  ASSERT_EQ(blocks.new_block_table_size(), 3);
+  EXPECT_THAT(blocks.freed_offsets(), ::testing::ElementsAre(0, kBlocks - 3));
+  std::vector<int32_t> all(blocks.new_block_table().begin(), blocks.new_block_table().end());
+  for (int j = 0; j < 3; ++j) EXPECT_EQ(blocks.new_block_table(j), ids[blocks.kept_blocks(j)]);
+  all.insert(all.end(), blocks.freed_block_ids().begin(), blocks.freed_block_ids().end());
+  std::sort(all.begin(), all.end());
+  std::vector<int32_t> sorted_ids = ids;
+  std::sort(sorted_ids.begin(), sorted_ids.end());
+  EXPECT_EQ(all, sorted_ids);
+  EXPECT_EQ(response.effective_policy().plan_shape(), v1::PLAN_SHAPE_BLOCKS_SHARED);
+  EXPECT_EQ(response.effective_policy().block_size(), kBlock);
+
+  // A block size the table does not have is refused, naming the field.
+  request.mutable_policy()->set_block_size(kBlock * 2);
+  s = Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("(policy.block_size)"));
+  request.mutable_policy()->set_block_size(0);
+  s = Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("policy.block_size = 0 is outside [1, 65536]"));
+  request.mutable_policy()->clear_block_size();
+  request.mutable_policy()->set_plan_shape(static_cast<v1::PlanShape>(9));
+  s = Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("policy.plan_shape = 9"));
 }
 
 struct BadPaged {

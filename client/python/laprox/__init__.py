@@ -15,17 +15,17 @@ See client/python/README.md and proto/laprox/v1/laprox.proto (every option is do
 
 from .client import DEFAULT_TARGET, Client, tls_credentials
 from .errors import LaproxError
-from .types import (Allocation, BackendKind, Budget, DeviceInfo, DType, GqaValue, Indicator,
-                    KeepPlan, ModelGeometry, NumericMode, Outputs, Policy, PolicyKind,
-                    PolicyPreset, Pooling, PoolTarget, RegionInfo, RegionKind, RegionTensor,
-                    ServerInfo, ServerLimits, SharedRegion, Timing)
+from .types import (Allocation, BackendKind, BlockPlan, Budget, DeviceInfo, DType, GqaValue,
+                    Indicator, KeepPlan, ModelGeometry, NumericMode, Outputs, PlanShape, Policy,
+                    PolicyKind, PolicyPreset, Pooling, PoolTarget, RegionInfo, RegionKind,
+                    RegionTensor, ServerInfo, ServerLimits, SharedRegion, Timing)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Allocation", "BackendKind", "Budget", "Client", "DEFAULT_TARGET", "DType", "DeviceInfo",
+    "Allocation", "BackendKind", "BlockPlan", "Budget", "Client", "DEFAULT_TARGET", "DType", "DeviceInfo",
     "GqaValue", "Indicator", "KeepPlan", "LaproxError", "ModelGeometry", "NumericMode",
-    "Outputs", "Policy", "PolicyKind", "PolicyPreset", "Pooling", "PoolTarget", "RegionInfo",
+    "Outputs", "PlanShape", "Policy", "PolicyKind", "PolicyPreset", "Pooling", "PoolTarget", "RegionInfo",
     "RegionKind", "RegionTensor", "ServerInfo", "ServerLimits", "SharedRegion", "Timing",
     "__version__", "tls_credentials",
 ]

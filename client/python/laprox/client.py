@@ -551,4 +551,20 @@ def _decode_plan(raw: bytes, outputs: t.Outputs) -> t.KeepPlan:
         tokens_per_head=r.tokens_per_head,
         effective_policy=policy_from_proto(r.effective_policy),
         timing=t.Timing(timing.queue_seconds, timing.validate_seconds, timing.score_seconds,
-                        timing.select_seconds, timing.respond_seconds, timing.total_seconds))
+                        timing.select_seconds, timing.respond_seconds, timing.total_seconds),
+        blocks=_decode_blocks(r) if r.HasField("blocks") else None)
+
+
+def _decode_blocks(r: Any) -> t.BlockPlan:
+    b = r.blocks
+    paged = len(b.freed_offsets) > 0
+    units = max(len(b.offsets) - 1, 0)
+    return t.BlockPlan(
+        block_size=b.block_size, num_blocks=b.num_blocks,
+        offsets=np.array(b.offsets, dtype=np.int64),
+        kept_blocks=np.array(b.kept_blocks, dtype=np.int32),
+        block_scores=(np.array(b.block_scores, dtype=np.float64).reshape(units, b.num_blocks)
+                      if len(b.block_scores) else None),
+        new_block_table=np.array(b.new_block_table, dtype=np.int32) if paged else None,
+        freed_block_ids=np.array(b.freed_block_ids, dtype=np.int32) if paged else None,
+        freed_offsets=np.array(b.freed_offsets, dtype=np.int64) if paged else None)

@@ -116,6 +116,15 @@ class PolicyPreset(_WireEnum):
     PAPER = 2
 
 
+class PlanShape(_WireEnum):
+    """The shape of keep-set a plan has (laprox.proto PlanShape): per (layer, head), one count
+    per layer, or whole blocks shared by every layer (vLLM's block table) or per layer."""
+    RAGGED = 1
+    LAYER_UNIFORM = 2
+    BLOCKS_SHARED = 3
+    BLOCKS_PER_LAYER = 4
+
+
 # The proto name of each enum and the prefix of its values.
 _PREFIXES = {
     DType: "DTYPE_",
@@ -129,6 +138,7 @@ _PREFIXES = {
     Pooling: "POOLING_",
     PoolTarget: "POOL_TARGET_",
     PolicyPreset: "POLICY_PRESET_",
+    PlanShape: "PLAN_SHAPE_",
 }
 
 EnumLike = Union[_WireEnum, str, int]
@@ -160,6 +170,8 @@ class Policy:
     head_uniform_layers: Optional[bool] = None
     pool_target: Optional[EnumLike] = None     # PoolTarget (LAPROX)
     preset: Optional[EnumLike] = None          # PolicyPreset (LAPROX): fills unset fields
+    plan_shape: Optional[EnumLike] = None      # PlanShape; not set: RAGGED
+    block_size: Optional[int] = None           # block shapes; not set: the keys' block table's
     numeric_mode: Optional[EnumLike] = None    # NumericMode (baselines)
     pyramid_beta: Optional[float] = None       # PYRAMIDKV
     alpha_safeguard: Optional[float] = None    # ADAKV, CRITICAL_ADAKV
@@ -205,6 +217,7 @@ POLICY_ENUMS = {
     "pooling": Pooling,
     "pool_target": PoolTarget,
     "preset": PolicyPreset,
+    "plan_shape": PlanShape,
     "numeric_mode": NumericMode,
 }
 
@@ -381,6 +394,55 @@ class Timing:
 
 
 @dataclass(frozen=True, eq=False)
+class BlockPlan:
+    """The blocks a block-shaped plan keeps (laprox.proto BlockPlan). A unit is the whole
+    model (BLOCKS_SHARED: 1 unit) or one layer (BLOCKS_PER_LAYER: L units); every (layer, KV
+    head) of a unit keeps every position of the unit's kept blocks.
+
+    Arrays (read-only views): offsets int64 [units + 1] into kept_blocks and new_block_table;
+    kept_blocks int32, ascending per unit; block_scores float64 [units, num_blocks] or None
+    (+inf: blocks holding window or sink positions); with paged keys, new_block_table int32
+    (the physical ids of the kept blocks, offsets as kept_blocks), freed_block_ids int32 and
+    freed_offsets int64 [units + 1]; None otherwise.
+    """
+    block_size: int
+    num_blocks: int
+    offsets: np.ndarray
+    kept_blocks: np.ndarray
+    block_scores: Optional[np.ndarray]
+    new_block_table: Optional[np.ndarray]
+    freed_block_ids: Optional[np.ndarray]
+    freed_offsets: Optional[np.ndarray]
+
+    @property
+    def units(self) -> int:
+        return len(self.offsets) - 1
+
+    def kept(self, unit: int = 0) -> np.ndarray:
+        """Kept logical block indices of `unit` (a layer with BLOCKS_PER_LAYER), ascending."""
+        self._check(unit)
+        return self.kept_blocks[self.offsets[unit]:self.offsets[unit + 1]]
+
+    def new_table(self, unit: int = 0) -> np.ndarray:
+        """The unit's new block table: the physical ids of its kept blocks, in order."""
+        self._check(unit)
+        if self.new_block_table is None:
+            raise ValueError("the keys were not paged: the plan has no physical block ids")
+        return self.new_block_table[self.offsets[unit]:self.offsets[unit + 1]]
+
+    def freed(self, unit: int = 0) -> np.ndarray:
+        """The physical ids of the unit's evicted blocks, in logical order."""
+        self._check(unit)
+        if self.freed_block_ids is None or self.freed_offsets is None:
+            raise ValueError("the keys were not paged: the plan has no physical block ids")
+        return self.freed_block_ids[self.freed_offsets[unit]:self.freed_offsets[unit + 1]]
+
+    def _check(self, unit: int) -> None:
+        if not 0 <= unit < self.units:
+            raise IndexError(f"unit {unit} outside [0, {self.units})")
+
+
+@dataclass(frozen=True, eq=False)
 class KeepPlan:
     """The keep-plan of one prefill: which positions each (layer, KV head) keeps.
 
@@ -394,6 +456,8 @@ class KeepPlan:
                    unpacks it.
         scores     float32 [L, Hkv, n], or None when not requested (+inf for sinks/window).
         layer_sums float64 [L].
+    blocks: the BlockPlan of a block-shaped plan (plan_shape BLOCKS_SHARED / BLOCKS_PER_LAYER),
+    else None.
     The arrays are read-only views of the response bytes where possible.
     """
     num_layers: int
@@ -412,6 +476,7 @@ class KeepPlan:
     tokens_per_head: int
     effective_policy: Policy
     timing: Timing
+    blocks: Optional[BlockPlan] = None
 
     def kept(self, layer: int, head: int) -> np.ndarray:
         """Kept positions of (layer, KV head), ascending, int32."""

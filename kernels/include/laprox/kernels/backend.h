@@ -30,8 +30,8 @@
 #include "laprox/kernels/device.h"
 #include "laprox/kernels/geometry.h"
 #include "laprox/kernels/keep_plan.h"
-#include "laprox/kernels/request_shape.h"
 #include "laprox/kernels/policy.h"
+#include "laprox/kernels/request_shape.h"
 #include "laprox/kernels/tensor_view.h"
 
 namespace laprox::kernels {
@@ -206,7 +206,7 @@ class Backend {
  private:
   // Everything ComputeKeepPlan checks before it reads any tensor data.
   absl::StatusOr<RequestShape> CheckKeepPlanRequest(const PreparedModel& model,
-                                                 const KeepPlanRequest& request) const;
+                                                    const KeepPlanRequest& request) const;
 };
 
 }  // namespace laprox::kernels

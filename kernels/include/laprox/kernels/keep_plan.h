@@ -48,12 +48,12 @@ struct PlanTiming {
 // unit's kept blocks.
 struct BlockPlan {
   int64_t block_size = 0;
-  int64_t num_blocks = 0;         // logical blocks, ceil(n / block_size)
-  int32_t units = 0;              // 1 (kBlocksShared) or L (kBlocksPerLayer)
-  std::vector<int64_t> offsets;   // [units + 1] into kept and new_table
-  std::vector<int32_t> kept;      // kept logical block indices, ascending within each unit
-  std::vector<double> scores;     // [units, num_blocks] when scores are requested; +inf for
-                                  // forced blocks (STREAMING_LLM: 1 kept, 0 evicted)
+  int64_t num_blocks = 0;        // logical blocks, ceil(n / block_size)
+  int32_t units = 0;             // 1 (kBlocksShared) or L (kBlocksPerLayer)
+  std::vector<int64_t> offsets;  // [units + 1] into kept and new_table
+  std::vector<int32_t> kept;     // kept logical block indices, ascending within each unit
+  std::vector<double> scores;    // [units, num_blocks] when scores are requested; +inf for
+                                 // forced blocks (STREAMING_LLM: 1 kept, 0 evicted)
   // When the unit's keys are paged (unit u reads layers[u].keys' table; kBlocksShared
   // layers[0].keys'), from that table; empty otherwise:
   std::vector<int32_t> new_table;      // the physical ids of the kept blocks, offsets as kept
@@ -84,13 +84,13 @@ struct KeepPlan {
   int64_t tokens_per_head = 0;  // B the budget asked for at this n (a compression ratio
                                 // resolved), before clamping to [window + sinks, n]
 
-  std::vector<int32_t> counts;     // [L * Hkv] kept tokens per (layer, head)
-  std::vector<int64_t> offsets;    // [L * Hkv + 1] into positions (filled even without positions)
-  std::vector<int32_t> positions;  // kept positions, when requested
-  std::vector<uint8_t> bitmask;    // when requested
-  std::vector<float> scores;       // when requested
-  std::vector<double> layer_sums;  // [L] sum of raw scores p over the layer's candidates
-                                   // (CAKE: layer preference P_l; other baselines: 0)
+  std::vector<int32_t> counts;      // [L * Hkv] kept tokens per (layer, head)
+  std::vector<int64_t> offsets;     // [L * Hkv + 1] into positions (filled even without positions)
+  std::vector<int32_t> positions;   // kept positions, when requested
+  std::vector<uint8_t> bitmask;     // when requested
+  std::vector<float> scores;        // when requested
+  std::vector<double> layer_sums;   // [L] sum of raw scores p over the layer's candidates
+                                    // (CAKE: layer preference P_l; other baselines: 0)
   std::optional<BlockPlan> blocks;  // block-shaped plans only
   PlanTiming timing;
 
