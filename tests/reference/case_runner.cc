@@ -6,6 +6,9 @@
 // writes cpp_counts.npy, cpp_kept.npy, cpp_bitmask.npy, cpp_scores.npy, cpp_layer_sums.npy and
 // cpp_meta.json — or cpp_error.json {"code", "message"} when the backend rejects the case.
 // Baseline policies ("kind" and their fields, see laprox_ref.py) start from the kind's defaults.
+// Paged tensor references ("paged" with a table index into case.json "block_tables", see
+// laprox_ref.py) become TensorView::Paged views over the pool file; a block-shaped plan also
+// writes cpp_blocks.json (KeepPlan::blocks but its scores) and cpp_block_scores.npy.
 // Driven by compare_test.py; LAPROX_CASE_THREADS sets the worker count (default 2).
 #include <cstdlib>
 #include <exception>
@@ -105,7 +108,19 @@ absl::StatusOr<kernels::PolicySpec> ParsePolicy(const json& p) {
       p, "pool_target",
       {{"ATTENTION", kernels::PoolTarget::kAttention}, {"SCORE", kernels::PoolTarget::kScore}},
       &spec.pool_target));
+  std::optional<kernels::PlanShape> shape;
+  s.Update(ParseOptionalEnum<kernels::PlanShape>(
+      p, "plan_shape",
+      {{"RAGGED", kernels::PlanShape::kRagged},
+       {"LAYER_UNIFORM", kernels::PlanShape::kLayerUniform},
+       {"BLOCKS_SHARED", kernels::PlanShape::kBlocksShared},
+       {"BLOCKS_PER_LAYER", kernels::PlanShape::kBlocksPerLayer}},
+      &shape));
   if (!s.ok()) return s;
+  spec.plan_shape = shape.value_or(kernels::PlanShape::kRagged);
+  if (p.contains("block_size") && !p.at("block_size").is_null()) {
+    spec.block_size = p.at("block_size").get<int32_t>();
+  }
   spec.window = p.value("window", spec.window);
   spec.pool_kernel = p.value("pool_kernel", spec.pool_kernel);
   spec.sinks = p.value("sinks", spec.sinks);
@@ -129,9 +144,21 @@ absl::StatusOr<kernels::PolicySpec> ParsePolicy(const json& p) {
   return spec;
 }
 
-// Owns the loaded files; views point into them.
+// Owns the loaded files and block tables; views point into them.
 class CaseTensors {
  public:
+  // The case's "block_tables" (may be absent), before any Load.
+  absl::Status LoadTables(const json& c) {
+    if (!c.contains("block_tables") || c.at("block_tables").is_null()) return absl::OkStatus();
+    for (const json& t : c.at("block_tables")) {
+      auto table = kernels::BlockTable::Create(t.at("ids").get<std::vector<int32_t>>(),
+                                               t.at("block_size").get<int64_t>());
+      if (!table.ok()) return table.status();
+      tables_.push_back(std::make_unique<kernels::BlockTable>(*std::move(table)));
+    }
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<TensorView> Load(const std::string& dir, const json& ref) {
     if (ref.is_null()) return TensorView();
     auto array = ReadNpy(dir + "/" + ref.at("file").get<std::string>());
@@ -140,6 +167,20 @@ class CaseTensors {
     DType type = DType::kF32;
     if (dtype == "f16") type = DType::kF16;
     if (dtype == "bf16") type = DType::kBF16;
+    if (ref.contains("paged") && !ref.at("paged").is_null()) {
+      // The pool file in C order; the layout's strides are in elements from its start.
+      const json& paged = ref.at("paged");
+      const size_t table = paged.at("table").get<size_t>();
+      if (table >= tables_.size()) return absl::InvalidArgumentError("no such block table");
+      kernels::PagedLayout layout{tables_[table].get(), paged.at("block_stride").get<int64_t>(),
+                                  paged.at("slot_stride").get<int64_t>(),
+                                  paged.at("head_stride").get<int64_t>(),
+                                  paged.at("dim_stride").get<int64_t>()};
+      const int64_t offset = paged.value("offset", int64_t{0});
+      storage_.push_back(std::make_unique<NpyArray>(std::move(array).value()));
+      const char* data = storage_.back()->bytes.data() + offset * kernels::DTypeSize(type);
+      return TensorView::Paged(data, type, ref.at("shape").get<kernels::Dims>(), layout);
+    }
     kernels::Dims shape(array->shape.begin(), array->shape.end());
     kernels::Dims strides = kernels::ContiguousStrides(shape);
     if (ref.contains("slice_last") && !ref.at("slice_last").is_null()) {
@@ -161,12 +202,31 @@ class CaseTensors {
 
  private:
   std::vector<std::unique_ptr<NpyArray>> storage_;
+  std::vector<std::unique_ptr<kernels::BlockTable>> tables_;
 };
 
 absl::Status WriteJson(const std::string& path, const json& j) {
   std::ofstream out(path);
   out << j.dump(1);
   return out ? absl::OkStatus() : absl::InternalError("cannot write " + path);
+}
+
+// cpp_blocks.json and cpp_block_scores.npy: a block-shaped plan's KeepPlan::blocks.
+absl::Status WriteBlocks(const std::string& dir, const kernels::BlockPlan& b) {
+  absl::Status s = WriteJson(dir + "/cpp_blocks.json", {{"block_size", b.block_size},
+                                                        {"num_blocks", b.num_blocks},
+                                                        {"units", b.units},
+                                                        {"offsets", b.offsets},
+                                                        {"kept", b.kept},
+                                                        {"paged", b.paged()},
+                                                        {"new_table", b.new_table},
+                                                        {"freed_offsets", b.freed_offsets},
+                                                        {"freed", b.freed}});
+  if (!b.scores.empty()) {
+    s.Update(WriteNpy(dir + "/cpp_block_scores.npy", "<f8", {b.units, b.num_blocks},
+                      b.scores.data(), b.scores.size() * 8));
+  }
+  return s;
 }
 
 absl::Status RunCase(const std::string& dir, kernels::Backend& backend) {
@@ -190,6 +250,10 @@ absl::Status RunCase(const std::string& dir, kernels::Backend& backend) {
   request.outputs = {.positions = true, .bitmask = true, .scores = true};
 
   CaseTensors tensors;
+  if (absl::Status s = tensors.LoadTables(c); !s.ok()) {
+    return WriteJson(dir + "/cpp_error.json",
+                     {{"code", absl::StatusCodeToString(s.code())}, {"message", s.message()}});
+  }
   std::vector<TensorView> o_proj;
   for (const json& layer : c.at("layers")) {
     kernels::LayerInputs in_layer;
@@ -248,6 +312,7 @@ absl::Status RunCase(const std::string& dir, kernels::Backend& backend) {
                                               {"total_selected", plan->selected_total},
                                               {"window", plan->window},
                                               {"sinks", plan->sinks}}));
+  if (plan->blocks.has_value()) s.Update(WriteBlocks(dir, *plan->blocks));
   return s;
 }
 

@@ -4,9 +4,10 @@
 How it works
     For every case of the grid this script draws random tensors (seeded; the seed is printed),
     rounds them to the case's dtype, writes them as .npy files in the layout the case asks for
-    (contiguous, [n, Hkv, d] order, padded rows, transposed), and writes case.json. It then runs
-    the C++ backend over all case directories in one process (`laprox_case_runner`), runs the
-    oracle (laprox_ref.keep_plan) on the same stored values in float64, and compares:
+    (contiguous, [n, Hkv, d] order, padded rows, transposed, or keys and values in a paged pool
+    read through block tables), and writes case.json. It then runs the C++ backend over all
+    case directories in one process (`laprox_case_runner`), runs the oracle
+    (laprox_ref.keep_plan) on the same stored values in float64, and compares:
 
     - both reject the same invalid cases (the C++ side with INVALID_ARGUMENT);
     - quota and total selected are equal; counts equal the kept masks; the bitmask equals the
@@ -20,12 +21,16 @@ Run it
     ctest -R reference_compare         (from the build tree), or
     /usr/bin/python3 tests/reference/compare_test.py --runner build/tests/reference/laprox_case_runner
     Options: --seed N, --only SUBSTRING (case names), --keep DIR (keep the case directories),
-    --plant-bug raw|reserve|pool|pool_target|defaults (sends C++ a wrong policy: GLOBAL_RAW
-    while the oracle normalises, min_per_head 10 while the oracle has 0, for baselines
-    pool_kernel 1 while the oracle pools over 5 or 7, the other pool_target where a case sets
-    one, or the old LAPROX defaults MEAN_HEAD_NORM and pool_kernel 7 where a case leaves
-    gqa_value out; the script then succeeds only if cases fail, which proves the score and the
-    kept-set comparisons can fail).
+    --plant-bug raw|reserve|pool|pool_target|defaults|blocks|block_competition|table (sends C++
+    a wrong policy: GLOBAL_RAW while the oracle normalises, min_per_head 10 while the oracle has
+    0, for baselines pool_kernel 1 while the oracle pools over 5 or 7, the other pool_target
+    where a case sets one, the old LAPROX defaults MEAN_HEAD_NORM and pool_kernel 7 where a
+    case leaves gqa_value out, BLOCKS_PER_LAYER where the oracle has BLOCKS_SHARED and the
+    reverse, PER_LAYER competition where the oracle's BLOCKS_PER_LAYER plan competes model-wide
+    with GLOBAL_NORMALIZED (the same scores: only the kept blocks change), or every block
+    table's ids rotated by one (C++ reads the pool's blocks in another order); the script then
+    succeeds only if cases fail, which proves the score, kept-set, kept-block and paged
+    comparisons can fail).
 
     Baseline policies (cases named "bl-...", built by build_baseline_grid()) are compared the
     same way with their own rules (compare_baseline): scores are the ranking scores with
@@ -37,9 +42,36 @@ Run it
     score or on the oracle's raw prefix score (a near-tie in a first stage moves a token to the
     other stage); CAKE's layer preferences (layer_sums) agree to 1e-3 relative.
 
+    Plan shapes (cases named "shape-...", build_shape_grid(); SEMANTICS.md, "Plan shapes"):
+    LAYER_UNIFORM is compared like head_uniform_layers (per-head competitions). A block shape
+    (BLOCKS_SHARED, BLOCKS_PER_LAYER) is compared by compare_blocks(): block_size, num_blocks
+    and units equal; kept blocks ascending; every (layer, head) of C++ keeps exactly the
+    positions of its unit's kept blocks; block scores +inf at the same (forced) blocks and the
+    others within a relative 2e-4 of the unit's largest finite block score (8e-3 when
+    KVPRESS_COMPAT rounds 16-bit attention: one token rounded the other way moves its block by
+    up to 2^-8 of its score; STREAMING_LLM: exactly 1 kept / 0 evicted); kept blocks equal up
+    to swaps among near-ties (oracle block scores within 1e-5 relative, 2e-3 with 16-bit
+    rounding) inside one competition (the model for BLOCKS_SHARED and for LAPROX's
+    BLOCKS_PER_LAYER with GLOBAL_NORMALIZED / GLOBAL_RAW, else the layer), forced blocks
+    exactly; with paged keys, each unit's new block table and freed ids equal the oracle's
+    where the kept blocks agree, and otherwise the unit's table at C++'s kept (and evicted)
+    blocks. These replace the token-level kept-set comparison; the per-token scores, quota and
+    total selected are compared as for RAGGED.
+
+    Paged inputs (cases named "paged-...", build_paged_grid()): keys and values lie in a pool
+    file ("flash": vLLM FlashAttention's [2, blocks, bs, Hkv, d]; "hnd": [blocks, 2, Hkv, bs,
+    d]) at shuffled physical block ids of block tables written to case.json ("block_tables":
+    one shared by every layer, or one per layer), with spare blocks and the unused slots of a
+    partial last block NaN so that a wrong read cannot pass. The runner reads them through
+    kernels::BlockTable and TensorView::Paged; the oracle gathers the logical tensor through
+    the same table itself (laprox_ref.gather_paged), and the plans are compared as above.
+
 Extend it
     Add a case to build_grid(): a name and a dict of overrides of BASE_CASE, or to
-    build_baseline_grid(): bcase(name, kind, policy overrides, case overrides).
+    build_baseline_grid(): bcase(name, kind, policy overrides, case overrides). Plan shapes go
+    to build_shape_grid() (policy plan_shape / block_size), paged inputs to build_paged_grid():
+    the case override paged=dict(bs=16, layout="flash"|"hnd", tables="shared"|"per_layer",
+    optionally tensors=["keys"] and layers=[1, 2] to page only those).
 """
 
 import argparse
@@ -191,7 +223,8 @@ def build_grid():
                                                       gqa_value="EXACT_BLOCK"),
                      expect_error=True))
     grid.append(case("bad-even-kernel", policy=dict(pool_kernel=4), expect_error=True))
-    return grid + build_baseline_grid() + build_tiny_attention_grid()
+    return (grid + build_baseline_grid() + build_tiny_attention_grid() + build_shape_grid()
+            + build_paged_grid())
 
 
 def build_tiny_attention_grid():
@@ -308,6 +341,210 @@ def build_baseline_grid():
     return grid
 
 
+def shape_bcase(name, kind, policy=None, **kw):
+    """A baseline case of the plan-shape grid (named "shape-bl-KIND-...")."""
+    c = bcase(name, kind, policy, **kw)
+    c["name"] = "shape-" + c["name"]
+    return c
+
+
+def build_shape_grid():
+    """Plan shapes (SEMANTICS.md, "Plan shapes"), cases named "shape-...": LAPROX with both
+    block shapes across allocations and block sizes (7: partial blocks everywhere), budgets at
+    the edges (B >= n, Kb below the forced blocks, 0, compression ratios), sinks over several
+    blocks, short sequences, ties, a uniform layer; LAYER_UNIFORM against head_uniform_layers;
+    SNAPKV, ADAKV, STREAMING_LLM at both block shapes in both numeric modes; LAYER_UNIFORM for
+    the baselines; and the invalid combinations."""
+    grid = []
+    lap = dict(L=3, H=4, Hkv=2, n=300)
+    blocks = ("BLOCKS_SHARED", "BLOCKS_PER_LAYER")
+    for shape in blocks:
+        s = "SHARED" if shape == "BLOCKS_SHARED" else "PER_LAYER"
+        for alloc in laprox_ref.ALLOCATIONS:
+            for bs in (1, 7, 16, 32):
+                grid.append(case(f"shape-{s}-{alloc}-bs{bs}", **lap,
+                                 policy=dict(allocation=alloc, plan_shape=shape, block_size=bs,
+                                             sinks=4, tokens_per_head=100)))
+        # Budgets with sinks 4 and blocks of 16 (4 forced blocks: 0 and 16..18): 0, Kb = 2 below
+        # the forced blocks, one below n, n, far above n.
+        for b in (0, 40, 299, 300, 10_000):
+            grid.append(case(f"shape-{s}-B{b}", **lap, policy=dict(
+                plan_shape=shape, block_size=16, sinks=4, tokens_per_head=b)))
+        for cr in (0.5, 0.9):
+            grid.append(case(f"shape-{s}-cr{cr}", L=3, H=4, Hkv=2, n=1000, policy=dict(
+                plan_shape=shape, block_size=32, tokens_per_head=None, compression_ratio=cr)))
+        grid.append(case(f"shape-{s}-sinks40-bs16", **lap, policy=dict(
+            plan_shape=shape, block_size=16, sinks=40, tokens_per_head=120)))
+        grid.append(case(f"shape-{s}-n320-bs32-full-blocks", L=3, H=4, Hkv=2, n=320, policy=dict(
+            plan_shape=shape, block_size=32, tokens_per_head=130, allocation="GLOBAL_RAW")))
+        for n in (1, 20, 33):                   # all window, all window, one candidate
+            grid.append(case(f"shape-{s}-n{n}", L=2, n=n, policy=dict(
+                plan_shape=shape, block_size=4, sinks=2, tokens_per_head=8)))
+        grid.append(case(f"shape-{s}-mph5", **lap, policy=dict(
+            plan_shape=shape, block_size=7, min_per_head=5)))
+        for alloc in ("GLOBAL_NORMALIZED", "GLOBAL_RAW"):    # uniform layer: 1/(Hkv m) or raw 0
+            grid.append(case(f"shape-{s}-zero-values-layer-{alloc}", special="zero_values",
+                             **lap, policy=dict(plan_shape=shape, block_size=16, sinks=2,
+                                                allocation=alloc, tokens_per_head=150)))
+        grid.append(case(f"shape-{s}-equal-scores", special="equal", L=2, n=200, policy=dict(
+            plan_shape=shape, block_size=8, pooling="NONE", tokens_per_head=100)))
+        grid.append(default_case(f"shape-{s}-defaults", dict(plan_shape=shape, block_size=16),
+                                 H=6, Hkv=2, n=257))
+        grid.append(case(f"shape-{s}-mqa-bs65536", L=2, H=8, Hkv=1, policy=dict(
+            plan_shape=shape, block_size=65536)))
+    # The ragged plan of the uniform-layer cases (its scores are what the block shapes report).
+    grid.append(case("shape-RAGGED-zero-values-layer-GLOBAL_RAW", special="zero_values", **lap,
+                     policy=dict(sinks=2, allocation="GLOBAL_RAW", tokens_per_head=150)))
+    grid.append(case("shape-SHARED-ATTENTION-bs8", **lap, policy=dict(
+        plan_shape="BLOCKS_SHARED", block_size=8, indicator="ATTENTION")))
+    grid.append(case("shape-PER_LAYER-ATTENTION_X_VALUE-bs8", **lap, policy=dict(
+        plan_shape="BLOCKS_PER_LAYER", block_size=8, indicator="ATTENTION_X_VALUE")))
+    grid.append(case("shape-PER_LAYER-EXACT_BLOCK-PER_LAYER-bs8", L=3, H=6, Hkv=2, n=300,
+                     policy=dict(plan_shape="BLOCKS_PER_LAYER", block_size=8,
+                                 gqa_value="EXACT_BLOCK", allocation="PER_LAYER")))
+    # LAYER_UNIFORM is the head_uniform_layers recount, whichever way it is spelled.
+    for alloc in laprox_ref.ALLOCATIONS:
+        grid.append(case(f"shape-LAYER_UNIFORM-{alloc}", L=3, H=6, Hkv=3, policy=dict(
+            allocation=alloc, plan_shape="LAYER_UNIFORM", min_per_head=3)))
+    grid.append(case("shape-LAYER_UNIFORM-and-hu", L=3, H=6, Hkv=3, policy=dict(
+        plan_shape="LAYER_UNIFORM", head_uniform_layers=True)))
+    grid.append(case("shape-RAGGED-and-hu", L=3, H=6, Hkv=3, policy=dict(
+        plan_shape="RAGGED", head_uniform_layers=True)))
+    # Baselines at block shapes: both numeric modes (16-bit rounding in KVPRESS_COMPAT).
+    small = dict(L=3, d=8, D=24, H=6, Hkv=2, n=300)
+    for kind in ("SNAPKV", "ADAKV", "STREAMING_LLM"):
+        for shape in blocks:
+            s = "SHARED" if shape == "BLOCKS_SHARED" else "PER_LAYER"
+            for i, (mode, dtype) in enumerate((("EXACT", "f32"), ("KVPRESS_COMPAT", "bf16"))):
+                bs = (7, 16)[i]
+                grid.append(shape_bcase(f"{s}-{mode}-{dtype}-bs{bs}", kind, dict(
+                    numeric_mode=mode, plan_shape=shape, block_size=bs), dtype=dtype, **small))
+            for bs in (1, 32):
+                grid.append(shape_bcase(f"{s}-bs{bs}", kind, dict(
+                    plan_shape=shape, block_size=bs, compression_ratio=0.7), **small))
+    grid.append(shape_bcase("SHARED-compat-cr0.99", "ADAKV", dict(
+        plan_shape="BLOCKS_SHARED", block_size=4, numeric_mode="KVPRESS_COMPAT",
+        compression_ratio=0.99), dtype="f16", **small))
+    grid.append(shape_bcase("PER_LAYER-B-ge-n", "SNAPKV", dict(
+        plan_shape="BLOCKS_PER_LAYER", block_size=16, tokens_per_head=300), **small))
+    grid.append(shape_bcase("SHARED-n20-all-window", "SNAPKV", dict(
+        plan_shape="BLOCKS_SHARED", block_size=8, tokens_per_head=10), L=2, d=8, D=24, n=20))
+    for sinks, b in ((10, 6), (0, 50), (4, 0)):     # 6: Kb = 1 below the 3 forced blocks
+        grid.append(shape_bcase(f"PER_LAYER-sinks{sinks}-B{b}", "STREAMING_LLM", dict(
+            plan_shape="BLOCKS_PER_LAYER", block_size=4, sinks=sinks, tokens_per_head=b),
+            L=2, d=8, D=24, n=101))
+    grid.append(shape_bcase("SHARED-cr0.0", "STREAMING_LLM", dict(
+        plan_shape="BLOCKS_SHARED", block_size=16, compression_ratio=0.0), **small))
+    # LAYER_UNIFORM changes nothing where the baselines' counts are the same in every head;
+    # the baselines ignore head_uniform_layers, also at a block shape.
+    for kind in ("STREAMING_LLM", "SNAPKV", "PYRAMIDKV", "CRITICALKV", "CAKE"):
+        grid.append(shape_bcase("LAYER_UNIFORM", kind, dict(plan_shape="LAYER_UNIFORM"),
+                                **small))
+    grid.append(shape_bcase("RAGGED-hu", "ADAKV", dict(head_uniform_layers=True), **small))
+    grid.append(shape_bcase("SHARED-hu", "SNAPKV", dict(
+        head_uniform_layers=True, plan_shape="BLOCKS_SHARED", block_size=16), **small))
+    # Invalid combinations both sides must reject.
+    bad = dict(expect_error=True)
+    for name, policy in (
+            ("hu-SHARED", dict(plan_shape="BLOCKS_SHARED", block_size=16,
+                               head_uniform_layers=True)),
+            ("hu-PER_LAYER", dict(plan_shape="BLOCKS_PER_LAYER", block_size=16,
+                                  head_uniform_layers=True)),
+            ("bs-RAGGED", dict(block_size=16)),
+            ("bs-explicit-RAGGED", dict(plan_shape="RAGGED", block_size=16)),
+            ("bs-LAYER_UNIFORM", dict(plan_shape="LAYER_UNIFORM", block_size=16)),
+            ("no-bs-contiguous", dict(plan_shape="BLOCKS_SHARED")),
+            ("bs0-contiguous", dict(plan_shape="BLOCKS_PER_LAYER", block_size=0)),
+            ("bs65537", dict(plan_shape="BLOCKS_SHARED", block_size=65537)),
+            ("bs-negative", dict(plan_shape="BLOCKS_SHARED", block_size=-1))):
+        grid.append(case(f"shape-bad-{name}", policy=policy, **bad))
+    for kind in ("PYRAMIDKV", "CRITICALKV", "CRITICAL_ADAKV", "CAKE"):
+        grid.append(shape_bcase("bad-BLOCKS_SHARED", kind, dict(
+            plan_shape="BLOCKS_SHARED", block_size=16), n=100, L=2, d=8, D=24, **bad))
+    for kind in ("ADAKV", "CRITICAL_ADAKV"):
+        grid.append(shape_bcase("bad-LAYER_UNIFORM", kind, dict(plan_shape="LAYER_UNIFORM"),
+                                n=100, L=2, d=8, D=24, **bad))
+    grid.append(shape_bcase("bad-bs-RAGGED", "STREAMING_LLM", dict(block_size=8), n=100, L=2,
+                            d=8, D=24, **bad))
+    return grid
+
+
+def build_paged_grid():
+    """Keys and values in a paged pool read through block tables (cases named "paged-..."):
+    block sizes 1, 16, 32 (n = 300: the last block partial), vLLM FlashAttention's
+    [2, blocks, bs, Hkv, d] pool and the interleaved [blocks, 2, Hkv, bs, d] one, f32 and bf16,
+    one table for every layer (vLLM) or one per layer; the RAGGED plans compare exactly like
+    contiguous ones.  Block shapes without policy.block_size take the keys' table's, and give
+    the new block tables and freed ids."""
+    grid = []
+    lap = dict(L=3, H=4, Hkv=2, n=300)
+    i = 0
+    for bs in (1, 16, 32):
+        for layout in ("flash", "hnd"):
+            for dtype in ("f32", "bf16"):
+                tables = ("shared", "per_layer")[i % 2]
+                i += 1
+                grid.append(case(f"paged-{layout}-{dtype}-bs{bs}-{tables}", dtype=dtype, **lap,
+                                 paged=dict(bs=bs, layout=layout, tables=tables),
+                                 policy=dict(sinks=3)))
+    grid.append(case("paged-flash-bf16-bs16-n1100-lse", L=2, H=6, Hkv=2, n=1100, dtype="bf16",
+                     inputs="lse", paged=dict(bs=16, layout="flash", tables="shared"),
+                     policy=dict(tokens_per_head=300)))
+    grid.append(case("paged-keys-only-hnd-bs16", **lap,
+                     paged=dict(bs=16, layout="hnd", tables="per_layer", tensors=["keys"])))
+    grid.append(case("paged-values-only-flash-bs16", **lap,
+                     paged=dict(bs=16, layout="flash", tables="shared", tensors=["values"])))
+    small = dict(L=2, d=8, D=24, H=6, Hkv=2, n=300)
+    for kind, layout, dtype, mode in (("SNAPKV", "flash", "bf16", "KVPRESS_COMPAT"),
+                                      ("ADAKV", "hnd", "f32", "EXACT"),
+                                      ("CRITICALKV", "flash", "f32", "EXACT"),
+                                      ("CAKE", "hnd", "bf16", "EXACT"),
+                                      ("STREAMING_LLM", "flash", "f32", "EXACT")):
+        c = bcase(f"{layout}-{dtype}", kind, dict(numeric_mode=mode), dtype=dtype,
+                  paged=dict(bs=16, layout=layout, tables="per_layer"), **small)
+        c["name"] = "paged-" + c["name"]
+        grid.append(c)
+    # Block shapes: the block size comes from layers[0].keys' table.
+    allocs = laprox_ref.ALLOCATIONS
+    j = 0
+    for shape in ("BLOCKS_SHARED", "BLOCKS_PER_LAYER"):
+        s = "SHARED" if shape == "BLOCKS_SHARED" else "PER_LAYER"
+        for tables in ("shared", "per_layer"):
+            for bs in (16, 32):
+                alloc = allocs[j % 4]
+                j += 1
+                grid.append(case(f"paged-{s}-{alloc}-bs{bs}-{tables}-tables", **lap,
+                                 dtype=("f32", "bf16")[j % 2],
+                                 paged=dict(bs=bs, layout=("flash", "hnd")[j // 2 % 2],
+                                            tables=tables),
+                                 policy=dict(plan_shape=shape, allocation=alloc, sinks=4,
+                                             tokens_per_head=90)))
+    grid.append(case("paged-SHARED-bs1", **lap, paged=dict(bs=1, layout="hnd", tables="shared"),
+                     policy=dict(plan_shape="BLOCKS_SHARED", tokens_per_head=60)))
+    grid.append(case("paged-PER_LAYER-policy-bs-equal", **lap,
+                     paged=dict(bs=16, layout="flash", tables="per_layer"),
+                     policy=dict(plan_shape="BLOCKS_PER_LAYER", block_size=16)))
+    for kind, shape, tables in (("SNAPKV", "BLOCKS_PER_LAYER", "per_layer"),
+                                ("ADAKV", "BLOCKS_SHARED", "shared"),
+                                ("STREAMING_LLM", "BLOCKS_PER_LAYER", "shared")):
+        c = bcase(f"{shape}-{tables}", kind, dict(plan_shape=shape),
+                  paged=dict(bs=16, layout="hnd", tables=tables), **small)
+        c["name"] = "paged-" + c["name"]
+        grid.append(c)
+    # Invalid: a policy block size other than the tables'; a block shape whose block size
+    # would come from layers[0].keys, which are not paged.
+    grid.append(case("paged-bad-policy-bs-differs", **lap, expect_error=True,
+                     paged=dict(bs=16, layout="flash", tables="shared"),
+                     policy=dict(plan_shape="BLOCKS_SHARED", block_size=32)))
+    grid.append(case("paged-bad-values-only-no-bs", **lap, expect_error=True,
+                     paged=dict(bs=16, layout="flash", tables="shared", tensors=["values"]),
+                     policy=dict(plan_shape="BLOCKS_SHARED")))
+    grid.append(case("paged-bad-layer0-contiguous-no-bs", **lap, expect_error=True,
+                     paged=dict(bs=16, layout="flash", tables="per_layer", layers=[1, 2]),
+                     policy=dict(plan_shape="BLOCKS_PER_LAYER")))
+    return grid
+
+
 # ----------------------------------------------------------------------------------------------
 # Writing cases
 # ----------------------------------------------------------------------------------------------
@@ -354,11 +591,66 @@ def quantised(x, dtype):
     return x.astype(np.float32)
 
 
+PAGED_SPARE_BLOCKS = 3  # pool blocks no table names, NaN like the unused slots of a last block
+
+
+def paged_tables(c, rng):
+    """The block tables of a paged case: one for every layer ("shared", as vLLM) or one per
+    layer, each the first ceil(n / bs) of a shuffled [0, ceil(n / bs) + spare)."""
+    p = c["paged"]
+    nb = -(-c["n"] // p["bs"])
+    count = 1 if p["tables"] == "shared" else c["L"]
+    return [{"block_size": p["bs"],
+             "ids": [int(x) for x in rng.permutation(nb + PAGED_SPARE_BLOCKS)[:nb]]}
+            for _ in range(count)]
+
+
+def stored_bits(arr, dtype):
+    if dtype == "f32":
+        return arr.astype(np.float32)
+    if dtype == "f16":
+        return arr.astype(np.float16)
+    return to_bf16_bits(arr)
+
+
+def store_paged(case_dir, name, keys, values, table_index, table, dtype, layout):
+    """Writes one layer's keys and values (float32 [Hkv, n, d]) into a pool of `dtype` in
+    `layout` ("flash": [2, blocks, bs, Hkv, d]; "hnd": [blocks, 2, Hkv, bs, d]) at the table's
+    physical blocks, every other element NaN; returns the paged references (keys, values)."""
+    Hkv, n, d = keys.shape
+    bs, ids = table["block_size"], np.asarray(table["ids"])
+    physical = len(ids) + PAGED_SPARE_BLOCKS
+    r = np.arange(n)
+    blk, slot = ids[r // bs], r % bs
+    if layout == "flash":
+        pool = np.full((2, physical, bs, Hkv, d), np.nan, dtype=np.float32)
+        pool[0, blk, slot] = keys.transpose(1, 0, 2)
+        pool[1, blk, slot] = values.transpose(1, 0, 2)
+        strides = dict(block_stride=bs * Hkv * d, slot_stride=Hkv * d, head_stride=d,
+                       dim_stride=1)
+        values_offset = physical * bs * Hkv * d
+    else:
+        pool = np.full((physical, 2, Hkv, bs, d), np.nan, dtype=np.float32)
+        pool[blk, 0, :, slot] = keys.transpose(1, 0, 2)
+        pool[blk, 1, :, slot] = values.transpose(1, 0, 2)
+        strides = dict(block_stride=2 * Hkv * bs * d, slot_stride=d, head_stride=bs * d,
+                       dim_stride=1)
+        values_offset = Hkv * bs * d
+    np.save(os.path.join(case_dir, f"{name}.npy"), stored_bits(pool, dtype))
+
+    def ref(offset):
+        return {"file": f"{name}.npy", "dtype": dtype, "shape": [Hkv, n, d],
+                "paged": dict(strides, table=table_index, offset=offset)}
+    return ref(0), ref(values_offset)
+
+
 def write_case(case_dir, c, rng, plant_bug):
     L, H, Hkv, d, D, n = c["L"], c["H"], c["Hkv"], c["d"], c["D"], c["n"]
     wq = c["wq"] or max(policy_window(c["policy"]), 1)
     scale = 1.0 / np.sqrt(d)
     layers = []
+    paged = c.get("paged")
+    tables = paged_tables(c, rng) if paged else None
     for layer in range(L):
         keys = rng.standard_normal((Hkv, n, d)).astype(np.float32)
         values = rng.standard_normal((Hkv, n, d)).astype(np.float32)
@@ -392,6 +684,13 @@ def write_case(case_dir, c, rng, plant_bug):
             "o_proj": store(case_dir, f"o_proj_{layer}", o_proj, dtype, layout),
             "queries": None, "attention": None, "lse": None,
         }
+        if paged and layer in paged.get("layers", range(L)):
+            t = 0 if paged["tables"] == "shared" else layer
+            refs = store_paged(case_dir, f"pool_{layer}", keys, values, t, tables[t], dtype,
+                               paged["layout"])
+            for name, r in zip(("keys", "values"), refs):
+                if name in paged.get("tensors", ("keys", "values")):
+                    spec[name] = r
         if c["inputs"] in ("queries", "lse"):
             spec["queries"] = store(case_dir, f"queries_{layer}", queries, dtype, layout)
         if c["inputs"] in ("lse", "attention"):
@@ -418,12 +717,18 @@ def write_case(case_dir, c, rng, plant_bug):
     policy = dict(c["policy"])
     doc = {"geometry": dict(L=L, H=H, Hkv=Hkv, d=d, D=D, scale=float(scale)), "n": n,
            "policy": policy, "layers": layers}
+    if tables:
+        doc["block_tables"] = tables
     with open(os.path.join(case_dir, "case.json"), "w") as fh:
         json.dump(doc, fh)
     if plant_bug:
-        # The C++ side gets a wrong policy; the oracle reads the original from ref_case.json.
-        # "raw" switches normalisation off (scores and kept sets change); "reserve" makes every
-        # head reserve 10 candidates (same scores, only the selection changes).
+        # The C++ side gets a wrong policy (or block tables); the oracle reads the original
+        # from ref_case.json. "raw" switches normalisation off (scores and kept sets change);
+        # "reserve" makes every head reserve 10 candidates (same scores, only the selection
+        # changes); "blocks" swaps BLOCKS_SHARED and BLOCKS_PER_LAYER; "block_competition"
+        # makes BLOCKS_PER_LAYER with GLOBAL_NORMALIZED compete per layer (PER_LAYER: the
+        # same scores, only the kept blocks change); "table" rotates every block table's ids
+        # (C++ reads the pool's blocks in another order).
         with open(os.path.join(case_dir, "ref_case.json"), "w") as fh:
             json.dump(doc, fh)
         if plant_bug == "raw" and policy.get("allocation",
@@ -439,6 +744,16 @@ def write_case(case_dir, c, rng, plant_bug):
             doc["policy"] = dict(policy, pool_target=swapped)
         if plant_bug == "defaults" and "gqa_value" not in policy:
             doc["policy"] = dict(policy, gqa_value="MEAN_HEAD_NORM", pool_kernel=7)
+        swap = {"BLOCKS_SHARED": "BLOCKS_PER_LAYER", "BLOCKS_PER_LAYER": "BLOCKS_SHARED"}
+        if plant_bug == "blocks" and policy.get("plan_shape") in swap:
+            doc["policy"] = dict(policy, plan_shape=swap[policy["plan_shape"]])
+        if plant_bug == "block_competition" and \
+                policy.get("plan_shape") == "BLOCKS_PER_LAYER" and \
+                policy.get("kind", "LAPROX") == "LAPROX" and \
+                policy.get("allocation", "GLOBAL_NORMALIZED") == "GLOBAL_NORMALIZED":
+            doc["policy"] = dict(policy, allocation="PER_LAYER")
+        if plant_bug == "table" and tables:
+            doc["block_tables"] = [dict(t, ids=t["ids"][1:] + t["ids"][:1]) for t in tables]
         with open(os.path.join(case_dir, "case.json"), "w") as fh:
             json.dump(doc, fh)
 
@@ -449,7 +764,7 @@ def write_case(case_dir, c, rng, plant_bug):
 
 def scope_of(policy, l, g):
     """The competition a selected candidate took part in (`policy` with its defaults filled)."""
-    if policy["allocation"] == "UNIFORM" or policy["head_uniform_layers"]:
+    if policy["allocation"] == "UNIFORM" or policy["plan_shape"] == "LAYER_UNIFORM":
         return (l, g)
     if policy["allocation"] == "PER_LAYER":
         return (l,)
@@ -458,11 +773,9 @@ def scope_of(policy, l, g):
 
 def compare(case_dir, c):
     """Returns a list of failure messages (empty when the case passes)."""
-    geometry, policy, layers, n = laprox_ref.load_case(case_dir)
-    ref_case = os.path.join(case_dir, "ref_case.json")
-    if os.path.exists(ref_case):
-        with open(ref_case) as fh:
-            policy = json.load(fh)["policy"]
+    planted = os.path.exists(os.path.join(case_dir, "ref_case.json"))
+    geometry, policy, layers, n = laprox_ref.load_case(
+        case_dir, "ref_case.json" if planted else "case.json")
     error_path = os.path.join(case_dir, "cpp_error.json")
     cpp_error = None
     if os.path.exists(error_path):
@@ -514,6 +827,11 @@ def compare(case_dir, c):
     if not np.all(np.isinf(scores[~cand])):
         failures.append("C++ scores of forced tokens are not +inf")
 
+    if "block_kept" in ref:
+        return failures + compare_blocks(case_dir, ref, policy, kept, SCORE_RTOL,
+                                         NEAR_TIE_RTOL)
+    if os.path.exists(os.path.join(case_dir, "cpp_blocks.json")):
+        return failures + ["C++ returns blocks for a plan that is not block-shaped"]
     only_cpp = np.argwhere(kept & ~ref["kept"])
     only_ref = np.argwhere(ref["kept"] & ~kept)
     if len(only_cpp) or len(only_ref):
@@ -578,6 +896,14 @@ def compare_baseline(case_dir, c, policy, layers, ref):
     if kind == "CAKE":
         if not np.allclose(layer_sums, ref["layer_sums"], rtol=1e-3, atol=0.0):
             failures.append(f"CAKE layer preferences {layer_sums} vs {ref['layer_sums']}")
+    if "block_kept" in ref:
+        # Block sums of 16-bit rounded scores: one token rounded the other way by C++ (from
+        # fp32) moves its block by up to one rounding step, 2^-8 of that token's score.
+        block_rtol = 8e-3 if rounded else SCORE_RTOL
+        return failures + compare_blocks(case_dir, ref, laprox_ref.validate_policy(policy),
+                                         kept, block_rtol, tie_rtol)
+    if os.path.exists(os.path.join(case_dir, "cpp_blocks.json")):
+        return failures + ["C++ returns blocks for a plan that is not block-shaped"]
 
     # Kept sets up to near-ties inside one competition (head; layer for the Ada-KV kinds).
     per_layer = kind in ("ADAKV", "CRITICAL_ADAKV")
@@ -604,13 +930,125 @@ def compare_baseline(case_dir, c, policy, layers, ref):
     return failures
 
 
+def compare_blocks(case_dir, ref, policy, kept, score_rtol, tie_rtol):
+    """The block outputs of a block-shaped plan (module docstring); `policy` has its defaults
+    filled, `kept` is C++'s token mask [L, Hkv, n]. Returns failure messages."""
+    path = os.path.join(case_dir, "cpp_blocks.json")
+    if not os.path.exists(path):
+        return ["C++ returns no block plan"]
+    with open(path) as fh:
+        b = json.load(fh)
+    ref_kept = ref["block_kept"]
+    U, nb = ref_kept.shape
+    got = (b["block_size"], b["num_blocks"], b["units"])
+    if got != (ref["block_size"], ref["num_blocks"], U):
+        return [f"C++ block_size/num_blocks/units {got} vs oracle "
+                f"{(ref['block_size'], ref['num_blocks'], U)}"]
+    failures = []
+    offsets = b["offsets"]
+    cpp_kept = np.zeros((U, nb), dtype=bool)
+    for u in range(U):
+        ids = b["kept"][offsets[u]:offsets[u + 1]]
+        if any(x >= y for x, y in zip(ids, ids[1:])) or any(not 0 <= x < nb for x in ids):
+            failures.append(f"unit {u}: C++ kept blocks not ascending in [0, {nb}): {ids}")
+            return failures
+        cpp_kept[u, ids] = True
+    # Every (layer, head) keeps exactly the positions of its unit's kept blocks.
+    L, Hkv, n = kept.shape
+    unit_of = np.zeros(L, dtype=int) if U == 1 else np.arange(L)
+    block_of = np.arange(n) // ref["block_size"]
+    expected = cpp_kept[unit_of][:, block_of]                        # [L, n]
+    if not np.array_equal(kept, np.broadcast_to(expected[:, None, :], kept.shape)):
+        failures.append("C++ kept positions are not the positions of its kept blocks")
+
+    # Block scores: +inf (forced) at the same blocks; the others relative to the unit's
+    # largest finite block score (STREAMING_LLM: its 1/0 of the kept blocks).
+    kind = policy["kind"]
+    score_path = os.path.join(case_dir, "cpp_block_scores.npy")
+    if not os.path.exists(score_path):
+        failures.append("C++ returns no block scores")
+    else:
+        cs, rs = np.load(score_path), ref["block_scores"]
+        if cs.shape != rs.shape:
+            failures.append(f"C++ block scores of shape {cs.shape}, oracle {rs.shape}")
+        elif kind == "STREAMING_LLM":
+            if not np.array_equal(cs, cpp_kept.astype(np.float64)):
+                failures.append("C++ STREAMING_LLM block scores are not 1 kept / 0 evicted")
+        elif not np.array_equal(np.isinf(cs), np.isinf(rs)):
+            failures.append("C++ block scores are +inf at other blocks than the forced ones")
+        else:
+            for u in range(U):
+                finite = np.isfinite(rs[u])
+                if not finite.any():
+                    continue
+                top = np.abs(rs[u][finite]).max()
+                err = np.abs(cs[u][finite] - rs[u][finite]).max()
+                if not err <= score_rtol * max(top, 1e-30):
+                    failures.append(f"unit {u}: block scores differ by {err:.3g} (largest "
+                                    f"{top:.3g})")
+                    break
+
+    # Kept blocks up to swaps among near-ties inside one competition: the model for
+    # BLOCKS_SHARED and for LAPROX's model-wide BLOCKS_PER_LAYER, else the layer.
+    rs = ref["block_scores"]
+    model_wide = U == 1 or (kind == "LAPROX" and policy["allocation"] in
+                            ("GLOBAL_NORMALIZED", "GLOBAL_RAW"))
+    by_scope = {}
+    only_cpp, only_ref = np.argwhere(cpp_kept & ~ref_kept), np.argwhere(ref_kept & ~cpp_kept)
+    for side, idx in ((0, only_cpp), (1, only_ref)):
+        for u, blk in idx:
+            if np.isinf(rs[u, blk]):
+                failures.append(f"unit {u}: forced block {blk} differs")
+                continue
+            key = () if model_wide else (int(u),)
+            by_scope.setdefault(key, ([], []))[side].append(rs[u, blk])
+    for key, (a, c) in by_scope.items():
+        if kind == "STREAMING_LLM" or len(a) != len(c):
+            failures.append(f"scope {key}: blocks {len(a)} kept only by C++, {len(c)} only by "
+                            f"the oracle")
+            continue
+        for x, y in zip(sorted(a), sorted(c)):
+            gap = abs(x - y) / max(abs(x), abs(y), 1e-300)
+            if gap >= tie_rtol:
+                failures.append(f"scope {key}: kept blocks differ beyond near-ties (block "
+                                f"scores {x:.9g} vs {y:.9g}, gap {gap:.2g})")
+                break
+
+    # New block tables and freed ids: the unit's table at C++'s kept blocks (equal to the
+    # oracle's when the kept blocks agree) and at the others.
+    if "new_block_table" not in ref:
+        if b["paged"]:
+            failures.append("C++ returns block tables for keys that are not paged")
+        return failures
+    if not b["paged"]:
+        return failures + ["C++ returns no block tables for paged keys"]
+    freed_offsets = b["freed_offsets"]
+    for u in range(U):
+        ids = np.zeros(nb, dtype=np.int64)                  # the unit's table, from the oracle
+        ids[ref_kept[u]] = ref["new_block_table"][u]
+        ids[~ref_kept[u]] = ref["freed_block_ids"][u]
+        new = b["new_table"][offsets[u]:offsets[u + 1]]
+        freed = b["freed"][freed_offsets[u]:freed_offsets[u + 1]]
+        if np.array_equal(cpp_kept[u], ref_kept[u]) and (
+                new != ref["new_block_table"][u].tolist() or
+                freed != ref["freed_block_ids"][u].tolist()):
+            failures.append(f"unit {u}: new table / freed ids {new} / {freed} vs oracle "
+                            f"{ref['new_block_table'][u].tolist()} / "
+                            f"{ref['freed_block_ids'][u].tolist()}")
+        elif new != ids[cpp_kept[u]].tolist() or freed != ids[~cpp_kept[u]].tolist():
+            failures.append(f"unit {u}: new table / freed ids are not the table at C++'s kept "
+                            f"blocks")
+    return failures
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runner", required=True)
     ap.add_argument("--seed", type=int, default=20261130)
     ap.add_argument("--only", default="")
     ap.add_argument("--keep", default="")
-    ap.add_argument("--plant-bug", choices=("raw", "reserve", "pool", "pool_target", "defaults"),
+    ap.add_argument("--plant-bug", choices=("raw", "reserve", "pool", "pool_target", "defaults",
+                                            "blocks", "block_competition", "table"),
                     default=None)
     args = ap.parse_args()
 

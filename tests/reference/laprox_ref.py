@@ -37,6 +37,7 @@ Baselines (policy["kind"] != "LAPROX")
         cake_tau1 1.6, cake_tau2 0.6, cake_gamma 200.0
         allocation, indicator, gqa_value, pool_target, min_per_head, head_uniform_layers:
                            accepted, checked for valid values, ignored by baselines.
+        plan_shape, block_size   see "Plan shapes" below.
     Layer dicts may carry "keys_dtype": "f32" | "f16" | "bf16" (None/absent = "f32"): the dtype
     the keys were stored in.  load_case() sets it from the keys' tensor reference, so case.json
     needs nothing new besides the policy fields above, e.g.
@@ -95,6 +96,54 @@ Baselines (policy["kind"] != "LAPROX")
             KVPRESS_COMPAT except for CAKE, or tokens_per_head; clamped to n).
         total_selected int   selected.sum().
 
+Plan shapes (SEMANTICS.md, "Plan shapes"; every kind)
+    Policy fields:
+        plan_shape   None (= "RAGGED") | "RAGGED" | "LAYER_UNIFORM" | "BLOCKS_SHARED" |
+                     "BLOCKS_PER_LAYER".  LAYER_UNIFORM is LAPROX's head_uniform_layers recount
+                     (head_uniform_layers=True with RAGGED means LAYER_UNIFORM, with a block
+                     shape it is invalid for LAPROX; the baselines ignore it); for the baselines
+                     LAYER_UNIFORM changes nothing and is invalid for ADAKV and CRITICAL_ADAKV.
+                     Block shapes only for LAPROX, STREAMING_LLM, SNAPKV, ADAKV.
+        block_size   None or 0 (not set) | an integer in [1, 65536], only with a block shape.
+                     Not set, a block shape takes the block size of layers[0]'s keys table
+                     (invalid without one); every table the layers name must have it.
+    Layer dicts may carry "keys_table" / "values_table" = {"block_size": bs, "ids": int array}:
+    the block table the (paged) tensor was read through; load_case() sets them.  In case.json a
+    paged tensor reference is
+        {"file": "pool_0.npy", "dtype": "bf16", "shape": [Hkv, n, d],
+         "paged": {"table": 0, "offset": o, "block_stride": ., "slot_stride": ., "head_stride": .,
+                   "dim_stride": .}}
+    with the tables in case.json "block_tables": [{"block_size": 16, "ids": [5, 2, ...]}, ...]:
+    element (h, r, c) is pool.flat[o + ids[r // bs] * block_stride + (r % bs) * slot_stride +
+    h * head_stride + c * dim_stride] (gather_paged), so the scores see the same logical
+    [Hkv, n, d] tensor as for a contiguous one.
+
+    A block shape keeps whole logical blocks of bs positions (nb = ceil(n / bs), the last one
+    may be partial), the same in every KV head and in every layer (BLOCKS_SHARED: one unit) or
+    per layer (BLOCKS_PER_LAYER: L units).  Blocks holding a forced position (LAPROX sinks and
+    window; SNAPKV/ADAKV the window; STREAMING_LLM its sinks) are kept whole; with B tokens per
+    head (LAPROX's budget, the baselines' n_kept) B >= n keeps everything, else a unit keeps
+    Kb = B // bs blocks, forced ones included, i.e. qb = clamp(Kb - forced, 0, candidate) more
+    by block score (select_blocks), ties to the lower (layer, block).  Block scores are float64
+    sums over the unit's layers, KV heads and the block's positions of: LAPROX's competing score
+    (p / S_l, uniform 1/(Hkv*m) in a layer whose S_l is 0 or not finite; GLOBAL_RAW: raw p in
+    every layer); SNAPKV/ADAKV the SnapKV prefix score (rounded in KVPRESS_COMPAT; ADAKV's plan
+    equals SNAPKV's); STREAMING_LLM ranks by block index.  BLOCKS_PER_LAYER is one model-wide
+    competition of L * qb (layer, block) pairs for LAPROX GLOBAL_NORMALIZED / GLOBAL_RAW, each
+    layer its own qb otherwise.  min_per_head is ignored.
+    Extra output fields of a block shape:
+        block_size int, num_blocks int   bs and nb.
+        block_kept [U, nb] bool    kept logical blocks per unit.
+        block_scores [U, nb] float64   +inf for forced blocks; STREAMING_LLM 1 kept, 0 evicted.
+        new_block_table, freed_block_ids   lists of U int64 arrays, only when every unit's
+            keys are paged (unit u: layers[u]'s keys table; BLOCKS_SHARED layers[0]'s): the
+            table's ids at the kept blocks, and at the others, in logical order.  (The CLI's
+            ref_out.npz stores each concatenated, with a "..._offsets" array.)
+    kept / counts follow the blocks; scores stay the RAGGED ranking score (LAPROX s; SNAPKV and
+    ADAKV the SnapKV score with its window sentinel, no safeguard; STREAMING_LLM 1/0);
+    layer_sums as for RAGGED; LAPROX: quota the ragged q, total_selected (and selected) the
+    kept candidate positions [se, n - we); baselines: selected = kept as before.
+
 How to run
     As a library:   from laprox_ref import keep_plan
     As a CLI:       /usr/bin/python3 tests/reference/laprox_ref.py CASE_DIR [CASE_DIR ...]
@@ -131,11 +180,20 @@ POLICY_DEFAULTS = {
     "sinks": 0,
     "min_per_head": 0,
     "head_uniform_layers": False,
+    "plan_shape": None,              # None: RAGGED (LAPROX's head_uniform_layers: LAYER_UNIFORM)
+    "block_size": None,              # None or 0: not set (a block shape then reads the table's)
     "tokens_per_head": None,
     "compression_ratio": None,
 }
 
 MAX_TOKENS_PER_HEAD = 2**31 - 1
+
+# Plan shapes (SEMANTICS.md, "Plan shapes").
+PLAN_SHAPES = ("RAGGED", "LAYER_UNIFORM", "BLOCKS_SHARED", "BLOCKS_PER_LAYER")
+BLOCK_SHAPES = ("BLOCKS_SHARED", "BLOCKS_PER_LAYER")
+BLOCK_KINDS = ("LAPROX", "STREAMING_LLM", "SNAPKV", "ADAKV")      # kinds a block shape accepts
+NO_LAYER_UNIFORM_KINDS = ("ADAKV", "CRITICAL_ADAKV")             # kinds LAYER_UNIFORM refuses
+MAX_BLOCK_SIZE = 1 << 16
 
 # Policy kinds: LAPROX (section 2) and the kvpress baselines (section 3, "Baseline policies" in
 # SEMANTICS.md).
@@ -256,6 +314,7 @@ def validate_policy(policy):
             raise ValueError(f"policy.{name} must be an integer >= 0, got {p[name]!r}")
     if not isinstance(p["head_uniform_layers"], (bool, np.bool_)):
         raise ValueError("policy.head_uniform_layers must be a bool")
+    p["plan_shape"], p["block_size"] = _validate_plan_shape(p)
     tph, cr = p["tokens_per_head"], p["compression_ratio"]
     if (tph is None) == (cr is None):
         raise ValueError("policy: exactly one of tokens_per_head and compression_ratio "
@@ -271,6 +330,43 @@ def validate_policy(policy):
         if not (math.isfinite(float(cr)) and 0.0 <= float(cr) < 1.0):
             raise ValueError(f"policy.compression_ratio must be in [0, 1), got {cr!r}")
     return p
+
+
+def _validate_plan_shape(p):
+    """SEMANTICS.md, "Plan shapes": returns (effective plan_shape, block_size or None).
+
+    plan_shape None is RAGGED; LAPROX's head_uniform_layers turns RAGGED into LAYER_UNIFORM and
+    is invalid with a block shape (the baselines ignore it).  Block shapes only for
+    BLOCK_KINDS; LAYER_UNIFORM not for ADAKV and CRITICAL_ADAKV.  block_size None or 0 is not
+    set; set, it must be an integer in [1, 65536] and the shape a block shape.  Whether a block
+    shape without block_size gets one from a block table is checked by keep_plan.
+    """
+    kind = p["kind"]
+    shape = "RAGGED" if p["plan_shape"] is None else p["plan_shape"]
+    if shape not in PLAN_SHAPES:
+        raise ValueError(f"policy.plan_shape = {shape!r} is not None or one of {PLAN_SHAPES}")
+    bs = p["block_size"]
+    if bs is not None:
+        if not _is_int(bs):
+            raise ValueError(f"policy.block_size must be an integer, got {bs!r}")
+        bs = int(bs)
+        if bs == 0:
+            bs = None
+        elif not 1 <= bs <= MAX_BLOCK_SIZE:
+            raise ValueError(f"policy.block_size = {bs} is outside [1, {MAX_BLOCK_SIZE}]")
+    if bs is not None and shape not in BLOCK_SHAPES:
+        raise ValueError(f"policy.block_size = {bs} is set but plan_shape {shape} is not a "
+                         f"block shape")
+    if shape in BLOCK_SHAPES and kind not in BLOCK_KINDS:
+        raise ValueError(f"policy.plan_shape {shape} is invalid for kind {kind} (block shapes: "
+                         f"{BLOCK_KINDS})")
+    if shape == "LAYER_UNIFORM" and kind in NO_LAYER_UNIFORM_KINDS:
+        raise ValueError(f"policy.plan_shape LAYER_UNIFORM is invalid for kind {kind}")
+    if kind == "LAPROX" and p["head_uniform_layers"]:
+        if shape in BLOCK_SHAPES:
+            raise ValueError(f"policy.head_uniform_layers is invalid with plan_shape {shape}")
+        shape = "LAYER_UNIFORM"
+    return shape, bs
 
 
 def budget_tokens(policy, n):
@@ -502,6 +598,127 @@ def _reserve_per_head(s, eligible, r):
 
 
 # ----------------------------------------------------------------------------------------------
+# Block plans (SEMANTICS.md, "Plan shapes")
+# ----------------------------------------------------------------------------------------------
+
+def _layer_table(layer, name):
+    """The block table {"block_size", "ids"} that layer's `name` ("keys" or "values") was read
+    through, or None when that tensor is not paged."""
+    return layer.get(f"{name}_table") if isinstance(layer, dict) else None
+
+
+def check_tables(layers, n):
+    """Every block table a layer names: block_size in [1, 65536], exactly ceil(n / block_size)
+    ids, none negative, none repeated (a table is valid by itself, whatever the plan shape)."""
+    for l, layer in enumerate(layers):
+        for name in ("keys", "values"):
+            t = _layer_table(layer, name)
+            if t is None:
+                continue
+            bs = t["block_size"]
+            if not _is_int(bs) or not 1 <= bs <= MAX_BLOCK_SIZE:
+                raise ValueError(f"layers[{l}].{name}: block_size = {bs!r} is outside "
+                                 f"[1, {MAX_BLOCK_SIZE}]")
+            ids = np.asarray(t["ids"], dtype=np.int64).ravel()
+            if ids.size != -(-n // int(bs)):
+                raise ValueError(f"layers[{l}].{name}: the block table has {ids.size} ids, "
+                                 f"{n} rows in blocks of {bs} need {-(-n // int(bs))}")
+            if ids.size and (ids.min() < 0 or np.unique(ids).size != ids.size):
+                raise ValueError(f"layers[{l}].{name}: block ids must be distinct and >= 0")
+
+
+def resolve_block_size(pol, layers):
+    """bs of a block shape: policy.block_size when set, else the block size of layers[0].keys'
+    table; every table any layer names must then have that block size."""
+    bs = pol["block_size"]
+    if bs is None:
+        t0 = _layer_table(layers[0], "keys")
+        if t0 is None:
+            raise ValueError(f"policy.plan_shape {pol['plan_shape']} needs policy.block_size or "
+                             f"paged layers[0].keys")
+        bs = int(t0["block_size"])
+    for l, layer in enumerate(layers):
+        for name in ("keys", "values"):
+            t = _layer_table(layer, name)
+            if t is not None and int(t["block_size"]) != bs:
+                raise ValueError(f"layers[{l}].{name}: block table of block_size "
+                                 f"{t['block_size']}, the plan's block size is {bs}")
+    return bs
+
+
+def select_blocks(layer_scores, forced, n, bs, B, shape, model_wide):
+    """The kept logical blocks of a block-shaped plan.
+
+    layer_scores: [L, n] float64, per layer the token score summed over the KV heads (only
+        candidate positions are read: a candidate block holds no forced position), or the
+        string "recency" for STREAMING_LLM (block score = block index, the latest wins).
+    forced: [n] bool, the positions the policy always keeps.  B: tokens per head.
+    shape: BLOCKS_SHARED (one unit, scores summed over the layers) or BLOCKS_PER_LAYER (one
+        unit per layer); model_wide: BLOCKS_PER_LAYER's best L * qb (layer, block) pairs in one
+        competition instead of each layer its own qb.
+    Returns (kept [U, nb] bool, scores [U, nb] float64 with +inf for forced blocks).
+
+    nb = ceil(n / bs); a block holding a forced position is kept whole.  B >= n keeps every
+    block; else a unit keeps Kb = B // bs blocks, forced ones included (a partial block counts
+    as a whole one): qb = clamp(Kb - forced blocks, 0, candidate blocks).  Order: score
+    descending, then (layer,) block index ascending.
+    """
+    nb = -(-n // bs)
+    block_of = np.arange(n) // bs
+    forced_blk = np.zeros(nb, dtype=bool)
+    forced_blk[block_of[forced]] = True
+    if isinstance(layer_scores, str):                       # "recency"
+        L = None
+        per_layer = np.arange(nb, dtype=np.float64)[None, :]
+    else:
+        L = layer_scores.shape[0]
+        padded = np.zeros((L, nb * bs))
+        padded[:, :n] = np.where(forced[None, :], 0.0, layer_scores)
+        per_layer = padded.reshape(L, nb, bs).sum(axis=2)
+    if shape == "BLOCKS_SHARED":
+        unit = per_layer.sum(axis=0, keepdims=True) if L is not None else per_layer
+    else:
+        unit = per_layer
+    U = unit.shape[0]
+    kept = np.tile(forced_blk, (U, 1))
+    if B >= n:
+        kept[:] = True
+    else:
+        n_forced = int(forced_blk.sum())
+        qb = max(0, min(B // bs - n_forced, nb - n_forced))
+        candidates = np.flatnonzero(~forced_blk).tolist()
+        units = list(range(U))
+        competitions = [units] if model_wide else [[u] for u in units]
+        for comp in competitions:
+            entries = sorted((-float(unit[u, b]), u, b) for u in comp for b in candidates)
+            for _, u, b in entries[:qb * len(comp)]:
+                kept[u, b] = True
+    scores = np.where(forced_blk[None, :], np.inf, unit)
+    return kept, scores
+
+
+def block_outputs(layers, shape, bs, kept_blocks, L, Hkv, n, recency=False):
+    """Token keep mask [L, Hkv, n] of a block plan and its block output fields (module
+    docstring): every (layer, head) keeps every position of its unit's kept blocks; the new
+    block table and freed ids of unit u from layers[u].keys' table (BLOCKS_SHARED:
+    layers[0].keys'), when every unit's keys are paged."""
+    U, nb = kept_blocks.shape
+    block_of = np.arange(n) // bs
+    unit_of = [0] * L if shape == "BLOCKS_SHARED" else list(range(L))
+    kept = np.zeros((L, Hkv, n), dtype=bool)
+    for l in range(L):
+        kept[l] = kept_blocks[unit_of[l], block_of][None, :]
+    out = {"block_size": int(bs), "num_blocks": int(nb), "block_kept": kept_blocks.copy()}
+    tables = [_layer_table(layers[0 if shape == "BLOCKS_SHARED" else u], "keys")
+              for u in range(U)]
+    if all(t is not None for t in tables):
+        ids = [np.asarray(t["ids"], dtype=np.int64).ravel() for t in tables]
+        out["new_block_table"] = [ids[u][kept_blocks[u]] for u in range(U)]
+        out["freed_block_ids"] = [ids[u][~kept_blocks[u]] for u in range(U)]
+    return kept, out
+
+
+# ----------------------------------------------------------------------------------------------
 # Keep plan
 # ----------------------------------------------------------------------------------------------
 
@@ -571,8 +788,10 @@ def keep_plan(geometry, policy, layers, n):
     geometry: {"L","H","Hkv","d","D","scale"}; policy: see POLICY_DEFAULTS (and the module
     docstring for "kind" and the baseline fields); layers: L dicts with "keys" [Hkv,n,d],
     "values" [Hkv,n,d], "o_proj" [D,H*d], and "queries" [H,wq,d] (optionally "lse" [H,wq]) or
-    "attention" [H,wq,n], optionally "keys_dtype".  Returns a dict of numpy arrays:
-    kept, counts, scores, raw, layer_sums, selected, quota, total_selected.
+    "attention" [H,wq,n], optionally "keys_dtype", "keys_table", "values_table".  Returns a
+    dict of numpy arrays: kept, counts, scores, raw, layer_sums, selected, quota,
+    total_selected, and for a block plan_shape block_size, num_blocks, block_kept,
+    block_scores (and new_block_table, freed_block_ids with paged keys).
     Raises ValueError on invalid input.
     """
     gt = validate_geometry(geometry)
@@ -583,6 +802,9 @@ def keep_plan(geometry, policy, layers, n):
     n = int(n)
     if len(layers) != L:
         raise ValueError(f"layers: {len(layers)} given, geometry says L={L}")
+    check_tables(layers, n)
+    if pol["plan_shape"] in BLOCK_SHAPES:
+        pol["block_size"] = resolve_block_size(pol, layers)
     if pol["kind"] != "LAPROX":
         return baseline_plan(gt, pol, layers, n)
 
@@ -618,10 +840,10 @@ def keep_plan(geometry, policy, layers, n):
         S = _fsum(p)
         layer_sums[l] = S
         raw[l, :, se:nx] = p
-        if S == 0.0 or not math.isfinite(S):
+        if pol["allocation"] == "GLOBAL_RAW":
+            s = p                                                    # no normalisation at all
+        elif S == 0.0 or not math.isfinite(S):
             s = np.full((Hkv, m), 1.0 / (Hkv * m))
-        elif pol["allocation"] == "GLOBAL_RAW":
-            s = p
         else:
             s = p / S
         scores[l, :, se:nx] = s
@@ -636,6 +858,9 @@ def keep_plan(geometry, policy, layers, n):
     candidate[:, :, se:nx] = True
 
     alloc = pol["allocation"]
+    if pol["plan_shape"] in BLOCK_SHAPES:
+        return _laprox_block_plan(pol, layers, n, B, se, nx, m, raw, scores, layer_sums,
+                                  candidate, q_head, Hkv)
     if alloc in ("GLOBAL_NORMALIZED", "GLOBAL_RAW"):
         selected = _reserve_per_head(scores, candidate, r)
         selected |= select_best(scores, candidate & ~selected, K - L * Hkv * r)
@@ -648,7 +873,7 @@ def keep_plan(geometry, policy, layers, n):
     else:  # UNIFORM
         selected = _reserve_per_head(scores, candidate, q_head)
 
-    if pol["head_uniform_layers"]:
+    if pol["plan_shape"] == "LAYER_UNIFORM":
         T = selected.sum(axis=(1, 2))
         selected = np.zeros_like(selected)
         for l in range(L):
@@ -671,6 +896,43 @@ def keep_plan(geometry, policy, layers, n):
         "quota": int(q_head),
         "total_selected": int(K),
     }
+
+
+def _laprox_block_plan(pol, layers, n, B, se, nx, m, raw, scores, layer_sums, candidate,
+                       q_head, Hkv):
+    """LAPROX at a block shape: block scores are float64 sums of the competing scores s
+    (p / S_l, or 1 / (Hkv * m) in a layer whose S_l is 0 or not finite; GLOBAL_RAW: raw p in
+    every layer) over the unit's layers, every KV head and the block's positions.
+    BLOCKS_PER_LAYER competes model-wide for GLOBAL_NORMALIZED and GLOBAL_RAW, per layer for
+    PER_LAYER and UNIFORM.  min_per_head is ignored.  The per-token scores, layer sums and
+    quota stay the ragged plan's; total_selected counts the kept candidate positions."""
+    L = raw.shape[0]
+    alloc = pol["allocation"]
+    token = raw if alloc == "GLOBAL_RAW" else scores
+    layer_scores = np.zeros((L, n))
+    if m > 0:
+        layer_scores[:, se:nx] = token[:, :, se:nx].sum(axis=1)
+    forced = np.zeros(n, dtype=bool)
+    forced[:se] = True
+    forced[nx:] = True
+    bs = pol["block_size"]
+    kept_blocks, block_scores = select_blocks(
+        layer_scores, forced, n, bs, B, pol["plan_shape"],
+        alloc in ("GLOBAL_NORMALIZED", "GLOBAL_RAW"))
+    kept, out = block_outputs(layers, pol["plan_shape"], bs, kept_blocks, L, Hkv, n)
+    selected = kept & candidate
+    out.update({
+        "kept": kept,
+        "counts": kept.sum(axis=2).astype(np.int64),
+        "scores": scores,
+        "raw": raw,
+        "layer_sums": layer_sums,
+        "selected": selected,
+        "quota": int(q_head),
+        "total_selected": int(selected.sum()),
+        "block_scores": block_scores,
+    })
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -914,6 +1176,7 @@ def baseline_plan(gt, pol, layers, n):
     evict = n_kept < n
     uses_window = kind != "STREAMING_LLM"
     need_vo = kind in ("CRITICALKV", "CRITICAL_ADAKV")
+    blocks = pol["plan_shape"] in BLOCK_SHAPES      # STREAMING_LLM, SNAPKV, ADAKV only
 
     scores = np.full((L, Hkv, n), np.nan)
     raw = np.full((L, Hkv, n), np.nan)
@@ -932,6 +1195,14 @@ def baseline_plan(gt, pol, layers, n):
         keep = _top_mask(s, n_kept)
         scores[:] = s
         kept[:] = keep
+        if blocks:                                # forced: the sinks; the latest blocks win
+            forced = np.zeros(n, dtype=bool)
+            forced[:min(sinks, n)] = True
+            kept_blocks, _ = select_blocks("recency", forced, n, pol["block_size"], n_kept,
+                                           pol["plan_shape"], False)
+            if pol["plan_shape"] == "BLOCKS_PER_LAYER":
+                kept_blocks = np.repeat(kept_blocks, L, axis=0)
+            block_scores = kept_blocks.astype(np.float64)       # 1 kept, 0 evicted
     else:
         r_ratio = pol["first_stage_ratio"]
         if pol["tokens_per_head"] is not None:
@@ -988,6 +1259,9 @@ def baseline_plan(gt, pol, layers, n):
 
             s, pre = snapkv_scores(A, Hkv, G, nx, pooling, k, dt)
             raw[l, :, :nx] = pre
+            if blocks:                            # SNAPKV, ADAKV: no safeguard, no head budgets
+                scores[l] = s
+                continue
             if kind in ("SNAPKV", "PYRAMIDKV"):
                 cnt = n_kept if kind == "SNAPKV" else counts_l[l]
                 scores[l] = s
@@ -1029,12 +1303,26 @@ def baseline_plan(gt, pol, layers, n):
                     for g in range(Hkv):
                         kept[l, g] = _top_mask(scores[l, g], budgets[l] + we)
             selected = kept & ~window
+        elif blocks:                              # the window is forced; SnapKV block sums
+            forced = np.zeros(n, dtype=bool)
+            forced[nx:] = True
+            layer_scores = np.zeros((L, n))
+            layer_scores[:, :nx] = raw[:, :, :nx].sum(axis=1)
+            kept_blocks, block_scores = select_blocks(layer_scores, forced, n,
+                                                      pol["block_size"], n_kept,
+                                                      pol["plan_shape"], False)
         elif not evict:
             kept[:] = True
 
+    out = {}
+    if blocks:
+        kept, out = block_outputs(layers, pol["plan_shape"], pol["block_size"], kept_blocks, L,
+                                  Hkv, n)
+        out["block_scores"] = block_scores
     if selected is None:
         selected = kept.copy()
     return {
+        **out,
         "kept": kept,
         "counts": kept.sum(axis=2).astype(np.int64),
         "scores": scores,
@@ -1055,8 +1343,28 @@ def kept_positions(plan, l, g):
 # CLI: case directories
 # ----------------------------------------------------------------------------------------------
 
-def load_tensor(case_dir, ref):
-    """Loads a tensor reference {"file","dtype","slice_last","permute"} as float64."""
+def gather_paged(pool, table, paged, shape):
+    """The logical [heads, rows, cols] tensor of a paged reference: element (h, r, c) is
+    pool.flat[offset + ids[r // bs] * block_stride + (r % bs) * slot_stride + h * head_stride
+    + c * dim_stride] (the pool in C order, whatever its shape)."""
+    heads, rows, cols = (int(x) for x in shape)
+    bs = int(table["block_size"])
+    ids = np.asarray(table["ids"], dtype=np.int64)
+    r = np.arange(rows)
+    row_at = ids[r // bs] * int(paged["block_stride"]) + (r % bs) * int(paged["slot_stride"])
+    at = (int(paged.get("offset", 0)) + row_at[None, :, None]
+          + np.arange(heads)[:, None, None] * int(paged["head_stride"])
+          + np.arange(cols)[None, None, :] * int(paged["dim_stride"]))
+    flat = pool.reshape(-1)
+    if at.size and (at.min() < 0 or at.max() >= flat.size):
+        raise ValueError("paged tensor: an element lies outside the pool")
+    return flat[at]
+
+
+def load_tensor(case_dir, ref, tables=None):
+    """Loads a tensor reference as float64: {"file","dtype","slice_last","permute"}, or a paged
+    one {"file","dtype","shape":[heads,rows,cols],"paged":{"table","offset","block_stride",
+    "slot_stride","head_stride","dim_stride"}} read through tables[paged["table"]]."""
     if ref is None:
         return None
     stored = np.load(os.path.join(case_dir, ref["file"]), allow_pickle=False)
@@ -1075,6 +1383,9 @@ def load_tensor(case_dir, ref):
         arr = (stored.astype(np.uint32) << 16).view(np.float32)
     else:
         raise ValueError(f"{ref['file']}: unknown dtype {dtype!r}")
+    if ref.get("paged") is not None:
+        table = tables[int(ref["paged"]["table"])]
+        return np.asarray(gather_paged(arr, table, ref["paged"], ref["shape"]), dtype=np.float64)
     if ref.get("slice_last") is not None:
         arr = arr[..., :int(ref["slice_last"])]
     if ref.get("permute") is not None:
@@ -1082,15 +1393,22 @@ def load_tensor(case_dir, ref):
     return np.asarray(arr, dtype=np.float64)
 
 
-def load_case(case_dir):
-    with open(os.path.join(case_dir, "case.json")) as fh:
+def load_case(case_dir, name="case.json"):
+    """Reads case_dir/name (case.json) and its tensors: (geometry, policy, layers, n)."""
+    with open(os.path.join(case_dir, name)) as fh:
         case = json.load(fh)
+    tables = [{"block_size": t["block_size"], "ids": np.asarray(t["ids"], dtype=np.int64)}
+              for t in case.get("block_tables") or []]
     layers = []
     for spec in case["layers"]:
-        layer = {name: load_tensor(case_dir, spec.get(name))
+        layer = {name: load_tensor(case_dir, spec.get(name), tables)
                  for name in ("keys", "values", "o_proj", "queries", "attention", "lse")}
         # KVPRESS_COMPAT rounds window attention to the dtype the keys are stored in.
         layer["keys_dtype"] = spec["keys"]["dtype"] if spec.get("keys") else None
+        for name in ("keys", "values"):                # the tables paged keys/values use
+            paged = (spec.get(name) or {}).get("paged")
+            if paged is not None:
+                layer[f"{name}_table"] = tables[int(paged["table"])]
         layers.append(layer)
     return case["geometry"], case["policy"], layers, case["n"]
 
@@ -1101,6 +1419,10 @@ def run_case(case_dir):
     out = dict(plan)
     out["quota"] = np.array(plan["quota"], dtype=np.int64)
     out["total_selected"] = np.array(plan["total_selected"], dtype=np.int64)
+    for key in ("new_block_table", "freed_block_ids"):   # per unit: concatenated + offsets
+        if key in plan:
+            out[key] = np.concatenate(plan[key]).astype(np.int64)
+            out[f"{key}_offsets"] = np.cumsum([0] + [len(x) for x in plan[key]]).astype(np.int64)
     np.savez(os.path.join(case_dir, "ref_out.npz"), **out)
     return plan
 

@@ -493,12 +493,21 @@ class TiesAndEdges(unittest.TestCase):
         # q = 2, K = 4: .4 (0,0,0), .3 (0,0,1), .25 (1,0,0), .25 (1,0,1).
         att = [[[.4, .3, .2, .1, 0.0]]]
         layers = [att_layer(att, [[1] * 5], [[1.0]]), att_layer(att, [[0] * 5], [[1.0]])]
-        for alloc in ("GLOBAL_NORMALIZED", "GLOBAL_RAW"):
-            p = ref.keep_plan(geo(L=2), pol(tokens_per_head=3, allocation=alloc), layers, 5)
-            self.assertEqual(kept_sets(p), [[[0, 1, 4]], [[0, 1, 4]]])
-            self.assertEqual(p["layer_sums"][1], 0.0)
-            self.assertEqual(p["scores"][1, 0, :4].tolist(), [.25] * 4)
-            self.assertEqual(p["raw"][1, 0, :4].tolist(), [0.0] * 4)
+        p = ref.keep_plan(geo(L=2), pol(tokens_per_head=3, allocation="GLOBAL_NORMALIZED"),
+                          layers, 5)
+        self.assertEqual(kept_sets(p), [[[0, 1, 4]], [[0, 1, 4]]])
+        self.assertEqual(p["layer_sums"][1], 0.0)
+        self.assertEqual(p["scores"][1, 0, :4].tolist(), [.25] * 4)
+        self.assertEqual(p["raw"][1, 0, :4].tolist(), [0.0] * 4)
+
+    def test_all_zero_layer_competes_with_zero_under_global_raw(self):
+        # GLOBAL_RAW skips the normalisation and its uniform rule: layer 1's s = p = 0, so the
+        # 4 selected slots all go to layer 0 (p > 0 there), and layer 1 keeps its window only.
+        att = [[[.4, .3, .2, .1, 0.0]]]
+        layers = [att_layer(att, [[1] * 5], [[1.0]]), att_layer(att, [[0] * 5], [[1.0]])]
+        p = ref.keep_plan(geo(L=2), pol(tokens_per_head=3, allocation="GLOBAL_RAW"), layers, 5)
+        self.assertEqual(kept_sets(p), [[[0, 1, 2, 3, 4]], [[4]]])
+        self.assertEqual(p["scores"][1, 0, :4].tolist(), [0.0] * 4)
 
     def test_compression_ratio(self):
         P = pol(compression_ratio=0.9, window=32)
