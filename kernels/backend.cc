@@ -248,24 +248,67 @@ absl::StatusOr<KeepPlan> Backend::ComputeKeepPlan(const PreparedModel& model,
   LAPROX_ASSIGN_OR_RETURN(RequestShape shape, CheckKeepPlanRequest(model, request));
   const Clock::time_point validated = Clock::now();
   absl::StatusOr<KeepPlan> plan = ComputeKeepPlanImpl(model, request, shape);
-  if (plan.ok() && plan->blocks) {
+  if (plan.ok()) FinishPlan(request, start, validated, *plan);
+  return plan;
+}
+
+absl::StatusOr<std::vector<KeepPlan>> Backend::ComputeKeepPlans(
+    const PreparedModel& model, absl::Span<const KeepPlanRequest> requests) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point start = Clock::now();
+  if (requests.empty()) return absl::InvalidArgumentError("sequences: the batch is empty");
+  std::vector<RequestShape> shapes;
+  shapes.reserve(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    absl::StatusOr<RequestShape> shape = CheckKeepPlanRequest(model, requests[i]);
+    if (!shape.ok()) {
+      return absl::Status(shape.status().code(),
+                          absl::StrCat("sequences[", i, "]: ", shape.status().message()));
+    }
+    shapes.push_back(*shape);
+  }
+  const Clock::time_point validated = Clock::now();
+  LAPROX_ASSIGN_OR_RETURN(std::vector<KeepPlan> plans,
+                          ComputeKeepPlansImpl(model, requests, shapes));
+  for (size_t i = 0; i < plans.size(); ++i) FinishPlan(requests[i], start, validated, plans[i]);
+  return plans;
+}
+
+absl::StatusOr<std::vector<KeepPlan>> Backend::ComputeKeepPlansImpl(
+    const PreparedModel& model, absl::Span<const KeepPlanRequest> requests,
+    absl::Span<const RequestShape> shapes) {
+  std::vector<KeepPlan> plans;
+  plans.reserve(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    absl::StatusOr<KeepPlan> plan = ComputeKeepPlanImpl(model, requests[i], shapes[i]);
+    if (!plan.ok()) {
+      return absl::Status(plan.status().code(),
+                          absl::StrCat("sequences[", i, "]: ", plan.status().message()));
+    }
+    plans.push_back(*std::move(plan));
+  }
+  return plans;
+}
+
+void Backend::FinishPlan(const KeepPlanRequest& request,
+                         std::chrono::steady_clock::time_point entered,
+                         std::chrono::steady_clock::time_point validated, KeepPlan& plan) {
+  if (plan.blocks) {
     // Physical ids come from the unit's keys (kBlocksShared: layers[0]'s).
     std::vector<const BlockTable*> tables;
-    for (int32_t u = 0; u < plan->blocks->units; ++u) {
+    for (int32_t u = 0; u < plan.blocks->units; ++u) {
       const TensorView& keys = request.layers[u].keys;
       tables.push_back(keys.paged() ? keys.layout().table : nullptr);
     }
-    policy::FillBlockTables(tables, *plan->blocks);
+    policy::FillBlockTables(tables, *plan.blocks);
   }
-  if (plan.ok()) {
-    PlanTiming& t = plan->timing;
-    t.validate_seconds =
-        std::chrono::duration<double>(validated - request.checks_started.value_or(start)).count();
-    if (t.score_seconds == 0 && t.select_seconds == 0) {  // the backend did not split its time
-      t.score_seconds = std::chrono::duration<double>(Clock::now() - validated).count();
-    }
+  PlanTiming& t = plan.timing;
+  t.validate_seconds =
+      std::chrono::duration<double>(validated - request.checks_started.value_or(entered)).count();
+  if (t.score_seconds == 0 && t.select_seconds == 0) {  // the backend did not split its time
+    t.score_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - validated).count();
   }
-  return plan;
 }
 
 int64_t MemoryEstimate::total() const { return SatAdd(workspace_bytes, output_bytes); }

@@ -33,7 +33,7 @@ namespace {
 // workspace allocation that fails (the host is short of memory despite the service's budget)
 // fails its item with RESOURCE_EXHAUSTED: an exception must not leave a worker thread.
 template <typename Task>
-absl::Status RunAll(int64_t count, int threads, Task&& task) {
+absl::Status RunAll(int64_t count, int threads, Task&& task, int64_t* failed_item = nullptr) {
   std::vector<absl::Status> statuses(count);
   std::atomic<int64_t> first_failure{std::numeric_limits<int64_t>::max()};
   ParallelFor(count, threads, [&](int64_t item, int worker) {
@@ -51,6 +51,7 @@ absl::Status RunAll(int64_t count, int threads, Task&& task) {
     }
   });
   const int64_t failed = first_failure.load();
+  if (failed_item != nullptr) *failed_item = failed;
   return failed < count ? statuses[failed] : absl::OkStatus();
 }
 
@@ -91,6 +92,119 @@ void LayerFactors(const ModelGeometry& g, const float* w, bool cross, int64_t la
     }
   }
 }
+
+// One sequence's plan: a scoring item per (layer, KV head), then the selection over them.
+class SequenceJob {
+ public:
+  virtual ~SequenceJob() = default;
+  // Scores item (layer * Hkv + KV head) with the calling worker's workspace.
+  virtual absl::Status Score(int64_t item, ScoreWorkspace& ws) = 0;
+  // Once every item is scored: the plan.
+  virtual absl::StatusOr<KeepPlan> Select() = 0;
+};
+
+class LaproxJob final : public SequenceJob {
+ public:
+  LaproxJob(const CpuPreparedModel& model, const KeepPlanRequest& request,
+            const RequestShape& shape)
+      : model_(model),
+        request_(request),
+        shape_(shape),
+        raw_(int64_t{shape.num_layers} * shape.num_kv_heads * shape.n, 0.f) {}
+
+  absl::Status Score(int64_t item, ScoreWorkspace& ws) override {
+    HeadTask task;
+    task.layer = item / shape_.num_kv_heads;
+    task.kv_head = item % shape_.num_kv_heads;
+    task.inputs = &request_.layers[task.layer];
+    task.factors = model_.factors(task.layer, task.kv_head);
+    task.factor_ld = model_.row_stride();
+    task.hidden_size = model_.geometry().hidden_size;
+    task.max_o_proj = model_.max_o_proj(task.layer);
+    task.scale = model_.geometry().EffectiveScale();
+    return ScoreHead(shape_, request_.policy, task, ws, raw_.data() + item * shape_.n);
+  }
+
+  absl::StatusOr<KeepPlan> Select() override {
+    return policy::SelectKeepPlan(shape_, request_.policy, raw_, request_.outputs);
+  }
+
+ private:
+  const CpuPreparedModel& model_;
+  const KeepPlanRequest& request_;
+  const RequestShape& shape_;
+  std::vector<float> raw_;
+};
+
+class BaselineJob final : public SequenceJob {
+ public:
+  BaselineJob(const CpuPreparedModel& model, const KeepPlanRequest& request,
+              const RequestShape& shape)
+      : model_(model), request_(request), shape_(shape) {
+    const PolicySpec& policy = request.policy;
+    const int64_t L = shape.num_layers, Hkv = shape.num_kv_heads, n = shape.n;
+    critical_ = policy.kind == PolicyKind::kCriticalKv || policy.kind == PolicyKind::kCriticalAdaKv;
+    const bool compat = policy.numeric_mode == NumericMode::kKvpressCompat;
+    scores_.assign(L * Hkv * n, 0.f);
+    norms_.assign(critical_ ? L * Hkv * n : 0, 0.f);
+    entropy_.assign(L * Hkv, 0.0);
+    variance_.assign(L * Hkv, 0.0);
+    safeguard_.assign(L, std::numeric_limits<float>::max());
+    compat_dtype_.assign(compat ? L : 0, DType::kF32);
+    for (int64_t l = 0; l < L && compat; ++l) {
+      // The model dtype is the keys' dtype: kvpress's scores have it, and so does their maximum.
+      const DType dtype = request.layers[l].keys.dtype();
+      compat_dtype_[l] = dtype;
+      if (dtype == DType::kBF16) safeguard_[l] = Bf16ToFloat(0x7f7f);
+      if (dtype == DType::kF16) safeguard_[l] = F16ToFloat(0x7bff);
+    }
+    // CAKE has no kvpress press: KVPRESS_COMPAT only rounds its softmax output.
+    compat_arithmetic_ = compat && policy.kind != PolicyKind::kCake;
+  }
+
+  absl::Status Score(int64_t item, ScoreWorkspace& ws) override {
+    const int64_t n = shape_.n;
+    const bool compat = !compat_dtype_.empty();
+    HeadTask task;
+    task.layer = item / shape_.num_kv_heads;
+    task.kv_head = item % shape_.num_kv_heads;
+    task.inputs = &request_.layers[task.layer];
+    task.o_proj = model_.output_projection(task.layer);
+    task.hidden_size = model_.geometry().hidden_size;
+    task.max_o_proj = model_.max_o_proj(task.layer);
+    task.scale = model_.geometry().EffectiveScale();
+    task.kvpress_compat = compat_arithmetic_;
+    task.compat_dtype = compat ? compat_dtype_[task.layer] : DType::kF32;
+    // Only attention computed here is rounded; the engine's attention rows are used as given.
+    const DType rounding =
+        compat && !shape_.attention_given ? task.inputs->keys.dtype() : DType::kF32;
+    const BaselineHeadOutput out = {.scores = scores_.data() + item * n,
+                                    .value_norms = critical_ ? norms_.data() + item * n : nullptr,
+                                    .entropy = &entropy_[item],
+                                    .variance = &variance_[item]};
+    return BaselineHead(shape_, request_.policy, task, rounding, ws, out);
+  }
+
+  absl::StatusOr<KeepPlan> Select() override {
+    const policy::BaselineStatistics statistics = {.prefix_scores = scores_,
+                                                   .value_norms = norms_,
+                                                   .entropy = entropy_,
+                                                   .variance = variance_,
+                                                   .safeguard = safeguard_,
+                                                   .compat_dtype = compat_dtype_};
+    return policy::SelectBaselinePlan(shape_, request_.policy, statistics, request_.outputs);
+  }
+
+ private:
+  const CpuPreparedModel& model_;
+  const KeepPlanRequest& request_;
+  const RequestShape& shape_;
+  bool critical_ = false, compat_arithmetic_ = false;
+  std::vector<float> scores_, norms_;
+  std::vector<double> entropy_, variance_;
+  std::vector<float> safeguard_;
+  std::vector<DType> compat_dtype_;
+};
 
 }  // namespace
 
@@ -159,93 +273,74 @@ absl::StatusOr<std::shared_ptr<const PreparedModel>> CpuBackend::PrepareModelImp
 absl::StatusOr<KeepPlan> CpuBackend::ComputeKeepPlanImpl(const PreparedModel& model,
                                                          const KeepPlanRequest& request,
                                                          const RequestShape& shape) {
-  const auto& prepared = static_cast<const CpuPreparedModel&>(model);
-  if (request.policy.kind != PolicyKind::kLaprox) {
-    return ComputeBaselinePlan(prepared, request, shape);
-  }
-  const auto started = std::chrono::steady_clock::now();
-  const int64_t Hkv = shape.num_kv_heads, n = shape.n;
-  std::vector<float> raw(shape.num_layers * Hkv * n, 0.f);
-  std::vector<ScoreWorkspace> workspaces(threads_);
-  const float scale = model.geometry().EffectiveScale();
-  LAPROX_RETURN_IF_ERROR(RunAll(shape.num_layers * Hkv, threads_, [&](int64_t item, int worker) {
-    HeadTask task;
-    task.layer = item / Hkv;
-    task.kv_head = item % Hkv;
-    task.inputs = &request.layers[task.layer];
-    task.factors = prepared.factors(task.layer, task.kv_head);
-    task.factor_ld = prepared.row_stride();
-    task.hidden_size = model.geometry().hidden_size;
-    task.max_o_proj = prepared.max_o_proj(task.layer);
-    task.scale = scale;
-    return ScoreHead(shape, request.policy, task, workspaces[worker], raw.data() + item * n);
-  }));
-  const auto scored = std::chrono::steady_clock::now();
-  LAPROX_ASSIGN_OR_RETURN(KeepPlan plan,
-                          policy::SelectKeepPlan(shape, request.policy, raw, request.outputs));
-  plan.timing.score_seconds = std::chrono::duration<double>(scored - started).count();
-  plan.timing.select_seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - scored).count();
-  return plan;
+  int64_t failed = 0;
+  LAPROX_ASSIGN_OR_RETURN(std::vector<KeepPlan> plans,
+                          RunSequences(model, absl::MakeConstSpan(&request, 1),
+                                       absl::MakeConstSpan(&shape, 1), &failed));
+  return std::move(plans[0]);
 }
 
-absl::StatusOr<KeepPlan> CpuBackend::ComputeBaselinePlan(const CpuPreparedModel& model,
-                                                         const KeepPlanRequest& request,
-                                                         const RequestShape& shape) {
-  const auto started = std::chrono::steady_clock::now();
-  const PolicySpec& policy = request.policy;
-  const int64_t L = shape.num_layers, Hkv = shape.num_kv_heads, n = shape.n;
-  const bool critical =
-      policy.kind == PolicyKind::kCriticalKv || policy.kind == PolicyKind::kCriticalAdaKv;
-  const bool compat = policy.numeric_mode == NumericMode::kKvpressCompat;
-  std::vector<float> scores(L * Hkv * n, 0.f), norms(critical ? L * Hkv * n : 0);
-  std::vector<double> entropy(L * Hkv, 0.0), variance(L * Hkv, 0.0);
-  std::vector<float> safeguard(L, std::numeric_limits<float>::max());
-  std::vector<DType> compat_dtype(compat ? L : 0, DType::kF32);
-  for (int64_t l = 0; l < L && compat; ++l) {
-    // The model dtype is the keys' dtype: kvpress's scores have it, and so does their maximum.
-    const DType dtype = request.layers[l].keys.dtype();
-    compat_dtype[l] = dtype;
-    if (dtype == DType::kBF16) safeguard[l] = Bf16ToFloat(0x7f7f);
-    if (dtype == DType::kF16) safeguard[l] = F16ToFloat(0x7bff);
+absl::StatusOr<std::vector<KeepPlan>> CpuBackend::ComputeKeepPlansImpl(
+    const PreparedModel& model, absl::Span<const KeepPlanRequest> requests,
+    absl::Span<const RequestShape> shapes) {
+  int64_t failed = 0;
+  absl::StatusOr<std::vector<KeepPlan>> plans = RunSequences(model, requests, shapes, &failed);
+  if (!plans.ok()) {
+    return absl::Status(plans.status().code(),
+                        absl::StrCat("sequences[", failed, "]: ", plans.status().message()));
   }
-  // CAKE has no kvpress press: KVPRESS_COMPAT only rounds its softmax output.
-  const bool compat_arithmetic = compat && policy.kind != PolicyKind::kCake;
+  return plans;
+}
+
+absl::StatusOr<std::vector<KeepPlan>> CpuBackend::RunSequences(
+    const PreparedModel& model, absl::Span<const KeepPlanRequest> requests,
+    absl::Span<const RequestShape> shapes, int64_t* failed) {
+  const auto started = std::chrono::steady_clock::now();
+  const auto& prepared = static_cast<const CpuPreparedModel&>(model);
+  // Every (sequence, layer, KV head) is one work item of one pass over the workers, so that a
+  // batch of short sequences keeps every worker busy until the last item.
+  std::vector<std::unique_ptr<SequenceJob>> jobs;
+  std::vector<int64_t> first_item = {0};
+  for (size_t i = 0; i < requests.size(); ++i) {
+    if (requests[i].policy.kind == PolicyKind::kLaprox) {
+      jobs.push_back(std::make_unique<LaproxJob>(prepared, requests[i], shapes[i]));
+    } else {
+      jobs.push_back(std::make_unique<BaselineJob>(prepared, requests[i], shapes[i]));
+    }
+    first_item.push_back(first_item.back() +
+                         int64_t{shapes[i].num_layers} * shapes[i].num_kv_heads);
+  }
   std::vector<ScoreWorkspace> workspaces(threads_);
-  const float scale = model.geometry().EffectiveScale();
-  LAPROX_RETURN_IF_ERROR(RunAll(L * Hkv, threads_, [&](int64_t item, int worker) {
-    HeadTask task;
-    task.layer = item / Hkv;
-    task.kv_head = item % Hkv;
-    task.inputs = &request.layers[task.layer];
-    task.o_proj = model.output_projection(task.layer);
-    task.hidden_size = model.geometry().hidden_size;
-    task.max_o_proj = model.max_o_proj(task.layer);
-    task.scale = scale;
-    task.kvpress_compat = compat_arithmetic;
-    task.compat_dtype = compat ? compat_dtype[task.layer] : DType::kF32;
-    // Only attention computed here is rounded; the engine's attention rows are used as given.
-    const DType rounding =
-        compat && !shape.attention_given ? task.inputs->keys.dtype() : DType::kF32;
-    const BaselineHeadOutput out = {.scores = scores.data() + item * n,
-                                    .value_norms = critical ? norms.data() + item * n : nullptr,
-                                    .entropy = &entropy[item],
-                                    .variance = &variance[item]};
-    return BaselineHead(shape, policy, task, rounding, workspaces[worker], out);
-  }));
-  const auto scored = std::chrono::steady_clock::now();
-  const policy::BaselineStatistics statistics = {.prefix_scores = scores,
-                                                 .value_norms = norms,
-                                                 .entropy = entropy,
-                                                 .variance = variance,
-                                                 .safeguard = safeguard,
-                                                 .compat_dtype = compat_dtype};
-  LAPROX_ASSIGN_OR_RETURN(KeepPlan plan,
-                          policy::SelectBaselinePlan(shape, policy, statistics, request.outputs));
-  plan.timing.score_seconds = std::chrono::duration<double>(scored - started).count();
-  plan.timing.select_seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - scored).count();
-  return plan;
+  int64_t failed_item = 0;
+  absl::Status scored = RunAll(
+      first_item.back(), threads_,
+      [&](int64_t item, int worker) {
+        const auto job = std::upper_bound(first_item.begin(), first_item.end(), item) - 1;
+        const size_t j = static_cast<size_t>(job - first_item.begin());
+        return jobs[j]->Score(item - *job, workspaces[worker]);
+      },
+      &failed_item);
+  if (!scored.ok()) {
+    *failed = std::upper_bound(first_item.begin(), first_item.end(), failed_item) - 1 -
+              first_item.begin();
+    return scored;
+  }
+  workspaces.clear();
+  const auto scored_at = std::chrono::steady_clock::now();
+  std::vector<KeepPlan> plans(jobs.size());
+  LAPROX_RETURN_IF_ERROR(RunAll(
+      static_cast<int64_t>(jobs.size()), threads_,
+      [&](int64_t j, int) {
+        LAPROX_ASSIGN_OR_RETURN(plans[j], jobs[j]->Select());
+        return absl::OkStatus();
+      },
+      failed));
+  const auto selected_at = std::chrono::steady_clock::now();
+  for (KeepPlan& plan : plans) {
+    plan.timing.score_seconds = std::chrono::duration<double>(scored_at - started).count();
+    plan.timing.select_seconds = std::chrono::duration<double>(selected_at - scored_at).count();
+  }
+  return plans;
 }
 
 // Upper bounds of the buffers above and in score.cc, window.cc, baseline_stats.cc and the

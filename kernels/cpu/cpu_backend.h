@@ -6,6 +6,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "laprox/kernels/backend.h"
 
@@ -33,15 +34,21 @@ class CpuBackend final : public Backend {
   absl::StatusOr<KeepPlan> ComputeKeepPlanImpl(const PreparedModel& model,
                                                const KeepPlanRequest& request,
                                                const RequestShape& shape) override;
+  absl::StatusOr<std::vector<KeepPlan>> ComputeKeepPlansImpl(
+      const PreparedModel& model, absl::Span<const KeepPlanRequest> requests,
+      absl::Span<const RequestShape> shapes) override;
   int64_t KeepPlanWorkspaceBytes(const ModelGeometry& geometry, const RequestShape& shape,
                                  const PolicySpec& policy) const override;
   int64_t PrepareWorkspaceBytes(const ModelGeometry& geometry,
                                 const PrepareOptions& options) const override;
 
  private:
-  absl::StatusOr<KeepPlan> ComputeBaselinePlan(const CpuPreparedModel& model,
-                                               const KeepPlanRequest& request,
-                                               const RequestShape& shape);
+  // Scores every (sequence, layer, KV head) in one pass over the workers, then selects every
+  // sequence's plan (sequences in parallel). On failure *failed is the lowest failing sequence.
+  absl::StatusOr<std::vector<KeepPlan>> RunSequences(const PreparedModel& model,
+                                                     absl::Span<const KeepPlanRequest> requests,
+                                                     absl::Span<const RequestShape> shapes,
+                                                     int64_t* failed);
 
   int threads_;
 };

@@ -143,6 +143,17 @@ class Backend {
   absl::StatusOr<KeepPlan> ComputeKeepPlan(const PreparedModel& model,
                                            const KeepPlanRequest& request);
 
+  // The keep-plans of several sequences of one model in one call, e.g. the prefills an engine
+  // finished in one step (each request its own n, inputs, policy, budget and outputs). Every
+  // request is checked as ComputeKeepPlan checks it, all of them before any tensor data is read;
+  // plans[i] equals ComputeKeepPlan(model, requests[i]) but for its timing (score and select
+  // seconds are the whole batch's stages). All or nothing: the lowest-numbered failing request
+  // fails the call with its status prefixed "sequences[i]: ", and no plan is returned.
+  // INVALID_ARGUMENT for an empty batch. A backend may compute the sequences together (the CPU
+  // backend spreads every (sequence, layer, KV head) over its workers).
+  absl::StatusOr<std::vector<KeepPlan>> ComputeKeepPlans(
+      const PreparedModel& model, absl::Span<const KeepPlanRequest> requests);
+
   // The most ComputeKeepPlan(model, request) allocates, after the same checks it runs before
   // reading data (and with the same errors). output_bytes bounds the KeepPlan's vectors.
   absl::StatusOr<MemoryEstimate> EstimateKeepPlanMemory(const PreparedModel& model,
@@ -189,6 +200,12 @@ class Backend {
   virtual absl::StatusOr<KeepPlan> ComputeKeepPlanImpl(const PreparedModel& model,
                                                        const KeepPlanRequest& request,
                                                        const RequestShape& shape) = 0;
+  // Preconditions: every request checked as ComputeKeepPlanImpl's, shapes[i] derived from
+  // requests[i]; a failure's status names the sequence ("sequences[i]: ..."). The default
+  // computes the sequences one after the other with ComputeKeepPlanImpl.
+  virtual absl::StatusOr<std::vector<KeepPlan>> ComputeKeepPlansImpl(
+      const PreparedModel& model, absl::Span<const KeepPlanRequest> requests,
+      absl::Span<const RequestShape> shapes);
   // Preconditions: handle size, UUID syntax, offset and byte_size checked. The default is
   // UNIMPLEMENTED (no device memory).
   virtual absl::StatusOr<std::unique_ptr<ImportedRegion>> ImportCudaIpcImpl(
@@ -207,6 +224,11 @@ class Backend {
   // Everything ComputeKeepPlan checks before it reads any tensor data.
   absl::StatusOr<RequestShape> CheckKeepPlanRequest(const PreparedModel& model,
                                                     const KeepPlanRequest& request) const;
+  // What every plan gets after its Impl: the block tables' physical ids and validate_seconds
+  // (from the request's checks_started or `entered`, to `validated`).
+  static void FinishPlan(const KeepPlanRequest& request,
+                         std::chrono::steady_clock::time_point entered,
+                         std::chrono::steady_clock::time_point validated, KeepPlan& plan);
 };
 
 }  // namespace laprox::kernels
