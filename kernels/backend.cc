@@ -263,7 +263,7 @@ absl::StatusOr<std::vector<KeepPlan>> Backend::ComputeKeepPlans(
     absl::StatusOr<RequestShape> shape = CheckKeepPlanRequest(model, requests[i]);
     if (!shape.ok()) {
       return absl::Status(shape.status().code(),
-                          absl::StrCat("sequences[", i, "]: ", shape.status().message()));
+                          absl::StrCat("sequences[", i, "].", shape.status().message()));
     }
     shapes.push_back(*shape);
   }
@@ -283,7 +283,7 @@ absl::StatusOr<std::vector<KeepPlan>> Backend::ComputeKeepPlansImpl(
     absl::StatusOr<KeepPlan> plan = ComputeKeepPlanImpl(model, requests[i], shapes[i]);
     if (!plan.ok()) {
       return absl::Status(plan.status().code(),
-                          absl::StrCat("sequences[", i, "]: ", plan.status().message()));
+                          absl::StrCat("sequences[", i, "].", plan.status().message()));
     }
     plans.push_back(*std::move(plan));
   }

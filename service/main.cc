@@ -109,6 +109,9 @@ ABSL_FLAG(int64_t, max_pending, 64,
 ABSL_FLAG(int64_t, max_regions, 1024, "registered regions at most");
 ABSL_FLAG(int64_t, max_models, 64, "registered models at most");
 ABSL_FLAG(int64_t, max_tokens, int64_t{1} << 20, "n (prompt tokens) per request at most");
+ABSL_FLAG(int64_t, max_batch_sequences, 256,
+          "sequences per ComputeKeepPlans call at most (each is also bounded by max_tokens, and "
+          "the batch's memory by max_request_memory)");
 ABSL_FLAG(int64_t, max_request_bytes, int64_t{256} << 20,
           "largest request message in bytes (inline tensors count)");
 ABSL_FLAG(int64_t, max_response_bytes, (int64_t{1} << 31) - 1,
@@ -225,6 +228,10 @@ int main(int argc, char** argv) {
                  static_cast<long long>(max_response_bytes));
     return 1;
   }
+  if (absl::GetFlag(FLAGS_max_batch_sequences) < 1) {
+    std::fprintf(stderr, "laproxd: --max_batch_sequences must be >= 1\n");
+    return 1;
+  }
   for (const auto& [name, value] : {std::pair{"max_request_memory", &FLAGS_max_request_memory},
                                     std::pair{"max_model_memory", &FLAGS_max_model_memory}}) {
     if (absl::GetFlag(*value) < 0) {
@@ -255,6 +262,7 @@ int main(int argc, char** argv) {
       {.max_regions = absl::GetFlag(FLAGS_max_regions),
        .max_models = absl::GetFlag(FLAGS_max_models),
        .max_tokens = absl::GetFlag(FLAGS_max_tokens),
+       .max_batch_sequences = absl::GetFlag(FLAGS_max_batch_sequences),
        .max_request_memory = absl::GetFlag(FLAGS_max_request_memory),
        .max_model_memory = absl::GetFlag(FLAGS_max_model_memory)},
       {.shared_models = absl::GetFlag(FLAGS_shared_models), .first_id = RandomFirstId()});

@@ -287,7 +287,7 @@ absl::StatusOr<std::vector<KeepPlan>> CpuBackend::ComputeKeepPlansImpl(
   absl::StatusOr<std::vector<KeepPlan>> plans = RunSequences(model, requests, shapes, &failed);
   if (!plans.ok()) {
     return absl::Status(plans.status().code(),
-                        absl::StrCat("sequences[", failed, "]: ", plans.status().message()));
+                        absl::StrCat("sequences[", failed, "].", plans.status().message()));
   }
   return plans;
 }

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -184,70 +185,174 @@ class Resolver {
 
 // One output area of a destination region.
 struct Area {
-  const char* name;
+  std::string field;  // "outputs.destination.positions", prefixed by its sequence in a batch
+  const MappedRegion* region;
   int64_t offset;
   const void* data;
   int64_t bytes;
   int64_t alignment;
   std::byte* target = nullptr;  // set by the checks
+  MemoryRange range;            // set by the checks
 };
 
 std::string AreaName(const Area& area) {
-  return absl::StrCat("outputs.destination.", area.name, " (bytes [", area.offset, ", +",
-                      area.bytes, "))");
+  return absl::StrCat(area.field, " (region ", area.region->info().id, ", bytes [", area.offset,
+                      ", +", area.bytes, "))");
 }
 
-// Checks every area against the region, the other areas and the inputs, then (unless the call
-// stopped) writes them all.
-absl::Status WriteOutputs(kernels::Backend& backend, const MappedRegion& region,
-                          std::vector<Area>& areas, const Resolver& resolver,
-                          const CallContext& context) {
+// One sequence of a keep-plan call, resolved: its tables, region leases, destination and the
+// backend's request.
+struct Sequence {
+  std::string prefix;  // "sequences[i]." in a batch, else empty
+  std::vector<kernels::BlockTable> tables;
+  std::unique_ptr<Resolver> resolver;  // reads `tables`
+  const MappedRegion* destination = nullptr;
+  kernels::KeepPlanRequest request;
+};
+
+// Checks every area against its region, every other area and every input of the call, then
+// (unless the call stopped) writes them all.
+absl::Status WriteOutputs(kernels::Backend& backend, std::vector<Area>& areas,
+                          const std::vector<Sequence>& sequences, const CallContext& context) {
   for (Area& area : areas) {
-    const std::string field = absl::StrCat("outputs.destination.", area.name);
-    auto slice = region.Slice(area.offset, area.bytes, field);
+    auto slice = area.region->Slice(area.offset, area.bytes, area.field);
     if (!slice.ok()) return slice.status();
     if (area.offset % area.alignment != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          field, " offset ", area.offset, " is not aligned to ", area.alignment, " bytes"));
+          area.field, " offset ", area.offset, " is not aligned to ", area.alignment, " bytes"));
     }
     area.target = *slice;
+    area.range = area.region->Range(area.offset, area.bytes);
   }
   for (size_t a = 0; a < areas.size(); ++a) {
-    const MemoryRange range = region.Range(areas[a].offset, areas[a].bytes);
     for (size_t b = a + 1; b < areas.size(); ++b) {
-      if (range.Overlaps(region.Range(areas[b].offset, areas[b].bytes))) {
+      if (areas[a].range.Overlaps(areas[b].range)) {
         return absl::InvalidArgumentError(
             absl::StrCat(AreaName(areas[a]), " overlaps ", AreaName(areas[b])));
       }
     }
-    for (const Resolver::Input& input : resolver.inputs()) {
-      if (range.Overlaps(input.range)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            AreaName(areas[a]), " of region ", region.info().id, " overlaps the input ",
-            input.field, " (region ", input.region_id, ", bytes [", input.byte_offset, ", +",
-            input.byte_count, ")): outputs never overwrite inputs"));
+    for (const Sequence& sequence : sequences) {
+      for (const Resolver::Input& input : sequence.resolver->inputs()) {
+        if (areas[a].range.Overlaps(input.range)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(AreaName(areas[a]), " overlaps the input ", sequence.prefix, input.field,
+                           " (region ", input.region_id, ", bytes [", input.byte_offset, ", +",
+                           input.byte_count, ")): outputs never overwrite inputs"));
+        }
       }
     }
   }
-  if (absl::Status s = CheckCall(context, "nothing was written"); !s.ok()) return s;
-  if (absl::Status s = resolver.CheckIntact(); !s.ok()) return s;
-  for (const Area& area : areas) {
-    absl::Status s = backend.CopyToRegion(area.target, region.space(), area.data, area.bytes);
-    if (!s.ok()) {
-      return absl::Status(s.code(),
-                          absl::StrCat("outputs.destination.", area.name, ": ", s.message()));
-    }
-  }
   // A shrink during the copies leaves the areas with any bytes: the call must fail.
-  return resolver.CheckIntact();
+  auto intact = [&]() {
+    for (const Sequence& sequence : sequences) {
+      if (absl::Status s = sequence.resolver->CheckIntact(); !s.ok()) {
+        return absl::Status(s.code(), absl::StrCat(sequence.prefix, s.message()));
+      }
+    }
+    return absl::OkStatus();
+  };
+  if (absl::Status s = CheckCall(context, "nothing was written"); !s.ok()) return s;
+  if (absl::Status s = intact(); !s.ok()) return s;
+  for (const Area& area : areas) {
+    absl::Status s = backend.CopyToRegion(area.target, area.region->space(), area.data, area.bytes);
+    if (!s.ok()) return absl::Status(s.code(), absl::StrCat(area.field, ": ", s.message()));
+  }
+  return intact();
 }
 
 template <typename T>
-void AddArea(std::vector<Area>& areas, const char* name, const std::optional<int64_t>& offset,
-             const std::vector<T>& values) {
+void AddArea(std::vector<Area>& areas, const Sequence& sequence, const char* name,
+             const std::optional<int64_t>& offset, const std::vector<T>& values) {
   if (!offset) return;
-  areas.push_back({name, *offset, values.data(), static_cast<int64_t>(values.size() * sizeof(T)),
+  areas.push_back({absl::StrCat(sequence.prefix, "outputs.destination.", name),
+                   sequence.destination, *offset, values.data(),
+                   static_cast<int64_t>(values.size() * sizeof(T)),
                    static_cast<int64_t>(alignof(T))});
+}
+
+// The same status with `prefix` ("sequences[2].") before its message.
+absl::Status Prefixed(const absl::Status& status, absl::string_view prefix) {
+  if (status.ok() || prefix.empty()) return status;
+  return absl::Status(status.code(), absl::StrCat(prefix, status.message()));
+}
+
+// Checks one sequence's call before anything is read: n, its block tables (copied), its region
+// leases and destination, and resolves every reference into the backend's request.
+absl::Status PrepareSequence(const KeepPlanCall& call, const CallContext& context,
+                             int64_t max_tokens, RegionRegistry& regions, Sequence& sequence) {
+  if (call.n > max_tokens) {
+    return absl::OutOfRangeError(absl::StrCat("n = ", call.n, " exceeds this server's limit of ",
+                                              max_tokens, " tokens (max_tokens)"));
+  }
+  if (absl::Status s = CheckCall(context, "nothing was computed"); !s.ok()) return s;
+  // Each table is checked once and copied: the views read laproxd's copy, and the request's
+  // bytes stay the client's.
+  const size_t max_tables = 2 * call.layers.size();
+  if (call.block_tables.size() > max_tables) {
+    return absl::InvalidArgumentError(absl::StrCat("block_tables has ", call.block_tables.size(),
+                                                   " tables; at most 2 * ", call.layers.size(),
+                                                   " layers = ", max_tables));
+  }
+  std::vector<kernels::BlockTable>& tables = sequence.tables;
+  tables.reserve(call.block_tables.size());
+  for (size_t t = 0; t < call.block_tables.size(); ++t) {
+    const BlockTableSpec& spec = call.block_tables[t];
+    // Every table is this sequence's: its length follows from n, checked before the ids are
+    // copied and sorted so that a bloated table costs nothing.
+    if (spec.block_size >= 1 && call.n >= 1) {
+      const int64_t blocks = kernels::BlockTable::BlocksFor(call.n, spec.block_size);
+      if (static_cast<int64_t>(spec.ids.size()) != blocks) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("block_tables[", t, "] has ", spec.ids.size(), " ids, but n = ", call.n,
+                         " tokens in blocks of ", spec.block_size, " need ceil(", call.n, " / ",
+                         spec.block_size, ") = ", blocks));
+      }
+    }
+    auto table = kernels::BlockTable::Create({spec.ids.begin(), spec.ids.end()}, spec.block_size,
+                                             spec.allow_repeated_ids);
+    if (!table.ok()) {
+      return absl::Status(table.status().code(),
+                          absl::StrCat("block_tables[", t, "]: ", table.status().message()));
+    }
+    tables.push_back(*std::move(table));
+  }
+  sequence.resolver = std::make_unique<Resolver>(regions, context.owner, tables);
+  Resolver& resolver = *sequence.resolver;
+  if (call.destination) {
+    auto region = resolver.Lease(call.destination->region_id, "outputs.destination");
+    if (!region.ok()) return region.status();
+    if (!(*region)->info().writable) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("outputs.destination: region ", call.destination->region_id,
+                       " was registered read-only; register it writable to receive outputs"));
+    }
+    sequence.destination = *region;
+  }
+  kernels::KeepPlanRequest& request = sequence.request;
+  request.n = call.n;
+  request.policy = call.policy;
+  request.outputs = call.outputs;
+  for (size_t l = 0; l < call.layers.size(); ++l) {
+    const LayerRefs& refs = call.layers[l];
+    const std::string prefix = absl::StrCat("layers[", l, "].");
+    kernels::LayerInputs& in = request.layers.emplace_back();
+    absl::Status resolved = kernels::ForEachLayerTensor(
+        [&](kernels::LayerTensor tensor, const TensorRef& ref, TensorView& view) {
+          auto resolved_view = resolver.Resolve(ref, prefix + tensor.name);
+          if (!resolved_view.ok()) return resolved_view.status();
+          view = *resolved_view;
+          return absl::OkStatus();
+        },
+        refs, in);
+    if (!resolved.ok()) return resolved;
+  }
+  if (sequence.destination != nullptr) {
+    // Outputs written into the region are computed even if the inline flags did not ask.
+    request.outputs.positions |= call.destination->positions_offset.has_value();
+    request.outputs.bitmask |= call.destination->bitmask_offset.has_value();
+    request.outputs.scores |= call.destination->scores_offset.has_value();
+  }
+  return absl::OkStatus();
 }
 
 int64_t LimitOrShare(int64_t limit, int64_t numerator, int64_t denominator) {
@@ -338,126 +443,124 @@ Core::ModelTotals Core::model_totals() const {
   return totals;
 }
 
+absl::StatusOr<std::shared_ptr<const Core::Model>> Core::FindModel(uint64_t id,
+                                                                   const Owner& owner) const {
+  if (id == 0) return absl::InvalidArgumentError("model_id is 0 (ids start at 1)");
+  absl::MutexLock lock(&mu_);
+  auto it = models_.find(id);
+  if (it == models_.end() || !(options_.shared_models || owner.Sees(it->second->owner))) {
+    return absl::NotFoundError(absl::StrCat("model ", id, " not found"));
+  }
+  return it->second;
+}
+
 absl::StatusOr<kernels::KeepPlan> Core::ComputeKeepPlan(const KeepPlanCall& call,
                                                         const CallContext& context) {
+  auto plans = Compute(absl::MakeConstSpan(&call, 1), context, /*batch=*/false);
+  if (!plans.ok()) return plans.status();
+  return std::move((*plans)[0]);
+}
+
+absl::StatusOr<std::vector<kernels::KeepPlan>> Core::ComputeKeepPlans(
+    absl::Span<const KeepPlanCall> calls, const CallContext& context) {
+  if (calls.empty()) return absl::InvalidArgumentError("sequences: the batch is empty");
+  if (static_cast<int64_t>(calls.size()) > limits_.max_batch_sequences) {
+    return absl::InvalidArgumentError(absl::StrCat("sequences: ", calls.size(),
+                                                   " sequences in one batch, more than this "
+                                                   "server's limit of ",
+                                                   limits_.max_batch_sequences,
+                                                   " (max_batch_sequences)"));
+  }
+  return Compute(calls, context, /*batch=*/true);
+}
+
+absl::StatusOr<std::vector<kernels::KeepPlan>> Core::Compute(absl::Span<const KeepPlanCall> calls,
+                                                             const CallContext& context,
+                                                             bool batch) {
   const auto started = context.started.value_or(std::chrono::steady_clock::now());
-  if (call.model_id == 0) return absl::InvalidArgumentError("model_id is 0 (ids start at 1)");
-  std::shared_ptr<const Model> model;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = models_.find(call.model_id);
-    if (it == models_.end() || !(options_.shared_models || context.owner.Sees(it->second->owner))) {
-      return absl::NotFoundError(absl::StrCat("model ", call.model_id, " not found"));
+  // One model for the whole call: the batch's sequences must all name it.
+  const uint64_t model_id = calls[0].model_id;
+  auto found = FindModel(model_id, context.owner);
+  if (!found.ok()) return Prefixed(found.status(), batch ? "sequences[0]." : "");
+  const std::shared_ptr<const Model> model = *std::move(found);
+  std::vector<Sequence> sequences(calls.size());
+  for (size_t i = 0; i < calls.size(); ++i) {
+    Sequence& sequence = sequences[i];
+    sequence.prefix = batch ? absl::StrCat("sequences[", i, "].") : "";
+    if (calls[i].model_id != model_id) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          sequence.prefix, "model_id = ", calls[i].model_id, ", but sequences[0] names model ",
+          model_id, ": the sequences of a batch share one model"));
     }
-    model = it->second;
-  }
-  if (call.n > limits_.max_tokens) {
-    return absl::OutOfRangeError(absl::StrCat("n = ", call.n, " exceeds this server's limit of ",
-                                              limits_.max_tokens, " tokens (max_tokens)"));
-  }
-  if (absl::Status s = CheckCall(context, "nothing was computed"); !s.ok()) return s;
-  // Each table is checked once and copied: the views read laproxd's copy, and the request's
-  // bytes stay the client's.
-  const size_t max_tables = 2 * call.layers.size();
-  if (call.block_tables.size() > max_tables) {
-    return absl::InvalidArgumentError(absl::StrCat("block_tables has ", call.block_tables.size(),
-                                                   " tables; at most 2 * ", call.layers.size(),
-                                                   " layers = ", max_tables));
-  }
-  std::vector<kernels::BlockTable> tables;
-  tables.reserve(call.block_tables.size());
-  for (size_t t = 0; t < call.block_tables.size(); ++t) {
-    const BlockTableSpec& spec = call.block_tables[t];
-    // Every table is this sequence's: its length follows from n, checked before the ids are
-    // copied and sorted so that a bloated table costs nothing.
-    if (spec.block_size >= 1 && call.n >= 1) {
-      const int64_t blocks = kernels::BlockTable::BlocksFor(call.n, spec.block_size);
-      if (static_cast<int64_t>(spec.ids.size()) != blocks) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("block_tables[", t, "] has ", spec.ids.size(), " ids, but n = ", call.n,
-                         " tokens in blocks of ", spec.block_size, " need ceil(", call.n, " / ",
-                         spec.block_size, ") = ", blocks));
-      }
+    if (absl::Status s = PrepareSequence(calls[i], context, limits_.max_tokens, regions_, sequence);
+        !s.ok()) {
+      return Prefixed(s, sequence.prefix);
     }
-    auto table = kernels::BlockTable::Create({spec.ids.begin(), spec.ids.end()}, spec.block_size,
-                                             spec.allow_repeated_ids);
-    if (!table.ok()) {
-      return absl::Status(table.status().code(),
-                          absl::StrCat("block_tables[", t, "]: ", table.status().message()));
+  }
+  // Every plan is held twice at most: by the backend's result and by the response built from it.
+  int64_t bytes = 0;
+  for (const Sequence& sequence : sequences) {
+    auto estimate = backend_->EstimateKeepPlanMemory(*model->prepared, sequence.request);
+    if (!estimate.ok()) return Prefixed(estimate.status(), sequence.prefix);
+    for (int64_t term : {estimate->total(), estimate->output_bytes}) {
+      if (__builtin_add_overflow(bytes, term, &bytes)) bytes = std::numeric_limits<int64_t>::max();
     }
-    tables.push_back(*std::move(table));
   }
-  Resolver resolver(regions_, context.owner, tables);
-  const MappedRegion* destination = nullptr;
-  if (call.destination) {
-    auto region = resolver.Lease(call.destination->region_id, "outputs.destination");
-    if (!region.ok()) return region.status();
-    if (!(*region)->info().writable) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("outputs.destination: region ", call.destination->region_id,
-                       " was registered read-only; register it writable to receive outputs"));
-    }
-    destination = *region;
-  }
-  kernels::KeepPlanRequest request;
-  request.n = call.n;
-  request.policy = call.policy;
-  request.outputs = call.outputs;
-  for (size_t l = 0; l < call.layers.size(); ++l) {
-    const LayerRefs& refs = call.layers[l];
-    const std::string prefix = absl::StrCat("layers[", l, "].");
-    kernels::LayerInputs& in = request.layers.emplace_back();
-    absl::Status resolved = kernels::ForEachLayerTensor(
-        [&](kernels::LayerTensor tensor, const TensorRef& ref, TensorView& view) {
-          auto resolved_view = resolver.Resolve(ref, prefix + tensor.name);
-          if (!resolved_view.ok()) return resolved_view.status();
-          view = *resolved_view;
-          return absl::OkStatus();
-        },
-        refs, in);
-    if (!resolved.ok()) return resolved;
-  }
-  if (destination != nullptr) {
-    // Outputs written into the region are computed even if the inline flags did not ask.
-    request.outputs.positions |= call.destination->positions_offset.has_value();
-    request.outputs.bitmask |= call.destination->bitmask_offset.has_value();
-    request.outputs.scores |= call.destination->scores_offset.has_value();
-  }
-  // The plan is held twice at most: by the backend's result and by the response built from it.
-  auto estimate = backend_->EstimateKeepPlanMemory(*model->prepared, request);
-  if (!estimate.ok()) return estimate.status();
-  int64_t bytes;
-  if (__builtin_add_overflow(estimate->total(), estimate->output_bytes, &bytes)) {
-    bytes = std::numeric_limits<int64_t>::max();
-  }
+  const kernels::ModelGeometry& geometry = model->info.geometry;
   auto memory = request_memory_.Reserve(
-      bytes, absl::StrCat("this request's workspace and plan (n = ", call.n, ", ",
-                          model->info.geometry.num_layers, " layers x ",
-                          model->info.geometry.num_kv_heads, " KV heads)"));
+      bytes,
+      batch ? absl::StrCat("this batch's workspace and plans (", calls.size(), " sequences, ",
+                           geometry.num_layers, " layers x ", geometry.num_kv_heads, " KV heads)")
+            : absl::StrCat("this request's workspace and plan (n = ", calls[0].n, ", ",
+                           geometry.num_layers, " layers x ", geometry.num_kv_heads, " KV heads)"));
   if (!memory.ok()) return memory.status();
-  request.checks_started = started;
-  auto plan = backend_->ComputeKeepPlan(*model->prepared, request);
-  if (!plan.ok()) return plan;
-  // Whatever was read from a region its client shrank meanwhile is garbage.
-  if (absl::Status s = resolver.CheckIntact(); !s.ok()) return s;
-  if (destination != nullptr) {
-    const OutputDestination& to = *call.destination;
-    std::vector<Area> areas;
-    AddArea(areas, "counts", to.counts_offset, plan->counts);
-    AddArea(areas, "offsets", to.offsets_offset, plan->offsets);
-    AddArea(areas, "positions", to.positions_offset, plan->positions);
-    AddArea(areas, "bitmask", to.bitmask_offset, plan->bitmask);
-    AddArea(areas, "scores", to.scores_offset, plan->scores);
-    if (absl::Status s = WriteOutputs(*backend_, *destination, areas, resolver, context); !s.ok()) {
-      return s;
+  std::vector<kernels::KeepPlan> plans;
+  if (batch) {
+    std::vector<kernels::KeepPlanRequest> requests;
+    requests.reserve(sequences.size());
+    for (Sequence& sequence : sequences) {
+      sequence.request.checks_started = started;
+      requests.push_back(std::move(sequence.request));
     }
+    auto computed = backend_->ComputeKeepPlans(*model->prepared, requests);
+    if (!computed.ok()) return computed.status();
+    plans = *std::move(computed);
+  } else {
+    sequences[0].request.checks_started = started;
+    auto plan = backend_->ComputeKeepPlan(*model->prepared, sequences[0].request);
+    if (!plan.ok()) return plan.status();
+    plans.push_back(*std::move(plan));
+  }
+  // Whatever was read from a region its client shrank meanwhile is garbage.
+  for (const Sequence& sequence : sequences) {
+    if (absl::Status s = sequence.resolver->CheckIntact(); !s.ok()) {
+      return Prefixed(s, sequence.prefix);
+    }
+  }
+  std::vector<Area> areas;
+  for (size_t i = 0; i < sequences.size(); ++i) {
+    if (sequences[i].destination == nullptr) continue;
+    const OutputDestination& to = *calls[i].destination;
+    const kernels::KeepPlan& plan = plans[i];
+    AddArea(areas, sequences[i], "counts", to.counts_offset, plan.counts);
+    AddArea(areas, sequences[i], "offsets", to.offsets_offset, plan.offsets);
+    AddArea(areas, sequences[i], "positions", to.positions_offset, plan.positions);
+    AddArea(areas, sequences[i], "bitmask", to.bitmask_offset, plan.bitmask);
+    AddArea(areas, sequences[i], "scores", to.scores_offset, plan.scores);
+  }
+  if (!areas.empty()) {
+    if (absl::Status s = WriteOutputs(*backend_, areas, sequences, context); !s.ok()) return s;
     // Written to the region instead of the response (counts and offsets stay in both).
-    if (to.positions_offset) plan->positions.clear();
-    if (to.bitmask_offset) plan->bitmask.clear();
-    if (to.scores_offset) plan->scores.clear();
+    for (size_t i = 0; i < sequences.size(); ++i) {
+      if (sequences[i].destination == nullptr) continue;
+      const OutputDestination& to = *calls[i].destination;
+      if (to.positions_offset) plans[i].positions.clear();
+      if (to.bitmask_offset) plans[i].bitmask.clear();
+      if (to.scores_offset) plans[i].scores.clear();
+    }
   }
   if (context.hold_memory != nullptr) *context.hold_memory = *std::move(memory);
-  return plan;
+  return plans;
 }
 
 }  // namespace laprox::service

@@ -93,6 +93,7 @@ struct CoreLimits {
   int64_t max_regions = 1024;
   int64_t max_models = 64;
   int64_t max_tokens = int64_t{1} << 20;  // n per request
+  int64_t max_batch_sequences = 256;      // sequences per ComputeKeepPlans call
   // Bytes the requests computing at once may reserve together (workspace and plans); 0: half
   // of ProcessMemoryLimit().
   int64_t max_request_memory = 0;
@@ -188,6 +189,16 @@ class Core {
   absl::StatusOr<kernels::KeepPlan> ComputeKeepPlan(const KeepPlanCall& call,
                                                     const CallContext& context = {});
 
+  // The keep-plans of a batch of sequences of one model (Backend::ComputeKeepPlans), each call
+  // checked, leased and written exactly as ComputeKeepPlan does, with three differences: every
+  // sequence must name the same model (INVALID_ARGUMENT otherwise); the memory of all of them is
+  // reserved at once; and the calls are all or nothing: the first failing sequence fails the
+  // batch, its message prefixed "sequences[i].", no plan is returned and no output written.
+  // Output areas must not overlap each other or any input of any sequence of the batch.
+  // INVALID_ARGUMENT for an empty batch or more than max_batch_sequences.
+  absl::StatusOr<std::vector<kernels::KeepPlan>> ComputeKeepPlans(
+      absl::Span<const KeepPlanCall> calls, const CallContext& context = {});
+
  private:
   struct Model {
     MemoryBudget::Reservation memory;  // the prepared factors, against model_memory_ (released
@@ -196,6 +207,13 @@ class Core {
     ModelInfo info;
     std::shared_ptr<const kernels::PreparedModel> prepared;
   };
+
+  // The registered model `id` as `owner` may use it (NOT_FOUND otherwise).
+  absl::StatusOr<std::shared_ptr<const Model>> FindModel(uint64_t id, const Owner& owner) const;
+  // ComputeKeepPlan (one call, batch false: messages without a sequence prefix) and
+  // ComputeKeepPlans.
+  absl::StatusOr<std::vector<kernels::KeepPlan>> Compute(absl::Span<const KeepPlanCall> calls,
+                                                         const CallContext& context, bool batch);
 
   std::unique_ptr<kernels::Backend> backend_;
   const CoreLimits limits_;

@@ -129,6 +129,7 @@ absl::Status LaproxService::FillServerInfo(v1::GetServerInfoResponse* response) 
   limits->set_max_regions(static_cast<int32_t>(core_.limits().max_regions));
   limits->set_max_models(static_cast<int32_t>(core_.limits().max_models));
   limits->set_max_tokens(core_.limits().max_tokens);
+  limits->set_max_batch_sequences(static_cast<int32_t>(core_.limits().max_batch_sequences));
   limits->set_max_request_memory_bytes(core_.request_memory().limit());
   limits->set_max_model_memory_bytes(core_.model_memory().limit());
   limits->set_max_request_bytes(options_.max_request_bytes);
@@ -336,6 +337,71 @@ grpc::ServerUnaryReactor* LaproxService::ComputeKeepMask(grpc::CallbackServerCon
         if (options_.metrics != nullptr) {
           options_.metrics->RecordStages(stages);
           options_.metrics->RecordPlan(request->model_id(), *plan);
+        }
+        return absl::OkStatus();
+      });
+}
+
+grpc::ServerUnaryReactor* LaproxService::ComputeKeepPlans(
+    grpc::CallbackServerContext* context, const v1::ComputeKeepPlansRequest* request,
+    v1::ComputeKeepPlansResponse* response) {
+  Call received(options_.metrics, Method::kComputeKeepPlans);
+  absl::StatusOr<Owner> owner = Identify(*context);
+  if (!owner.ok()) return Reply(context->DefaultReactor(), received, owner.status());
+  return Offload(
+      work_, context, std::move(received),
+      [this, context, owner = *std::move(owner), request, response](Call& rpc) -> absl::Status {
+        const Clock::time_point started = Clock::now();
+        std::vector<KeepPlanCall> calls;
+        calls.reserve(request->sequences_size());
+        for (int i = 0; i < request->sequences_size(); ++i) {
+          auto call = KeepPlanCallFromProto(request->sequences(i));
+          if (!call.ok()) {
+            return absl::Status(call.status().code(),
+                                absl::StrCat("sequences[", i, "].", call.status().message()));
+          }
+          calls.push_back(*std::move(call));
+        }
+        MemoryBudget::Reservation memory;  // covers the responses built below
+        auto plans = core_.ComputeKeepPlans(
+            calls, {.deadline = Deadline(context),
+                    .cancelled = [context] { return context->IsCancelled(); },
+                    .hold_memory = &memory,
+                    .owner = owner,
+                    .started = started});
+        if (!plans.ok()) return plans.status();
+        const Clock::time_point computed = Clock::now();
+        for (size_t i = 0; i < plans->size(); ++i) {
+          v1::KeepPlanToProto((*plans)[i], calls[i].policy, response->add_plans());
+        }
+        const auto bytes = static_cast<int64_t>(response->ByteSizeLong());
+        if (options_.max_response_bytes > 0 && bytes > options_.max_response_bytes) {
+          response->Clear();
+          return absl::ResourceExhaustedError(
+              absl::StrCat("the response would be ", bytes,
+                           " bytes, more than max_response_bytes = ", options_.max_response_bytes,
+                           "; write positions, bitmask or scores into a region "
+                           "(outputs.destination)"));
+        }
+        const Clock::time_point done = Clock::now();
+        const kernels::PlanTiming& batch = plans->front().timing;
+        const StageSeconds stages = {.queue = SecondsBetween(rpc.received(), started),
+                                     .validate = batch.validate_seconds,
+                                     .score = batch.score_seconds,
+                                     .select = batch.select_seconds,
+                                     .respond = SecondsBetween(computed, done)};
+        for (v1::ComputeKeepMaskResponse& plan : *response->mutable_plans()) {
+          plan.mutable_timing()->set_queue_seconds(stages.queue);
+          plan.mutable_timing()->set_respond_seconds(stages.respond);
+          plan.mutable_timing()->set_total_seconds(SecondsBetween(rpc.received(), done));
+        }
+        *response->mutable_timing() = response->plans(0).timing();
+        if (options_.metrics != nullptr) {
+          options_.metrics->RecordStages(stages);
+          for (size_t i = 0; i < plans->size(); ++i) {
+            options_.metrics->RecordPlan(request->sequences(static_cast<int>(i)).model_id(),
+                                         (*plans)[i]);
+          }
         }
         return absl::OkStatus();
       });

@@ -75,6 +75,9 @@ class LaproxService final : public v1::Laprox::CallbackService {
   grpc::ServerUnaryReactor* ComputeKeepMask(grpc::CallbackServerContext* context,
                                             const v1::ComputeKeepMaskRequest* request,
                                             v1::ComputeKeepMaskResponse* response) override;
+  grpc::ServerUnaryReactor* ComputeKeepPlans(grpc::CallbackServerContext* context,
+                                             const v1::ComputeKeepPlansRequest* request,
+                                             v1::ComputeKeepPlansResponse* response) override;
 
   // Unregisters the regions and models of the clients options.leases finds gone (`connected`
   // says which still have a connection open), exactly as UnregisterRegion / UnregisterModel

@@ -42,8 +42,9 @@ enum class Method {
   kRegisterModel,
   kUnregisterModel,
   kComputeKeepMask,
+  kComputeKeepPlans,
 };
-inline constexpr int kNumMethods = 7;
+inline constexpr int kNumMethods = 8;
 const char* MethodName(Method m);
 
 // The stages of one ComputeKeepMask (the response's Timing).

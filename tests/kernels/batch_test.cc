@@ -133,12 +133,12 @@ TEST_P(BatchTest, ABadSequenceFailsTheCallNamingTheLowestIndex) {
       TensorView(batch[5]->c.keys[1].data(), DType::kF32, {Hkv, 150, d});
   auto plans = backend_->ComputeKeepPlans(*model_, Requests(batch));
   EXPECT_EQ(plans.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(plans.status().message(), HasSubstr("sequences[3]: layers[0].keys has shape"));
+  EXPECT_THAT(plans.status().message(), HasSubstr("sequences[3].layers[0].keys has shape"));
 
   batch[3]->request.n = 90;
   plans = backend_->ComputeKeepPlans(*model_, Requests(batch));
   EXPECT_EQ(plans.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(plans.status().message(), HasSubstr("sequences[5]: "));
+  EXPECT_THAT(plans.status().message(), HasSubstr("sequences[5].layers[1].keys"));
   EXPECT_THAT(plans.status().message(), HasSubstr("layers[1].keys"));
 
   EXPECT_EQ(backend_->ComputeKeepPlans(*model_, {}).status().code(),

@@ -148,7 +148,7 @@ class Backend {
   // request is checked as ComputeKeepPlan checks it, all of them before any tensor data is read;
   // plans[i] equals ComputeKeepPlan(model, requests[i]) but for its timing (score and select
   // seconds are the whole batch's stages). All or nothing: the lowest-numbered failing request
-  // fails the call with its status prefixed "sequences[i]: ", and no plan is returned.
+  // fails the call with its status prefixed "sequences[i].", and no plan is returned.
   // INVALID_ARGUMENT for an empty batch. A backend may compute the sequences together (the CPU
   // backend spreads every (sequence, layer, KV head) over its workers).
   absl::StatusOr<std::vector<KeepPlan>> ComputeKeepPlans(
@@ -201,7 +201,7 @@ class Backend {
                                                        const KeepPlanRequest& request,
                                                        const RequestShape& shape) = 0;
   // Preconditions: every request checked as ComputeKeepPlanImpl's, shapes[i] derived from
-  // requests[i]; a failure's status names the sequence ("sequences[i]: ..."). The default
+  // requests[i]; a failure's status names the sequence ("sequences[i].layers[0]..."). The default
   // computes the sequences one after the other with ComputeKeepPlanImpl.
   virtual absl::StatusOr<std::vector<KeepPlan>> ComputeKeepPlansImpl(
       const PreparedModel& model, absl::Span<const KeepPlanRequest> requests,
