@@ -3,8 +3,11 @@
 // buffers are unregistered and unlinked when destroyed.
 #include "laprox/client/client.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
+#include <numeric>
 #include <random>
 
 #include <gmock/gmock.h>
@@ -200,6 +203,107 @@ TEST_F(ClientTest, KeepPlanThroughSharedBufferEqualsTheLibrary) {
   buffer = absl::CancelledError("done");
   EXPECT_TRUE(core_->regions().List().empty());
   EXPECT_EQ(access(("/dev/shm/" + name).c_str(), F_OK), -1);
+}
+
+// An engine's vLLM FlashAttention pool [2, num_blocks, block_size, Hkv, d] in a shared buffer,
+// the sequence's blocks at shuffled ids: the paged plans (ragged and BLOCKS_SHARED, one batch)
+// equal the library's plans of the same numbers laid out contiguously, and the block plan's new
+// table maps its kept blocks through the sequence's table.
+TEST_F(ClientTest, PagedVllmPoolAndABatchEqualTheLibrary) {
+  constexpr int64_t kBlock = 16, kBlocks = (kN + kBlock - 1) / kBlock, kPhysical = kBlocks + 3;
+  const int64_t pool_floats = 2 * kPhysical * kBlock * kHkv * kD;  // per layer
+  const int64_t q_floats = int64_t{kH} * kWindow * kD;
+  auto buffer = client_->ShareHostBuffer(absl::StrCat("laprox-client-paged-", getpid()),
+                                         kL * (pool_floats + q_floats) * sizeof(float));
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  auto* floats = reinterpret_cast<float*>(buffer->data());
+  std::fill(floats, floats + kL * (pool_floats + q_floats), std::nanf(""));  // spare blocks
+  std::vector<int32_t> ids(kPhysical);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), std::mt19937(8));
+  ids.resize(kBlocks);
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  // Dense copies for the library: keys/values [Hkv, n, d], queries [H, w, d] per layer.
+  std::vector<std::vector<float>> keys(kL), values(kL), queries(kL), o_proj(kL);
+  for (int l = 0; l < kL; ++l) {
+    float* pool = floats + l * (pool_floats + q_floats);
+    for (auto* dense : {&keys[l], &values[l]}) dense->resize(kHkv * kN * kD);
+    for (int64_t h = 0; h < kHkv; ++h) {
+      for (int64_t i = 0; i < kN; ++i) {
+        for (int64_t c = 0; c < kD; ++c) {
+          const int64_t at =
+              ids[i / kBlock] * kBlock * kHkv * kD + (i % kBlock) * kHkv * kD + h * kD + c;
+          keys[l][(h * kN + i) * kD + c] = pool[at] = normal(rng);
+          values[l][(h * kN + i) * kD + c] = pool[pool_floats / 2 + at] = normal(rng);
+        }
+      }
+    }
+    queries[l].resize(q_floats);
+    for (int64_t j = 0; j < q_floats; ++j) queries[l][j] = pool[pool_floats + j] = normal(rng);
+    o_proj[l].resize(kHidden * kH * kD);
+    for (float& x : o_proj[l]) x = normal(rng);
+  }
+  const ModelGeometry geometry{kL, kH, kHkv, kD, kHidden, 0.f};
+  std::vector<TensorRef> o_proj_refs;
+  for (const auto& w : o_proj) {
+    o_proj_refs.push_back(TensorRef::Inline(w.data(), DType::kF32, {kHidden, kH * kD}));
+  }
+  auto model = client_->RegisterModel("tiny", geometry, o_proj_refs);
+  ASSERT_TRUE(model.ok()) << model.status();
+
+  SequenceRequest paged = {.n = kN, .block_tables = {{.block_ids = ids, .block_size = kBlock}}};
+  paged.policy.window = kWindow;
+  paged.policy.budget = kernels::Budget::TokensPerHead(40);
+  for (int l = 0; l < kL; ++l) {
+    const int64_t base = l * (pool_floats + q_floats) * 4;
+    const PagedKv kv = PagedKv::VllmFlashAttention(buffer->region_id(), base, DType::kF32,
+                                                   kPhysical, kBlock, kHkv, kD, kN, 0);
+    paged.layers.push_back(
+        {.keys = kv.keys,
+         .values = kv.values,
+         .window_queries = TensorRef::InRegion(buffer->region_id(), base + pool_floats * 4,
+                                               DType::kF32, {kH, kWindow, kD})});
+  }
+  SequenceRequest blocks = paged;
+  blocks.policy.plan_shape = kernels::PlanShape::kBlocksShared;
+  const std::vector<SequenceRequest> batch = {paged, blocks};
+  auto plans = client_->ComputeKeepPlans(*model, batch);
+  ASSERT_TRUE(plans.ok()) << plans.status();
+  ASSERT_EQ(plans->size(), 2u);
+
+  auto backend = *kernels::CreateBackend("cpu");
+  std::vector<kernels::TensorView> o_views;
+  for (const auto& w : o_proj) {
+    o_views.emplace_back(w.data(), DType::kF32, kernels::Dims{kHidden, kH * kD});
+  }
+  auto prepared = *backend->PrepareModel(geometry, o_views);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    SCOPED_TRACE(i);
+    kernels::KeepPlanRequest request;
+    request.n = kN;
+    request.policy = batch[i].policy;
+    if (i == 1) request.policy.block_size = kBlock;  // contiguous here: no table to take it from
+    for (int l = 0; l < kL; ++l) {
+      kernels::LayerInputs& in = request.layers.emplace_back();
+      in.keys = {keys[l].data(), DType::kF32, {kHkv, kN, kD}};
+      in.values = {values[l].data(), DType::kF32, {kHkv, kN, kD}};
+      in.window_queries = {queries[l].data(), DType::kF32, {kH, kWindow, kD}};
+    }
+    const kernels::KeepPlan direct = *backend->ComputeKeepPlan(*prepared, request);
+    EXPECT_EQ((*plans)[i].counts, direct.counts);
+    EXPECT_EQ((*plans)[i].positions, direct.positions);
+    auto single = client_->ComputeKeepPlan(*model, batch[i]);
+    ASSERT_TRUE(single.ok()) << single.status();
+    EXPECT_EQ(single->positions, direct.positions);
+  }
+  const kernels::BlockPlan& b = *(*plans)[1].blocks;
+  EXPECT_EQ(b.block_size, kBlock);
+  ASSERT_TRUE(b.paged());
+  const auto kept = b.kept_blocks(0);
+  ASSERT_EQ(kept.size(), 2u);  // floor(40 / 16) blocks, the window's among them
+  for (size_t j = 0; j < kept.size(); ++j) EXPECT_EQ(b.new_block_table(0)[j], ids[kept[j]]);
+  EXPECT_EQ(b.freed_ids(0).size(), static_cast<size_t>(kBlocks - 2));
 }
 
 TEST_F(ClientTest, ServerErrorsKeepTheirCodeAndMessage) {

@@ -55,6 +55,62 @@ void ToProto(const TensorRef& ref, v1::TensorRef* proto) {
   proto->set_dtype(v1::DTypeToProto(ref.dtype));
   proto->mutable_shape()->Assign(ref.shape.begin(), ref.shape.end());
   proto->mutable_strides()->Assign(ref.strides.begin(), ref.strides.end());
+  if (ref.paged) {
+    v1::PagedLayout* paged = proto->mutable_paged();
+    paged->set_block_table(ref.paged->block_table);
+    paged->set_block_stride(ref.paged->block_stride);
+    paged->set_slot_stride(ref.paged->slot_stride);
+    paged->set_head_stride(ref.paged->head_stride);
+    paged->set_dim_stride(ref.paged->dim_stride);
+  }
+}
+
+// A paged reference (strides empty: the layout replaces them).
+TensorRef PagedTensor(uint64_t region, int64_t byte_offset, DType dtype, std::vector<int64_t> shape,
+                      const PagedRef& layout) {
+  TensorRef ref = TensorRef::InRegion(region, byte_offset, dtype, std::move(shape));
+  ref.paged = layout;
+  return ref;
+}
+
+// The request of one sequence: every option of its policy explicit, so the server applies
+// exactly it (start from PolicySpec::ForKind for a kind's defaults).
+void SequenceToProto(uint64_t model_id, const SequenceRequest& sequence,
+                     v1::ComputeKeepMaskRequest* request) {
+  request->set_model_id(model_id);
+  request->set_n(sequence.n);
+  v1::PolicyToProto(sequence.policy, request->mutable_policy());
+  v1::BudgetToProto(sequence.policy.budget, request->mutable_budget());
+  v1::OutputsToProto(sequence.outputs, sequence.destination ? &*sequence.destination : nullptr,
+                     request->mutable_outputs());
+  static constexpr v1::LayerTensorMutators kMutators;
+  for (const LayerRefs& layer : sequence.layers) {
+    v1::LayerInputs* in = request->add_layers();
+    kernels::ForEachLayerTensor(
+        [&](kernels::LayerTensor, const auto& ref, auto mutator) {
+          // keys and values are TensorRefs; the window tensors are optional ones.
+          if constexpr (std::is_same_v<std::decay_t<decltype(ref)>, TensorRef>) {
+            ToProto(ref, (in->*mutator)());
+          } else if (ref) {
+            ToProto(*ref, (in->*mutator)());
+          }
+          return absl::OkStatus();
+        },
+        layer, kMutators)
+        .IgnoreError();
+  }
+  for (const BlockTableRef& table : sequence.block_tables) {
+    v1::BlockTable* proto = request->add_block_tables();
+    proto->mutable_block_ids()->Assign(table.block_ids.begin(), table.block_ids.end());
+    proto->set_block_size(static_cast<int32_t>(table.block_size));
+    proto->set_allow_repeated_ids(table.allow_repeated_ids);
+  }
+}
+
+ServerTiming ServerTimingOf(const v1::Timing& timing) {
+  return {.queue_seconds = timing.queue_seconds(),
+          .respond_seconds = timing.respond_seconds(),
+          .total_seconds = timing.total_seconds()};
 }
 
 // How long a SharedBuffer going away retries its unregistration on a busy server.
@@ -260,7 +316,10 @@ absl::StatusOr<KeepPlan> Client::ComputeKeepPlan(uint64_t model_id, int64_t n,
                                                  const PolicySpec& policy,
                                                  const OutputOptions& outputs,
                                                  ServerTiming* server_timing) {
-  return ComputeKeepPlanImpl(model_id, n, layers, policy, outputs, nullptr, server_timing);
+  return ComputeKeepPlan(
+      model_id,
+      {.n = n, .layers = {layers.begin(), layers.end()}, .policy = policy, .outputs = outputs},
+      server_timing);
 }
 
 absl::StatusOr<KeepPlan> Client::ComputeKeepPlanInto(uint64_t model_id, int64_t n,
@@ -269,53 +328,88 @@ absl::StatusOr<KeepPlan> Client::ComputeKeepPlanInto(uint64_t model_id, int64_t 
                                                      const OutputDestination& destination,
                                                      ServerTiming* server_timing) {
   // Nothing inline beyond what is always returned; the server produces what it writes.
-  return ComputeKeepPlanImpl(model_id, n, layers, policy, {.positions = false}, &destination,
-                             server_timing);
+  return ComputeKeepPlan(model_id,
+                         {.n = n,
+                          .layers = {layers.begin(), layers.end()},
+                          .policy = policy,
+                          .outputs = {.positions = false},
+                          .destination = destination},
+                         server_timing);
 }
 
-absl::StatusOr<KeepPlan> Client::ComputeKeepPlanImpl(uint64_t model_id, int64_t n,
-                                                     absl::Span<const LayerRefs> layers,
-                                                     const PolicySpec& policy,
-                                                     const OutputOptions& outputs,
-                                                     const OutputDestination* destination,
-                                                     ServerTiming* server_timing) {
+absl::StatusOr<KeepPlan> Client::ComputeKeepPlan(uint64_t model_id, const SequenceRequest& sequence,
+                                                 ServerTiming* server_timing) {
   v1::ComputeKeepMaskRequest request;
-  request.set_model_id(model_id);
-  request.set_n(n);
-  // Every option is sent explicitly, so the server applies exactly `policy` (start from
-  // PolicySpec::ForKind for a kind's defaults).
-  v1::PolicyToProto(policy, request.mutable_policy());
-  v1::BudgetToProto(policy.budget, request.mutable_budget());
-  v1::OutputsToProto(outputs, destination, request.mutable_outputs());
-  static constexpr v1::LayerTensorMutators kMutators;
-  for (const LayerRefs& layer : layers) {
-    v1::LayerInputs* in = request.add_layers();
-    kernels::ForEachLayerTensor(
-        [&](kernels::LayerTensor, const auto& ref, auto mutator) {
-          // keys and values are TensorRefs; the window tensors are optional ones.
-          if constexpr (std::is_same_v<std::decay_t<decltype(ref)>, TensorRef>) {
-            ToProto(ref, (in->*mutator)());
-          } else if (ref) {
-            ToProto(*ref, (in->*mutator)());
-          }
-          return absl::OkStatus();
-        },
-        layer, kMutators)
-        .IgnoreError();
-  }
+  SequenceToProto(model_id, sequence, &request);
   v1::ComputeKeepMaskResponse response;
   if (absl::Status s = impl_->Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response);
       !s.ok()) {
     return s;
   }
-  KeepPlan plan = v1::KeepPlanFromProto(response);
-  const v1::Timing& timing = response.timing();
-  if (server_timing != nullptr) {
-    *server_timing = {.queue_seconds = timing.queue_seconds(),
-                      .respond_seconds = timing.respond_seconds(),
-                      .total_seconds = timing.total_seconds()};
+  if (server_timing != nullptr) *server_timing = ServerTimingOf(response.timing());
+  return v1::KeepPlanFromProto(response);
+}
+
+absl::StatusOr<std::vector<KeepPlan>> Client::ComputeKeepPlans(
+    uint64_t model_id, absl::Span<const SequenceRequest> sequences, ServerTiming* server_timing) {
+  v1::ComputeKeepPlansRequest request;
+  for (const SequenceRequest& sequence : sequences) {
+    SequenceToProto(model_id, sequence, request.add_sequences());
   }
-  return plan;
+  v1::ComputeKeepPlansResponse response;
+  if (absl::Status s = impl_->Call(&v1::Laprox::Stub::ComputeKeepPlans, request, &response);
+      !s.ok()) {
+    return s;
+  }
+  if (server_timing != nullptr) *server_timing = ServerTimingOf(response.timing());
+  std::vector<KeepPlan> plans;
+  plans.reserve(response.plans_size());
+  for (const v1::ComputeKeepMaskResponse& plan : response.plans()) {
+    plans.push_back(v1::KeepPlanFromProto(plan));
+  }
+  return plans;
+}
+
+PagedKv PagedKv::VllmFlashAttention(uint64_t region, int64_t pool_offset, DType dtype,
+                                    int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,
+                                    int64_t head_dim, int64_t n, uint32_t table) {
+  const int64_t block = block_size * num_kv_heads * head_dim;  // elements of one K (or V) block
+  const PagedRef layout = {.block_table = table,
+                           .block_stride = block,
+                           .slot_stride = num_kv_heads * head_dim,
+                           .head_stride = head_dim,
+                           .dim_stride = 1};
+  const int64_t element = static_cast<int64_t>(kernels::DTypeSize(dtype));
+  return {PagedTensor(region, pool_offset, dtype, {num_kv_heads, n, head_dim}, layout),
+          PagedTensor(region, pool_offset + num_blocks * block * element, dtype,
+                      {num_kv_heads, n, head_dim}, layout)};
+}
+
+PagedKv PagedKv::VllmHeadMajor(uint64_t region, int64_t pool_offset, DType dtype,
+                               int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,
+                               int64_t head_dim, int64_t n, uint32_t table) {
+  const int64_t block = block_size * num_kv_heads * head_dim;
+  const PagedRef layout = {.block_table = table,
+                           .block_stride = block,
+                           .slot_stride = head_dim,
+                           .head_stride = block_size * head_dim,
+                           .dim_stride = 1};
+  const int64_t element = static_cast<int64_t>(kernels::DTypeSize(dtype));
+  return {PagedTensor(region, pool_offset, dtype, {num_kv_heads, n, head_dim}, layout),
+          PagedTensor(region, pool_offset + num_blocks * block * element, dtype,
+                      {num_kv_heads, n, head_dim}, layout)};
+}
+
+PagedKv PagedKv::SglangTokenPool(uint64_t region, int64_t keys_offset, int64_t values_offset,
+                                 DType dtype, int64_t num_kv_heads, int64_t head_dim, int64_t n,
+                                 uint32_t table) {
+  const PagedRef layout = {.block_table = table,
+                           .block_stride = num_kv_heads * head_dim,
+                           .slot_stride = 0,
+                           .head_stride = head_dim,
+                           .dim_stride = 1};
+  return {PagedTensor(region, keys_offset, dtype, {num_kv_heads, n, head_dim}, layout),
+          PagedTensor(region, values_offset, dtype, {num_kv_heads, n, head_dim}, layout)};
 }
 
 SharedBuffer::SharedBuffer(SharedBuffer&& other) noexcept { *this = std::move(other); }

@@ -50,8 +50,17 @@ using kernels::PolicySpec;
 // well). The area must lie inside the region (OUT_OF_RANGE) and be aligned to its element size.
 using kernels::OutputDestination;
 
+// How a paged tensor lies in its block pool (laprox.v1 PagedLayout): element (h, i, c) of the
+// logical [Hkv, n, d] tensor is at id * block_stride + (i % block_size) * slot_stride +
+// h * head_stride + c * dim_stride elements from the reference's byte_offset (element 0 of
+// physical block 0), with id = the named table's block_ids[i / block_size].
+struct PagedRef {
+  uint32_t block_table = 0;  // index into SequenceRequest::block_tables
+  int64_t block_stride = 0, slot_stride = 0, head_stride = 0, dim_stride = 0;
+};
+
 // A tensor for the server: a slice of a registered region (no copy), or host bytes sent inline
-// with the call (small tensors, tests).
+// with the call (small tensors, tests). Keys and values may be paged (a region only).
 struct TensorRef {
   uint64_t region_id = 0;           // registered region, or 0 with host_data
   int64_t byte_offset = 0;          // from the region start to element 0
@@ -59,6 +68,7 @@ struct TensorRef {
   DType dtype = DType::kF32;
   std::vector<int64_t> shape;
   std::vector<int64_t> strides;  // elements; empty: contiguous
+  std::optional<PagedRef> paged = std::nullopt;
 
   static TensorRef InRegion(uint64_t region, int64_t byte_offset, DType dtype,
                             std::vector<int64_t> shape, std::vector<int64_t> strides = {}) {
@@ -74,6 +84,45 @@ struct TensorRef {
 struct LayerRefs {
   TensorRef keys, values;
   std::optional<TensorRef> window_queries, window_attention, window_lse;
+};
+
+// A sequence's block table (laprox.v1 BlockTable): the physical block of each logical block,
+// exactly ceil(n / block_size) of them.
+struct BlockTableRef {
+  std::vector<int32_t> block_ids;
+  int64_t block_size = 0;
+  bool allow_repeated_ids = false;
+};
+
+// The keys and values of one layer in an engine's paged KV cache, read in place through block
+// table `table` (an index into SequenceRequest::block_tables). `pool_offset`: bytes from the
+// region start to the pool's element 0; element sizes follow `dtype`.
+struct PagedKv {
+  TensorRef keys, values;
+
+  // vLLM's FlashAttention layout [2, num_blocks, block_size, Hkv, d] (K pool, then V pool).
+  static PagedKv VllmFlashAttention(uint64_t region, int64_t pool_offset, DType dtype,
+                                    int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,
+                                    int64_t head_dim, int64_t n, uint32_t table);
+  // Head-major block interiors [2, num_blocks, Hkv, block_size, d] (vLLM's CPU attention).
+  static PagedKv VllmHeadMajor(uint64_t region, int64_t pool_offset, DType dtype,
+                               int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,
+                               int64_t head_dim, int64_t n, uint32_t table);
+  // SGLang's token pools [slots, Hkv, d], one for K and one for V (`values_offset` bytes from
+  // the region start), read through a table of block size 1 holding the request's slots.
+  static PagedKv SglangTokenPool(uint64_t region, int64_t keys_offset, int64_t values_offset,
+                                 DType dtype, int64_t num_kv_heads, int64_t head_dim, int64_t n,
+                                 uint32_t table);
+};
+
+// One sequence of a keep-plan call: its tensors, policy, outputs and block tables.
+struct SequenceRequest {
+  int64_t n = 0;
+  std::vector<LayerRefs> layers;
+  PolicySpec policy;
+  OutputOptions outputs;
+  std::optional<OutputDestination> destination;  // set: outputs written into that region
+  std::vector<BlockTableRef> block_tables;       // named by paged keys and values
 };
 
 struct ServerInfo {
@@ -198,6 +247,16 @@ class Client {
                                            const PolicySpec& policy,
                                            const OutputOptions& outputs = {},
                                            ServerTiming* server_timing = nullptr);
+  // The keep-plan of one sequence described by `sequence` (paged keys and values, block
+  // tables, a destination: everything a request can say).
+  absl::StatusOr<KeepPlan> ComputeKeepPlan(uint64_t model_id, const SequenceRequest& sequence,
+                                           ServerTiming* server_timing = nullptr);
+  // The keep-plans of several sequences of one model in one call (ComputeKeepPlans): one plan
+  // per sequence, each equal to its ComputeKeepPlan; all or nothing (the first failing sequence
+  // fails the call, its message naming "sequences[i]"). `server_timing`: the whole call's.
+  absl::StatusOr<std::vector<KeepPlan>> ComputeKeepPlans(
+      uint64_t model_id, absl::Span<const SequenceRequest> sequences,
+      ServerTiming* server_timing = nullptr);
   // The same plan with its outputs written into `destination` (an engine's own mask or index
   // buffer, with no copy through the response). Only the outputs `destination` has an offset
   // for are produced, and only there: the returned plan has counts, offsets and layer sums.
@@ -211,12 +270,6 @@ class Client {
  private:
   struct Impl;
   explicit Client(std::unique_ptr<Impl> impl);
-  absl::StatusOr<KeepPlan> ComputeKeepPlanImpl(uint64_t model_id, int64_t n,
-                                               absl::Span<const LayerRefs> layers,
-                                               const PolicySpec& policy,
-                                               const OutputOptions& outputs,
-                                               const OutputDestination* destination,
-                                               ServerTiming* server_timing);
   std::unique_ptr<Impl> impl_;
 };
 
