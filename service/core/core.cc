@@ -71,7 +71,7 @@ class Resolver {
   // Leases regions on behalf of `owner`: another owner's region is NOT_FOUND. Paged references
   // name `tables` by index.
   Resolver(RegionRegistry& regions, const Owner& owner,
-           absl::Span<const kernels::BlockTable> tables = {})
+           const std::vector<kernels::BlockTable>* tables = nullptr)
       : regions_(regions), owner_(owner), tables_(tables) {}
 
   absl::StatusOr<TensorView> Resolve(const TensorRef& ref, const std::string& field) {
@@ -84,12 +84,13 @@ class Resolver {
     }
     std::optional<kernels::PagedLayout> layout;
     if (ref.paged) {
-      if (ref.paged->block_table >= tables_.size()) {
+      const size_t tables = tables_ == nullptr ? 0 : tables_->size();
+      if (ref.paged->block_table >= tables) {
         return absl::InvalidArgumentError(
             absl::StrCat(field, ".paged.block_table = ", ref.paged->block_table,
-                         " but the request has ", tables_.size(), " block tables"));
+                         " but the request has ", tables, " block tables"));
       }
-      layout = kernels::PagedLayout{&tables_[ref.paged->block_table], ref.paged->block_stride,
+      layout = kernels::PagedLayout{&(*tables_)[ref.paged->block_table], ref.paged->block_stride,
                                     ref.paged->slot_stride, ref.paged->head_stride,
                                     ref.paged->dim_stride};
     }
@@ -177,7 +178,8 @@ class Resolver {
  private:
   RegionRegistry& regions_;
   const Owner& owner_;
-  absl::Span<const kernels::BlockTable> tables_;
+  const std::vector<kernels::BlockTable>* tables_;  // filled after construction, never resized
+                                                    // once a view points into it
   std::map<uint64_t, RegionLease> leases_;
   std::vector<std::vector<uint64_t>> copies_;
   std::vector<Input> inputs_;
@@ -205,7 +207,8 @@ std::string AreaName(const Area& area) {
 struct Sequence {
   std::string prefix;  // "sequences[i]." in a batch, else empty
   std::vector<kernels::BlockTable> tables;
-  std::unique_ptr<Resolver> resolver;  // reads `tables`
+  std::unique_ptr<Resolver> resolver;      // reads `tables`
+  MemoryBudget::Reservation table_memory;  // block tables copied from regions
   const MappedRegion* destination = nullptr;
   kernels::KeepPlanRequest request;
 };
@@ -279,7 +282,8 @@ absl::Status Prefixed(const absl::Status& status, absl::string_view prefix) {
 // Checks one sequence's call before anything is read: n, its block tables (copied), its region
 // leases and destination, and resolves every reference into the backend's request.
 absl::Status PrepareSequence(const KeepPlanCall& call, const CallContext& context,
-                             int64_t max_tokens, RegionRegistry& regions, Sequence& sequence) {
+                             int64_t max_tokens, RegionRegistry& regions, MemoryBudget& memory,
+                             Sequence& sequence) {
   if (call.n > max_tokens) {
     return absl::OutOfRangeError(absl::StrCat("n = ", call.n, " exceeds this server's limit of ",
                                               max_tokens, " tokens (max_tokens)"));
@@ -294,30 +298,67 @@ absl::Status PrepareSequence(const KeepPlanCall& call, const CallContext& contex
                                                    " layers = ", max_tables));
   }
   std::vector<kernels::BlockTable>& tables = sequence.tables;
-  tables.reserve(call.block_tables.size());
+  tables.reserve(call.block_tables.size());  // views point into it: never reallocated
+  sequence.resolver = std::make_unique<Resolver>(regions, context.owner, &tables);
+  Resolver& resolver = *sequence.resolver;
+  // The copies of region-held ids (and the table's own sorted copy) are reserved first.
+  int64_t region_ids = 0;
+  for (const BlockTableSpec& spec : call.block_tables) {
+    if (spec.in_region && spec.in_region->count > 0 && spec.in_region->count <= call.n) {
+      region_ids += spec.in_region->count;
+    }
+  }
+  if (region_ids > 0) {
+    auto held = memory.Reserve(region_ids * 3 * int64_t{sizeof(int32_t)},
+                               "the copies of block tables held in regions");
+    if (!held.ok()) return held.status();
+    sequence.table_memory = *std::move(held);
+  }
   for (size_t t = 0; t < call.block_tables.size(); ++t) {
     const BlockTableSpec& spec = call.block_tables[t];
+    const int64_t given =
+        spec.in_region ? spec.in_region->count : static_cast<int64_t>(spec.ids.size());
     // Every table is this sequence's: its length follows from n, checked before the ids are
     // copied and sorted so that a bloated table costs nothing.
     if (spec.block_size >= 1 && call.n >= 1) {
       const int64_t blocks = kernels::BlockTable::BlocksFor(call.n, spec.block_size);
-      if (static_cast<int64_t>(spec.ids.size()) != blocks) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("block_tables[", t, "] has ", spec.ids.size(), " ids, but n = ", call.n,
-                         " tokens in blocks of ", spec.block_size, " need ceil(", call.n, " / ",
-                         spec.block_size, ") = ", blocks));
+      if (given != blocks) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "block_tables[", t, "] has ", given, " ids, but n = ", call.n, " tokens in blocks of ",
+            spec.block_size, " need ceil(", call.n, " / ", spec.block_size, ") = ", blocks));
       }
     }
-    auto table = kernels::BlockTable::Create({spec.ids.begin(), spec.ids.end()}, spec.block_size,
-                                             spec.allow_repeated_ids);
+    std::vector<int32_t> ids(spec.ids.begin(), spec.ids.end());
+    if (spec.in_region && spec.block_size >= 1) {
+      const std::string field = absl::StrCat("block_tables[", t, "].ids_region");
+      auto region = resolver.Lease(spec.in_region->region_id, field);
+      if (!region.ok()) return region.status();
+      if ((*region)->space() != kernels::MemorySpace::kHost) {
+        return absl::UnimplementedError(absl::StrCat(
+            field, ": region ", spec.in_region->region_id,
+            " is device memory; block table ids must be in host memory (a shm region)"));
+      }
+      auto bytes =
+          (*region)->Slice(spec.in_region->byte_offset, given * int64_t{sizeof(int32_t)}, field);
+      if (!bytes.ok()) return bytes.status();
+      if (reinterpret_cast<uintptr_t>(*bytes) % alignof(int32_t) != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ".byte_offset = ", spec.in_region->byte_offset,
+                         " is not aligned to the 4-byte ids"));
+      }
+      // A copy: the client may rewrite its table during the call without effect on it.
+      ids.resize(static_cast<size_t>(given));
+      std::memcpy(ids.data(), *bytes, ids.size() * sizeof(int32_t));
+      if ((*region)->shrunk()) return (*region)->ShrunkError();
+    }
+    auto table =
+        kernels::BlockTable::Create(std::move(ids), spec.block_size, spec.allow_repeated_ids);
     if (!table.ok()) {
       return absl::Status(table.status().code(),
                           absl::StrCat("block_tables[", t, "]: ", table.status().message()));
     }
     tables.push_back(*std::move(table));
   }
-  sequence.resolver = std::make_unique<Resolver>(regions, context.owner, tables);
-  Resolver& resolver = *sequence.resolver;
   if (call.destination) {
     auto region = resolver.Lease(call.destination->region_id, "outputs.destination");
     if (!region.ok()) return region.status();
@@ -492,7 +533,8 @@ absl::StatusOr<std::vector<kernels::KeepPlan>> Core::Compute(absl::Span<const Ke
           sequence.prefix, "model_id = ", calls[i].model_id, ", but sequences[0] names model ",
           model_id, ": the sequences of a batch share one model"));
     }
-    if (absl::Status s = PrepareSequence(calls[i], context, limits_.max_tokens, regions_, sequence);
+    if (absl::Status s = PrepareSequence(calls[i], context, limits_.max_tokens, regions_,
+                                         request_memory_, sequence);
         !s.ok()) {
       return Prefixed(s, sequence.prefix);
     }

@@ -60,6 +60,14 @@ struct BlockTableSpec {
   absl::Span<const int32_t> ids;  // not owned, must outlive the call
   int64_t block_size = 0;
   bool allow_repeated_ids = false;
+  // Instead of `ids`: `count` int32 ids in a registered region from `byte_offset`, copied
+  // before they are checked (the request memory budget covers the copy).
+  struct InRegion {
+    uint64_t region_id = 0;
+    int64_t byte_offset = 0;
+    int64_t count = 0;
+  };
+  std::optional<InRegion> in_region;
 };
 
 struct LayerRefs {

@@ -103,10 +103,32 @@ absl::StatusOr<KeepPlanCall> KeepPlanCallFromProto(const v1::ComputeKeepMaskRequ
         refs, kGetters);
     if (!converted.ok()) return converted;
   }
-  for (const v1::BlockTable& table : proto.block_tables()) {
-    call.block_tables.push_back({.ids = table.block_ids(),
-                                 .block_size = table.block_size(),
-                                 .allow_repeated_ids = table.allow_repeated_ids()});
+  for (int t = 0; t < proto.block_tables_size(); ++t) {
+    const v1::BlockTable& table = proto.block_tables(t);
+    BlockTableSpec& spec = call.block_tables.emplace_back();
+    spec.ids = table.block_ids();
+    spec.block_size = table.block_size();
+    spec.allow_repeated_ids = table.allow_repeated_ids();
+    if (!table.has_ids_region()) {
+      if (table.ids_count() != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "block_tables[", t, "].ids_count = ", table.ids_count(), " without ids_region"));
+      }
+      continue;
+    }
+    if (table.block_ids_size() > 0) {
+      return absl::InvalidArgumentError(absl::StrCat("block_tables[", t, "] has both block_ids (",
+                                                     table.block_ids_size(),
+                                                     " ids) and ids_region; give the ids one way"));
+    }
+    if (table.ids_region().byte_offset() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "block_tables[", t, "].ids_region.byte_offset = ", table.ids_region().byte_offset(),
+          " is negative"));
+    }
+    spec.in_region = {.region_id = table.ids_region().region_id(),
+                      .byte_offset = table.ids_region().byte_offset(),
+                      .count = table.ids_count()};
   }
   return call;
 }

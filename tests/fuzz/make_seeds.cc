@@ -199,6 +199,16 @@ void ComputeKeepMaskSeeds(SeedWriter& w) {
     w.Write(t, name, r);
   }
   {
+    // The table's ids read from the region (whatever its bytes are there: the fuzzer mutates).
+    auto r = PagedKeepMaskRequest({}, 16, {5, 2, 7, 0});
+    v1::BlockTable* table = r.mutable_block_tables(0);
+    table->clear_block_ids();
+    table->mutable_ids_region()->set_region_id(r.layers(0).keys().region().region_id());
+    table->mutable_ids_region()->set_byte_offset(0);
+    table->set_ids_count(4);
+    w.Write(t, "paged_table_in_region", r);
+  }
+  {
     auto r = KeepMaskRequest({});
     r.mutable_policy()->set_plan_shape(v1::PLAN_SHAPE_BLOCKS_SHARED);
     r.mutable_policy()->set_block_size(8);

@@ -16,6 +16,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "tests/service/server_fixture.h"
 
 namespace laprox::service {
@@ -164,6 +165,84 @@ TEST_F(PagedServiceTest, BlocksSharedPlanCarriesTheNewTableAndFreedIds) {
   s = Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(s.error_message(), HasSubstr("policy.plan_shape = 9"));
+}
+
+// A block table held in a shared-memory region (ids_region) gives the plan of the same table
+// sent inline; every bad way to give one is refused with its field before anything is read.
+TEST_F(PagedServiceTest, TableInARegionGivesThePlanOfTheInlineTable) {
+  Prefill prefill(34);
+  const std::vector<int32_t> ids = Shuffled();
+  ShuffleBlocks(prefill, ids);
+  const uint64_t region = RegisterRegion(prefill);
+  const uint64_t model = RegisterModel(prefill);
+  v1::ComputeKeepMaskRequest request = PagedRequest(model, region, prefill, ids);
+  v1::ComputeKeepMaskResponse inline_table, region_table;
+  grpc::Status s = Call(&v1::Laprox::Stub::ComputeKeepMask, request, &inline_table);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+
+  // The ids at byte 8 of a 128-byte object of their own.
+  const std::string name = absl::StrCat("laprox-itest-table-", getpid());
+  const int fd = shm_open(("/" + name).c_str(), O_CREAT | O_RDWR | O_TRUNC, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 128), 0);
+  ASSERT_EQ(pwrite(fd, ids.data(), ids.size() * 4, 8), static_cast<ssize_t>(ids.size() * 4));
+  close(fd);
+  v1::RegisterRegionRequest shm;
+  shm.mutable_shm()->set_name(name);
+  shm.mutable_shm()->set_byte_size(128);
+  v1::RegisterRegionResponse registered;
+  ASSERT_TRUE(Call(&v1::Laprox::Stub::RegisterRegion, shm, &registered).ok());
+  const uint64_t table_region = registered.region_id();
+
+  v1::BlockTable* table = request.mutable_block_tables(0);
+  table->clear_block_ids();
+  table->mutable_ids_region()->set_region_id(table_region);
+  table->mutable_ids_region()->set_byte_offset(8);
+  table->set_ids_count(kBlocks);
+  s = Call(&v1::Laprox::Stub::ComputeKeepMask, request, &region_table);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_THAT(region_table.positions(), ::testing::ElementsAreArray(inline_table.positions()));
+  EXPECT_THAT(region_table.counts(), ::testing::ElementsAreArray(inline_table.counts()));
+
+  struct Bad {
+    const char* what;
+    std::function<void(v1::BlockTable&)> mutate;
+    grpc::StatusCode code;
+    std::string message;
+  };
+  const std::vector<Bad> cases = {
+      {"ids both inline and in a region", [](auto& t) { t.add_block_ids(3); },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "block_tables[0] has both block_ids (1 ids) and ids_region"},
+      {"a count that does not fit n", [](auto& t) { t.set_ids_count(kBlocks - 1); },
+       grpc::StatusCode::INVALID_ARGUMENT, "block_tables[0] has 14 ids, but n = 300"},
+      {"a count without a region", [](auto& t) { t.clear_ids_region(); },
+       grpc::StatusCode::INVALID_ARGUMENT, "block_tables[0].ids_count = 15 without ids_region"},
+      {"a misaligned offset", [](auto& t) { t.mutable_ids_region()->set_byte_offset(6); },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "block_tables[0].ids_region.byte_offset = 6 is not aligned to the 4-byte ids"},
+      {"ids past the region's end", [](auto& t) { t.mutable_ids_region()->set_byte_offset(72); },
+       grpc::StatusCode::OUT_OF_RANGE, "block_tables[0].ids_region"},
+      {"a negative offset", [](auto& t) { t.mutable_ids_region()->set_byte_offset(-4); },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       "block_tables[0].ids_region.byte_offset = -4 is negative"},
+      {"an unknown region", [](auto& t) { t.mutable_ids_region()->set_region_id(1 << 30); },
+       grpc::StatusCode::NOT_FOUND, "block_tables[0].ids_region"},
+      {"ids starting at the wrong place (a repeated id)",
+       [](auto& t) { t.mutable_ids_region()->set_byte_offset(4); },
+       grpc::StatusCode::INVALID_ARGUMENT, "block_tables[0]: block id"},
+  };
+  for (const Bad& bad : cases) {
+    SCOPED_TRACE(bad.what);
+    v1::ComputeKeepMaskRequest broken = request;
+    bad.mutate(*broken.mutable_block_tables(0));
+    v1::ComputeKeepMaskResponse response;
+    s = Call(&v1::Laprox::Stub::ComputeKeepMask, broken, &response);
+    EXPECT_EQ(s.error_code(), bad.code) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr(bad.message));
+  }
+  shm_unlink(("/" + name).c_str());
+  ExpectServes(35);  // a fresh prefill: this one's blocks are shuffled
 }
 
 struct BadPaged {

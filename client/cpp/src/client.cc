@@ -104,6 +104,11 @@ void SequenceToProto(uint64_t model_id, const SequenceRequest& sequence,
     proto->mutable_block_ids()->Assign(table.block_ids.begin(), table.block_ids.end());
     proto->set_block_size(static_cast<int32_t>(table.block_size));
     proto->set_allow_repeated_ids(table.allow_repeated_ids);
+    if (table.in_region) {
+      proto->mutable_ids_region()->set_region_id(table.in_region->region_id);
+      proto->mutable_ids_region()->set_byte_offset(table.in_region->byte_offset);
+      proto->set_ids_count(table.in_region->count);
+    }
   }
 }
 

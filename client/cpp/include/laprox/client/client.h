@@ -87,11 +87,19 @@ struct LayerRefs {
 };
 
 // A sequence's block table (laprox.v1 BlockTable): the physical block of each logical block,
-// exactly ceil(n / block_size) of them.
+// exactly ceil(n / block_size) of them, sent in the call or read from a registered region.
 struct BlockTableRef {
   std::vector<int32_t> block_ids;
   int64_t block_size = 0;
   bool allow_repeated_ids = false;
+  // Instead of block_ids: `count` int32 ids at `byte_offset` of a registered host region (the
+  // server copies them during the call).
+  struct InRegion {
+    uint64_t region_id = 0;
+    int64_t byte_offset = 0;
+    int64_t count = 0;
+  };
+  std::optional<InRegion> in_region = std::nullopt;
 };
 
 // The keys and values of one layer in an engine's paged KV cache, read in place through block
