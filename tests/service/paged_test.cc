@@ -16,6 +16,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "tests/service/server_fixture.h"
 
@@ -187,6 +188,7 @@ TEST_F(PagedServiceTest, TableInARegionGivesThePlanOfTheInlineTable) {
   ASSERT_EQ(ftruncate(fd, 128), 0);
   ASSERT_EQ(pwrite(fd, ids.data(), ids.size() * 4, 8), static_cast<ssize_t>(ids.size() * 4));
   close(fd);
+  const absl::Cleanup unlink = [&] { shm_unlink(("/" + name).c_str()); };
   v1::RegisterRegionRequest shm;
   shm.mutable_shm()->set_name(name);
   shm.mutable_shm()->set_byte_size(128);
@@ -241,7 +243,6 @@ TEST_F(PagedServiceTest, TableInARegionGivesThePlanOfTheInlineTable) {
     EXPECT_EQ(s.error_code(), bad.code) << s.error_message();
     EXPECT_THAT(s.error_message(), HasSubstr(bad.message));
   }
-  shm_unlink(("/" + name).c_str());
   ExpectServes(35);  // a fresh prefill: this one's blocks are shuffled
 }
 

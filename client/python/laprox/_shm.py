@@ -8,17 +8,26 @@ larger one (unregistered and unlinked, then a new one created and registered). T
 released (UnregisterRegion, close, unlink) by Client.close(), by the Client's finalizer when it
 is garbage-collected, and at interpreter exit (weakref.finalize); multiprocessing's resource
 tracker unlinks it if the process dies without running either.
+
+A SharedArray (Client.shared_array) is a numpy array in a shared-memory object of its own,
+registered once as a region that laproxd reads in place: where an engine on the CPU keeps its
+KV block pool, so that paged keys and values are never copied. It follows the same naming
+("laprox-py-<pid>-<random>", pages reserved up front) and release rules, and is also released
+by SharedArray.close() and when it is garbage-collected.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import sys
+import weakref
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+import grpc
 import numpy as np
 
 from . import types as t
@@ -129,6 +138,20 @@ class _Segment:
             pass
 
 
+def _release_region(segment: _Segment, unregister: Callable[[int], None], region_id: int) -> None:
+    """Unregisters `region_id` (best effort: the server may be gone), then unlinks `segment`."""
+    try:
+        if region_id:
+            unregister(region_id)
+    except LaproxError:
+        pass
+    except Exception:  # interpreter shutdown: gRPC may already be half torn down
+        if not sys.is_finalizing():
+            raise
+    finally:
+        segment.release()
+
+
 class StagingArena:
     """The client's staging region: grown on demand, released once.
 
@@ -178,18 +201,8 @@ class StagingArena:
         """Unregisters (best effort: the server may be gone) and unlinks the region."""
         segment, region_id = self.segment, self.region_id
         self.segment, self.region_id = None, 0
-        if segment is None:
-            return
-        try:
-            if region_id:
-                self._unregister(region_id)
-        except LaproxError:
-            pass
-        except Exception:  # interpreter shutdown: gRPC may already be half torn down
-            if not sys.is_finalizing():
-                raise
-        finally:
-            segment.release()
+        if segment is not None:
+            _release_region(segment, self._unregister, region_id)
 
 
 class TemporaryRegion:
@@ -214,3 +227,138 @@ class TemporaryRegion:
 
     def __exit__(self, *exc: Any) -> None:
         self._arena.release()
+
+
+def shared_dtype(dtype: Any) -> Tuple[t.DType, np.dtype]:
+    """The wire dtype and the numpy dtype of a SharedArray of `dtype`: float32 / "f32",
+    float16 / "f16", or bfloat16 ("bf16", "bfloat16": uint16 bits; an ml_dtypes bfloat16 dtype:
+    that dtype)."""
+    if isinstance(dtype, (str, t.DType)):
+        key = dtype if isinstance(dtype, t.DType) else dtype.strip().lower()
+        if key in ("bf16", "bfloat16", t.DType.BF16):
+            return t.DType.BF16, _BF16_BITS
+        if key in ("f32", t.DType.F32):
+            return t.DType.F32, np.dtype(np.float32)
+        if key in ("f16", t.DType.F16):
+            return t.DType.F16, np.dtype(np.float16)
+    try:
+        np_dtype = np.dtype(dtype)
+    except TypeError:
+        np_dtype = None
+    if np_dtype == np.dtype(np.float32):
+        return t.DType.F32, np_dtype
+    if np_dtype == np.dtype(np.float16):
+        return t.DType.F16, np_dtype
+    if np_dtype is not None and np_dtype.name == "bfloat16" and np_dtype.itemsize == 2:
+        return t.DType.BF16, np_dtype
+    raise invalid_argument(f"shared array dtype {dtype!r}: laproxd reads float32, float16 or "
+                           "bfloat16 (\"bf16\": a uint16 array of the bits)")
+
+
+class SharedArray:
+    """A numpy array in POSIX shared memory registered with laproxd as one region, which
+    laproxd reads in place. Made by Client.shared_array(shape, dtype, writable=...).
+
+    Attributes:
+        array: the numpy array (C-contiguous; bfloat16 as uint16 bits unless an ml_dtypes
+            bfloat16 dtype was asked for). Write the pool through it. FAILED_PRECONDITION
+            after close().
+        region_id: the region laproxd knows it by.
+        byte_offset: bytes from the start of the region to array element 0 (always 0).
+        dtype: the wire dtype (laprox.DType) that laproxd reads.
+        name: the shared-memory object's name, as /dev/shm lists it.
+        writable: whether laproxd may write into it (registered writable).
+        closed: whether close() (or the client's close()) has released it.
+
+    close() unregisters the region (best effort: the server may be gone) and unlinks the
+    object; it is idempotent and also runs when the SharedArray is garbage-collected, when its
+    Client closes, and at interpreter exit. A numpy view still alive after close() stays
+    readable (the mapping lives until the view dies) but laproxd no longer reads it.
+    Use it as a context manager to close it on leaving the block.
+    """
+
+    def __init__(self, shape: Sequence[int], dtype: Any,
+                 register: Callable[[str, int], int], unregister: Callable[[int], None],
+                 writable: bool = False):
+        self.dtype, np_dtype = shared_dtype(dtype)
+        try:
+            dims = tuple(int(s) for s in shape)
+        except TypeError:
+            dims = (int(shape),)
+        if any(s < 0 for s in dims) or math.prod(dims) == 0:
+            raise invalid_argument(f"shared array shape {dims}: every dimension must be > 0")
+        nbytes = math.prod(dims) * np_dtype.itemsize  # Python ints: no overflow
+        segment = _Segment(nbytes)
+        try:
+            region_id = register(segment.name, nbytes)
+        except BaseException:
+            segment.release()
+            raise
+        self._segment: Optional[_Segment] = segment
+        self._array: Optional[np.ndarray] = np.ndarray(dims, dtype=np_dtype,
+                                                       buffer=segment.shm.buf)
+        self.region_id = region_id
+        self.byte_offset = 0
+        self.byte_size = nbytes
+        self.name = segment.name
+        self.writable = bool(writable)
+        self._finalizer = weakref.finalize(self, _release_region, segment, unregister,
+                                           region_id)
+
+    @property
+    def array(self) -> np.ndarray:
+        if self._array is None:
+            raise LaproxError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"shared array {self.name} is closed (its region was released)")
+        return self._array
+
+    @property
+    def closed(self) -> bool:
+        return self._array is None
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return self.array.shape
+
+    def region_tensor(self, view: Optional[np.ndarray] = None) -> t.RegionTensor:
+        """A RegionTensor of `array` or of a numpy view into it (e.g. `shared.array[layer]` or
+        a transposed view): its byte offset in the region and its strides in elements, for
+        dense tensors laproxd then reads in place and for pools of paged tensors. A view that
+        is not inside this array, or has negative strides or another dtype: INVALID_ARGUMENT."""
+        array = self.array
+        view = array if view is None else view
+        if not isinstance(view, np.ndarray) or view.dtype != array.dtype:
+            raise invalid_argument(
+                f"region_tensor: expected a numpy view of shared array {self.name} "
+                f"({array.dtype}), got {type(view).__name__}"
+                f"{' of ' + str(view.dtype) if isinstance(view, np.ndarray) else ''}")
+        itemsize = array.dtype.itemsize
+        if any(s < 0 or s % itemsize for s in view.strides):
+            raise invalid_argument(f"region_tensor: view strides {view.strides} (bytes) must "
+                                   f"be >= 0 and multiples of {itemsize}")
+        base = array.__array_interface__["data"][0]
+        start = view.__array_interface__["data"][0]
+        extent = 0 if view.size == 0 else \
+            itemsize * (1 + sum((n - 1) * s // itemsize for n, s in zip(view.shape, view.strides)))
+        if start < base or start + extent > base + array.nbytes:
+            raise invalid_argument(f"region_tensor: the view does not lie inside shared array "
+                                   f"{self.name}")
+        return t.RegionTensor(region_id=self.region_id,
+                              byte_offset=self.byte_offset + start - base, dtype=self.dtype,
+                              shape=tuple(int(n) for n in view.shape),
+                              strides=tuple(int(s) // itemsize for s in view.strides))
+
+    def close(self) -> None:
+        """Unregisters the region and unlinks the shared-memory object; idempotent."""
+        self._array = None  # the mapping can go as soon as no view of it is left
+        self._finalizer()
+
+    def __enter__(self) -> "SharedArray":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self.array.shape} {self.array.dtype}"
+        return f"SharedArray({self.name}, region {self.region_id}, {state}, {self.dtype.name})"

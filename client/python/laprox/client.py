@@ -14,7 +14,10 @@ or as one stacked array with a leading layer dimension. Each entry may be
     shared-memory staging region (see laprox._shm) and sent as a reference;
   - a torch tensor: CPU tensors take the numpy path without an extra copy (bfloat16 included),
     CUDA tensors are shared through CUDA IPC without any copy (see laprox._cuda);
-  - a laprox.RegionTensor: a reference into a region you registered yourself.
+  - a laprox.RegionTensor: a reference into a region you registered yourself;
+  - keys and values only: a laprox.PagedTensor (laprox.PagedKV), one layer of a paged KV cache
+    read in place from its block pool through the sequence's block table (see laprox.paged).
+Client.compute_keep_plans sends several sequences in one ComputeKeepPlans call.
 
 Errors: every failure raises laprox.LaproxError with a grpc.StatusCode (`.code`) and a message.
 Threads: a Client may be shared; calls that stage host arrays or CUDA regions run one at a time.
@@ -37,6 +40,7 @@ from . import types as t
 from ._proto import health_pb2, health_pb2_grpc, laprox_pb2_grpc, pb
 from ._proto import policy_from_proto, policy_to_proto
 from .errors import LaproxError, from_rpc_error, invalid_argument
+from .paged import BlockTable, PagedTensor
 
 def tls_credentials(ca_file: Optional[str] = None, cert_file: Optional[str] = None,
                     key_file: Optional[str] = None) -> grpc.ChannelCredentials:
@@ -82,9 +86,10 @@ def _call(method: Any, request: Any, timeout: Optional[float]) -> Any:
 
 # Region calls as plain functions of the stub, so that the finalizer that releases the regions
 # holds no reference to the Client.
-def _register_shm(stub: Any, timeout: float, name: str, byte_size: int) -> int:
-    request = pb.RegisterRegionRequest(shm=pb.ShmRegion(name=name, offset=0,
-                                                        byte_size=byte_size))
+def _register_shm(stub: Any, timeout: float, name: str, byte_size: int, offset: int = 0,
+                  writable: bool = False) -> int:
+    request = pb.RegisterRegionRequest(
+        shm=pb.ShmRegion(name=name, offset=offset, byte_size=byte_size), writable=writable)
     return _call(stub.RegisterRegion, request, timeout).region_id
 
 
@@ -118,9 +123,12 @@ def _unregister(stub: Any, timeout: float, region_id: int,
         delay = min(delay * 2, 1.0)
 
 
-def _release(arena: _shm.StagingArena, cuda: _cuda.CudaRegions, channel: grpc.Channel) -> None:
+def _release(arena: _shm.StagingArena, cuda: _cuda.CudaRegions,
+             shared: "weakref.WeakSet[_shm.SharedArray]", channel: grpc.Channel) -> None:
     """Releases what a Client holds; runs once (close(), garbage collection or exit)."""
     try:
+        for array in list(shared):
+            array.close()
         arena.release()
     finally:
         try:
@@ -197,30 +205,61 @@ def _per_layer(name: str, value: Any, rank: int) -> List[Any]:
 
 
 class _Staging:
-    """The host arrays of one request and the TensorRef messages they fill."""
+    """The host arrays of one call (one or several sequences) and the TensorRef messages they
+    fill; CUDA tensors to share before the call."""
 
-    def __init__(self, bf16: bool):
-        self.bf16 = bf16
+    def __init__(self) -> None:
         self.arrays: List[_shm.HostArray] = []
         self.targets: List[Any] = []
-        self.cuda: List[Tuple[Any, Any]] = []  # (torch tensor, TensorRef message)
+        # (torch tensor, TensorRef message, None or a paged tensor's offset in elements)
+        self.cuda: List[Tuple[Any, Any, Optional[int]]] = []
 
-    def add(self, name: str, value: Any, message: Any) -> None:
+    def add(self, name: str, value: Any, message: Any, bf16: bool) -> None:
+        if isinstance(value, PagedTensor):
+            raise invalid_argument(f"{name}: only keys and values may be paged")
         if isinstance(value, t.RegionTensor):
             _fill_region_ref(message, value)
             return
+        if isinstance(value, _shm.SharedArray):
+            _fill_region_ref(message, value.region_tensor())
+            return
         if _cuda.is_torch_tensor(value):
             if value.is_cuda:
-                self.cuda.append((value, message))
+                self.cuda.append((value, message, None))
                 return
             value, is_bf16 = _cuda.cpu_tensor_as_numpy(value)
-            host = _shm.host_array(name, value, self.bf16 or is_bf16)
+            host = _shm.host_array(name, value, bf16 or is_bf16)
         else:
-            host = _shm.host_array(name, value, self.bf16)
+            host = _shm.host_array(name, value, bf16)
         self.arrays.append(host)
         self.targets.append(message)
         message.dtype = int(host.dtype)
         message.shape[:] = [int(s) for s in host.array.shape]
+
+    def add_paged(self, name: str, value: PagedTensor, message: Any, table_index: int) -> None:
+        """A paged tensor: the region slice at its element 0 of physical block 0, its layout
+        naming block table `table_index`, no strides, shape [Hkv, n, d]."""
+        message.dtype = int(value.dtype)
+        message.shape[:] = list(value.shape)
+        layout = message.paged
+        layout.block_table = table_index
+        layout.block_stride = value.block_stride
+        layout.slot_stride = value.slot_stride
+        layout.head_stride = value.head_stride
+        layout.dim_stride = value.dim_stride
+        pool = value.pool
+        if isinstance(pool, _shm.SharedArray):
+            if pool.closed:
+                raise LaproxError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"{name}: its pool, shared array {pool.name}, is closed")
+            region_id, base = pool.region_id, pool.byte_offset
+        elif isinstance(pool, t.RegionTensor):
+            region_id, base = int(pool.region_id), int(pool.byte_offset)
+        else:  # a CUDA tensor (PagedTensor refuses anything else): registered in _share_cuda
+            self.cuda.append((pool, message, value.offset))
+            return
+        message.region.region_id = region_id
+        message.region.byte_offset = base + value.offset * value.dtype.itemsize
 
     @property
     def nbytes(self) -> int:
@@ -245,6 +284,65 @@ def _bf16_flag(dtype: Optional[str]) -> bool:
                            "accepted here; float arrays carry their own dtype")
 
 
+def _fill_keep_plan_request(request: Any, model_id: int, seq: t.SequenceInputs,
+                            staging: _Staging) -> t.Outputs:
+    """Fills a ComputeKeepMaskRequest with one sequence's inputs, adding its tensors to
+    `staging` (each paged tensor's block table once per distinct table); returns the outputs
+    requested. Raises LaproxError (INVALID_ARGUMENT) for inputs that cannot be sent."""
+    pol = t.Policy.of(seq.policy, **seq.policy_options)
+    bud = t.Budget.of(seq.budget)
+    out = t.Outputs.of(seq.outputs)
+    bf16 = _bf16_flag(seq.dtype)
+    given = {name: getattr(seq, name) for name, _ in _LAYER_FIELDS}
+    per_layer = {name: _per_layer(name, given[name], rank)
+                 for name, rank in _LAYER_FIELDS if given[name] is not None}
+    if "keys" not in per_layer or "values" not in per_layer:
+        raise invalid_argument("keys and values are required")
+    num_layers = len(per_layer["keys"])
+    for name, tensors in per_layer.items():
+        if len(tensors) != num_layers:
+            raise invalid_argument(f"{name}: {len(tensors)} layers given, keys have "
+                                   f"{num_layers}")
+    if num_layers == 0:
+        raise invalid_argument("keys: no layers given")
+    key_shape = tuple(per_layer["keys"][0].shape)
+    if len(key_shape) != 3:
+        raise invalid_argument(f"keys[0]: expected [Hkv, n, d], got shape {key_shape}")
+
+    request.model_id = model_id
+    request.n = int(key_shape[1])
+    policy_to_proto(pol, request.policy)
+    if bud is not None:
+        if bud.tokens_per_head is not None:
+            request.budget.tokens_per_head = bud.tokens_per_head
+        if bud.compression_ratio is not None:
+            request.budget.compression_ratio = bud.compression_ratio
+    request.outputs.positions = out.positions
+    request.outputs.bitmask = out.bitmask
+    request.outputs.scores = out.scores
+
+    tables: Dict[Tuple[int, bool, bytes], int] = {}
+
+    def table_index(table: BlockTable) -> int:
+        index = tables.get(table.wire_key)
+        if index is None:
+            index = tables[table.wire_key] = len(request.block_tables)
+            request.block_tables.add(block_ids=table.block_ids.tolist(),
+                                     block_size=table.block_size,
+                                     allow_repeated_ids=table.allow_repeated_ids)
+        return index
+
+    for l in range(num_layers):
+        layer = request.layers.add()
+        for name, tensors in per_layer.items():
+            value, field = tensors[l], f"{name}[{l}]"
+            if isinstance(value, PagedTensor) and name in ("keys", "values"):
+                staging.add_paged(field, value, getattr(layer, name), table_index(value.table))
+            else:
+                staging.add(field, value, getattr(layer, name), bf16)
+    return out
+
+
 class Client:
     """A connection to laproxd.
 
@@ -258,9 +356,10 @@ class Client:
             laprox.tls_credentials(...); None: plaintext (Unix sockets, loopback TCP).
 
     The client owns one shared-memory staging region for host arrays (created on first use,
-    registered once, grown when a call needs more) and the CUDA IPC regions of the torch
-    storages it has shared; close() (or leaving a `with` block, also by an exception), garbage
-    collection and interpreter exit unregister and free them.
+    registered once, grown when a call needs more), the CUDA IPC regions of the torch
+    storages it has shared and the SharedArrays it made (shared_array); close() (or leaving a
+    `with` block, also by an exception), garbage collection and interpreter exit unregister
+    and free them.
     """
 
     def __init__(self, target: str = DEFAULT_TARGET, timeout: float = 60.0,
@@ -276,10 +375,14 @@ class Client:
         self._channel = grpc.insecure_channel(target, options=options) if credentials is None \
             else grpc.secure_channel(target, credentials, options=options)
         self._stub = laprox_pb2_grpc.LaproxStub(self._channel)
-        # ComputeKeepMask's response is decoded here (see _decode_plan), so take raw bytes.
+        # Plans are decoded here from the response bytes (see _decode_plan).
         self._compute_raw = self._channel.unary_unary(
             "/laprox.v1.Laprox/ComputeKeepMask",
             request_serializer=pb.ComputeKeepMaskRequest.SerializeToString,
+            response_deserializer=None)
+        self._compute_batch_raw = self._channel.unary_unary(
+            "/laprox.v1.Laprox/ComputeKeepPlans",
+            request_serializer=pb.ComputeKeepPlansRequest.SerializeToString,
             response_deserializer=None)
         self._lock = threading.RLock()
         self._closed = False
@@ -288,14 +391,16 @@ class Client:
         self._arena = _shm.StagingArena(self._register_shm, self._unregister)
         self._cuda = _cuda.CudaRegions(
             functools.partial(_register_cuda, self._stub, self.timeout), self._unregister)
+        self._shared: "weakref.WeakSet[_shm.SharedArray]" = weakref.WeakSet()
         self._finalizer = weakref.finalize(self, _release, self._arena, self._cuda,
-                                           self._channel)
+                                           self._shared, self._channel)
 
     # --- lifetime ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Unregisters and frees the staging region and CUDA regions, closes the channel.
-        Idempotent; server errors while unregistering are ignored (the server may be gone)."""
+        """Unregisters and frees the staging region, the CUDA regions and the SharedArrays
+        this client made, closes the channel. Idempotent; server errors while unregistering
+        are ignored (the server may be gone)."""
         with self._lock:
             self._closed = True
             self._finalizer()
@@ -334,7 +439,9 @@ class Client:
                           for d in r.devices),
             limits=t.ServerLimits(lim.max_regions, lim.max_models, lim.max_request_bytes,
                                   lim.max_response_bytes, lim.max_tokens, lim.max_window,
-                                  lim.max_pool_kernel, lim.max_tokens_per_head),
+                                  lim.max_pool_kernel, lim.max_tokens_per_head,
+                                  lim.max_request_memory_bytes, lim.max_model_memory_bytes,
+                                  lim.max_batch_sequences),
             supported_policies=known(t.PolicyKind, r.supported_policies),
             supported_dtypes=known(t.DType, r.supported_dtypes),
             supported_region_kinds=known(t.RegionKind, r.supported_region_kinds))
@@ -352,9 +459,36 @@ class Client:
                             writable: bool = False) -> int:
         """Registers an existing shared-memory object ("laprox-" prefix) that you manage;
         returns its region id for RegionTensor references."""
-        request = pb.RegisterRegionRequest(
-            shm=pb.ShmRegion(name=name, offset=offset, byte_size=byte_size), writable=writable)
-        return self._rpc(self._stub.RegisterRegion, request).region_id
+        self._check_open()
+        return _register_shm(self._stub, self.timeout, name, byte_size, offset, writable)
+
+    def shared_array(self, shape: Union[int, Sequence[int]], dtype: Any, *,
+                     writable: bool = False) -> _shm.SharedArray:
+        """A numpy array in a new POSIX shared-memory object ("laprox-py-<pid>-<random>",
+        pages reserved up front), registered once as a region that laproxd reads in place:
+        where a CPU engine keeps its KV block pool so that paged keys and values (PagedKV) are
+        never copied, or any input it writes once and sends many times (region_tensor()).
+
+        Args:
+            shape: the array's shape, every dimension > 0.
+            dtype: float32 / "f32", float16 / "f16", or "bf16" / "bfloat16" (numpy has no
+                bfloat16: the array is uint16 and holds the bits; an ml_dtypes bfloat16 dtype
+                gives an array of that dtype).
+            writable: register it writable (laproxd may then write outputs into it).
+
+        Returns: a SharedArray (.array, .region_id, .byte_offset, .dtype, region_tensor(),
+        close(); a context manager). It is released by its close(), by this client's close(),
+        when garbage-collected and at interpreter exit. Raises LaproxError: INVALID_ARGUMENT
+        for a dtype or shape, RESOURCE_EXHAUSTED when /dev/shm is full, the server's status
+        when it refuses the region (e.g. RESOURCE_EXHAUSTED at --max_regions).
+        """
+        with self._lock:  # close() must see every array made before it
+            self._check_open()
+            array = _shm.SharedArray(
+                shape, dtype, functools.partial(self._register_shm, writable=writable),
+                self._unregister, writable)
+            self._shared.add(array)
+            return array
 
     def unregister_region(self, region_id: int) -> None:
         """Closes a region; returns when the requests using it have finished."""
@@ -400,9 +534,9 @@ class Client:
                                       num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
                                       hidden_size=g.hidden_size,
                                       softmax_scale=g.softmax_scale))
-        staging = _Staging(_bf16_flag(dtype))
+        staging, bf16 = _Staging(), _bf16_flag(dtype)
         for l, weight in enumerate(_per_layer("o_proj", o_proj, 2)):
-            staging.add(f"o_proj[{l}]", weight, request.o_proj.add())
+            staging.add(f"o_proj[{l}]", weight, request.o_proj.add(), bf16)
         with self._lock:
             self._check_open()
             self._share_cuda(staging)
@@ -433,13 +567,17 @@ class Client:
 
         Args:
             model_id: from register_model.
-            keys, values: per layer [Hkv, n, d] (list of L, or stacked [L, Hkv, n, d]).
+            keys, values: per layer [Hkv, n, d] (list of L, or stacked [L, Hkv, n, d]); per
+                layer also a PagedTensor (laprox.PagedKV: one layer of a paged cache read in
+                place through the sequence's block table; lists only).
             window_queries: per layer [H, wq, d], post-RoPE queries of the last wq positions;
                 or window_attention: per layer [H, wq, n] softmax rows. Exactly one.
             window_lse: optional per layer [H, wq] log-sum-exp of the window rows (queries
                 only).
             policy: a Policy, a policy kind ("laprox", "snapkv", ...), a mapping of options,
-                or None (LAPROX with the server's defaults).
+                or None (LAPROX with the server's defaults). plan_shape="blocks_shared" (or
+                "blocks_per_layer") asks for whole blocks; with paged keys the plan's `blocks`
+                then has the new block table and the freed block ids.
             budget: Budget, an int (tokens per head) or a float (compression ratio).
             outputs: Outputs or names ("positions", "bitmask", "scores"); default positions.
             dtype: "bf16" to send uint16/int16 arrays as bfloat16 bits.
@@ -449,44 +587,56 @@ class Client:
 
         Returns: a KeepPlan. Raises LaproxError.
         """
-        pol = t.Policy.of(policy, **policy_options)
-        bud = t.Budget.of(budget)
-        out = t.Outputs.of(outputs)
-        given = {"keys": keys, "values": values, "window_queries": window_queries,
-                 "window_attention": window_attention, "window_lse": window_lse}
-        per_layer = {name: _per_layer(name, given[name], rank)
-                     for name, rank in _LAYER_FIELDS if given[name] is not None}
-        if "keys" not in per_layer or "values" not in per_layer:
-            raise invalid_argument("keys and values are required")
-        num_layers = len(per_layer["keys"])
-        for name, tensors in per_layer.items():
-            if len(tensors) != num_layers:
-                raise invalid_argument(f"{name}: {len(tensors)} layers given, keys have "
-                                       f"{num_layers}")
-        if num_layers == 0:
-            raise invalid_argument("keys: no layers given")
-        first = per_layer["keys"][0]
-        key_shape = tuple(first.shape)
-        if len(key_shape) != 3:
-            raise invalid_argument(f"keys[0]: expected [Hkv, n, d], got shape {key_shape}")
+        seq = t.SequenceInputs(keys, values, window_queries, window_attention, window_lse,
+                               policy=policy, budget=budget, outputs=outputs, dtype=dtype,
+                               **policy_options)
+        staging = _Staging()
+        request = pb.ComputeKeepMaskRequest()
+        out = _fill_keep_plan_request(request, model_id, seq, staging)
+        return _decode_plan(self._stage_and_call(staging, self._compute_raw, request, timeout),
+                            out)
 
-        request = pb.ComputeKeepMaskRequest(model_id=model_id, n=int(key_shape[1]))
-        policy_to_proto(pol, request.policy)
-        if bud is not None:
-            if bud.tokens_per_head is not None:
-                request.budget.tokens_per_head = bud.tokens_per_head
-            if bud.compression_ratio is not None:
-                request.budget.compression_ratio = bud.compression_ratio
-        request.outputs.positions = out.positions
-        request.outputs.bitmask = out.bitmask
-        request.outputs.scores = out.scores
+    def compute_keep_plans(self, model_id: int,
+                           sequences: Sequence[Union[t.SequenceInputs, Mapping[str, Any]]], *,
+                           timeout: Optional[float] = None) -> List[t.KeepPlan]:
+        """The keep-plans of several prefilled sequences of one model in one ComputeKeepPlans
+        call, in order; each equals what compute_keep_plan returns for it (but for timing).
 
-        staging = _Staging(_bf16_flag(dtype))
-        for l in range(num_layers):
-            layer = request.layers.add()
-            for name, tensors in per_layer.items():
-                staging.add(f"{name}[{l}]", tensors[l], getattr(layer, name))
+        Args:
+            model_id: from register_model; every sequence uses it.
+            sequences: each a laprox.SequenceInputs or a mapping of compute_keep_plan's
+                arguments ({"keys": ..., "values": ..., "window_queries": ...,
+                "budget": 128, "window": 16}); each has its own n, policy, budget, outputs and
+                block tables. At least 1, at most ServerLimits.max_batch_sequences.
+            timeout: this call's deadline in seconds (default: the client's).
 
+        The host arrays of every sequence go through the staging region together (one copy
+        each). All or nothing: the first failing sequence fails the call with LaproxError,
+        its message naming it ("sequences[1]: ..." here, "sequences[1].layers[0].keys ..."
+        from laproxd).
+        """
+        staging = _Staging()
+        request = pb.ComputeKeepPlansRequest()
+        outs = []
+        for i, sequence in enumerate(sequences):
+            try:
+                outs.append(_fill_keep_plan_request(request.sequences.add(), model_id,
+                                                    t.SequenceInputs.of(sequence), staging))
+            except LaproxError as e:
+                raise LaproxError(e.code, f"sequences[{i}]: {e.message}") from None
+        raw = self._stage_and_call(staging, self._compute_batch_raw, request, timeout)
+        plans = _packed_chunks(raw, (1,)).get(1, [])  # ComputeKeepPlansResponse.plans
+        if len(plans) != len(outs):
+            raise LaproxError(grpc.StatusCode.INTERNAL, f"laproxd answered {len(plans)} plans "
+                              f"for {len(outs)} sequences")
+        return [_decode_plan(plan, out) for plan, out in zip(plans, outs)]
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _stage_and_call(self, staging: _Staging, method: Any, request: Any,
+                        timeout: Optional[float]) -> bytes:
+        """Shares the call's CUDA tensors, copies its host arrays into the staging region (or
+        inline), points their TensorRefs at them and calls `method`; the raw response."""
         with self._lock:
             self._check_open()
             self._share_cuda(staging)
@@ -502,17 +652,20 @@ class Client:
                 self._point_at(staging, self._arena.region_id, offsets)
             else:
                 self._inline(staging)
-            raw = self._rpc(self._compute_raw, request, timeout)
-        return _decode_plan(raw, out)
-
-    # --- helpers ----------------------------------------------------------------------------
+            return self._rpc(method, request, timeout)
 
     def _share_cuda(self, staging: _Staging) -> None:
         if not staging.cuda:
             return
-        _cuda.synchronize({tensor.device.index for tensor, _ in staging.cuda})
-        for tensor, message in staging.cuda:
-            _fill_region_ref(message, self._cuda.reference(tensor))
+        _cuda.synchronize({tensor.device.index for tensor, _, _ in staging.cuda})
+        for tensor, message, paged_offset in staging.cuda:
+            ref = self._cuda.reference(tensor)
+            if paged_offset is None:
+                _fill_region_ref(message, ref)
+            else:  # a pool: the slice starts at the paged tensor's element 0
+                message.region.region_id = ref.region_id
+                message.region.byte_offset = \
+                    ref.byte_offset + paged_offset * tensor.element_size()
 
     @staticmethod
     def _point_at(staging: _Staging, region_id: int, offsets: Sequence[int]) -> None:
@@ -526,10 +679,11 @@ class Client:
             message.inline_bytes = np.ascontiguousarray(a.array, dtype=a.staged).tobytes()
 
 
-def _decode_plan(raw: bytes, outputs: t.Outputs) -> t.KeepPlan:
-    """A KeepPlan from the serialized ComputeKeepMaskResponse (with the `outputs` requested).
-    Positions and scores are read straight from the packed bytes (sfixed32 / float), not
-    element by element."""
+def _decode_plan(raw: Union[bytes, memoryview], outputs: t.Outputs) -> t.KeepPlan:
+    """A KeepPlan from the serialized ComputeKeepMaskResponse (with the `outputs` requested;
+    for a batch, a view of one plan inside the ComputeKeepPlansResponse bytes). Positions and
+    scores are read straight from the packed bytes (sfixed32 / float), not element by
+    element."""
     r = pb.ComputeKeepMaskResponse.FromString(raw)
     L, Hkv, n = r.num_layers, r.num_kv_heads, r.n
     chunks = _packed_chunks(raw, (6, 8))

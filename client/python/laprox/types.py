@@ -50,6 +50,11 @@ class DType(_WireEnum):
     F16 = 2
     BF16 = 3
 
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return 4 if self is DType.F32 else 2
+
 
 class BackendKind(_WireEnum):
     CPU = 1
@@ -324,6 +329,53 @@ class RegionTensor:
     strides: Optional[Tuple[int, ...]] = None
 
 
+class SequenceInputs:
+    """The inputs of one sequence of Client.compute_keep_plans: exactly compute_keep_plan's
+    arguments but model_id and timeout (see there), e.g.
+
+        laprox.SequenceInputs(keys, values, window_queries, budget=128, window=16)
+
+    A mapping with the same names ({"keys": ..., "values": ..., "budget": 128, "window": 16})
+    is taken wherever a SequenceInputs is; names that are not arguments are policy options.
+    Nothing is checked here: compute_keep_plans checks each sequence and names it in errors.
+    """
+
+    def __init__(self, keys: Any, values: Any, window_queries: Any = None,
+                 window_attention: Any = None, window_lse: Any = None, *,
+                 policy: Union["Policy", str, Mapping[str, Any], None] = None,
+                 budget: Union["Budget", int, float, None] = None,
+                 outputs: Union["Outputs", Mapping[str, bool], Iterable[str], None] = None,
+                 dtype: Optional[str] = None, **policy_options: Any):
+        self.keys = keys
+        self.values = values
+        self.window_queries = window_queries
+        self.window_attention = window_attention
+        self.window_lse = window_lse
+        self.policy = policy
+        self.budget = budget
+        self.outputs = outputs
+        self.dtype = dtype
+        self.policy_options: Dict[str, Any] = dict(policy_options)
+
+    @classmethod
+    def of(cls, value: Union["SequenceInputs", Mapping[str, Any]]) -> "SequenceInputs":
+        """A SequenceInputs as given, or one from a mapping of its arguments."""
+        if isinstance(value, SequenceInputs):
+            return value
+        if isinstance(value, Mapping):
+            try:
+                return cls(**dict(value))
+            except TypeError as e:
+                raise invalid_argument(str(e).replace("SequenceInputs.__init__()",
+                                                      "sequence")) from None
+        raise invalid_argument(f"expected laprox.SequenceInputs or a mapping of "
+                               f"compute_keep_plan's arguments, got {type(value).__name__}")
+
+    def __repr__(self) -> str:
+        return (f"SequenceInputs(budget={self.budget!r}, policy={self.policy!r}, "
+                f"policy_options={self.policy_options!r})")
+
+
 @dataclass(frozen=True)
 class DeviceInfo:
     uuid: str
@@ -336,6 +388,7 @@ class DeviceInfo:
 
 @dataclass(frozen=True)
 class ServerLimits:
+    """laproxd's limits (laprox.proto ServerLimits); 0: not reported by this server."""
     max_regions: int
     max_models: int
     max_request_bytes: int
@@ -344,6 +397,9 @@ class ServerLimits:
     max_window: int
     max_pool_kernel: int
     max_tokens_per_head: int
+    max_request_memory_bytes: int = 0
+    max_model_memory_bytes: int = 0
+    max_batch_sequences: int = 0     # sequences per compute_keep_plans call
 
 
 @dataclass(frozen=True)
