@@ -115,8 +115,9 @@ void BM_Batch(benchmark::State& state) {
   using Positions = std::vector<std::vector<int32_t>>;
   auto in_process_sequential = [&]() -> Positions {
     Positions out;
-    for (const auto& request : direct)
+    for (const auto& request : direct) {
       out.push_back(backend->ComputeKeepPlan(*prepared, request)->positions);
+    }
     return out;
   };
   auto in_process_batch = [&]() -> Positions {
@@ -127,8 +128,9 @@ void BM_Batch(benchmark::State& state) {
   };
   auto served_sequential = [&]() -> Positions {
     Positions out;
-    for (const auto& sequence : served)
+    for (const auto& sequence : served) {
       out.push_back(client->ComputeKeepPlan(model, sequence)->positions);
+    }
     return out;
   };
   auto served_batch = [&]() -> Positions {
@@ -173,8 +175,9 @@ void BM_Batch(benchmark::State& state) {
       }
     }
   }
-  for (const Mode& mode : modes)
+  for (const Mode& mode : modes) {
     state.counters[absl::StrCat(mode.name, "_ms")] = Median(mode.millis);
+  }
   state.counters["speedup_in_process"] = Median(modes[0].millis) / Median(modes[1].millis);
   state.counters["speedup_served"] = Median(modes[2].millis) / Median(modes[3].millis);
   state.counters["speedup_concurrent"] = Median(modes[2].millis) / Median(modes[4].millis);
