@@ -318,8 +318,9 @@ absl::StatusOr<MemoryEstimate> Backend::EstimateKeepPlanMemory(
   LAPROX_ASSIGN_OR_RETURN(RequestShape shape, CheckKeepPlanRequest(model, request));
   const int64_t heads = SatMul(shape.num_layers, shape.num_kv_heads), n = shape.n;
   const int64_t entries = SatMul(heads, n);
-  // LAPROX keeps exactly window + sinks + quota per head on average; a baseline at most n.
-  const int64_t kept = request.policy.kind == PolicyKind::kLaprox
+  // LAPROX keeps exactly window + sinks + quota per head on average; a baseline or a block plan
+  // (whose forced blocks may hold more than the window and sinks) at most n.
+  const int64_t kept = request.policy.kind == PolicyKind::kLaprox && shape.num_blocks == 0
                            ? SatMul(heads, SatAdd({shape.window, shape.sinks, shape.quota}))
                            : entries;
   const OutputOptions& out = request.outputs;

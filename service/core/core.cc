@@ -329,6 +329,12 @@ absl::Status PrepareSequence(const KeepPlanCall& call, const CallContext& contex
       }
     }
     std::vector<int32_t> ids(spec.ids.begin(), spec.ids.end());
+    if (spec.in_region && (given < 1 || given > call.n)) {
+      // Whatever the block size, a table of n tokens has 1 to n ids: nothing else is read (nor
+      // sized: a count from the wire is bounded here before it is multiplied).
+      return absl::InvalidArgumentError(absl::StrCat("block_tables[", t, "].ids_count = ", given,
+                                                     " is outside [1, n = ", call.n, "]"));
+    }
     if (spec.in_region && spec.block_size >= 1) {
       const std::string field = absl::StrCat("block_tables[", t, "].ids_region");
       auto region = resolver.Lease(spec.in_region->region_id, field);

@@ -28,6 +28,26 @@ double SecondsBetween(std::chrono::steady_clock::time_point from,
   return std::chrono::duration<double>(to - from).count();
 }
 
+// The stages of a keep-plan call: the queue (received to started), the plan's own compute
+// stages, and the respond stage (computed to done).
+StageSeconds Stages(std::chrono::steady_clock::time_point received,
+                    std::chrono::steady_clock::time_point started, const kernels::PlanTiming& plan,
+                    std::chrono::steady_clock::time_point computed,
+                    std::chrono::steady_clock::time_point done) {
+  return {.queue = SecondsBetween(received, started),
+          .validate = plan.validate_seconds,
+          .score = plan.score_seconds,
+          .select = plan.select_seconds,
+          .respond = SecondsBetween(computed, done)};
+}
+
+// The service's stages in a response's Timing (the plan's own stages are in it already).
+void SetServiceTiming(const StageSeconds& stages, double total_seconds, v1::Timing* timing) {
+  timing->set_queue_seconds(stages.queue);
+  timing->set_respond_seconds(stages.respond);
+  timing->set_total_seconds(total_seconds);
+}
+
 // Runs a handler's body; an exception (std::bad_alloc from a container when the host is short
 // of memory despite the budgets) becomes a status instead of std::terminate.
 template <typename Fn>
@@ -293,6 +313,18 @@ grpc::ServerUnaryReactor* LaproxService::UnregisterModel(grpc::CallbackServerCon
   return Reply(context->DefaultReactor(), call, status);
 }
 
+absl::Status LaproxService::CheckResponseSize(google::protobuf::Message& response) const {
+  const auto bytes = static_cast<int64_t>(response.ByteSizeLong());
+  if (options_.max_response_bytes <= 0 || bytes <= options_.max_response_bytes) {
+    return absl::OkStatus();
+  }
+  response.Clear();
+  return absl::ResourceExhaustedError(
+      absl::StrCat("the response would be ", bytes,
+                   " bytes, more than max_response_bytes = ", options_.max_response_bytes,
+                   "; write positions, bitmask or scores into a region (outputs.destination)"));
+}
+
 grpc::ServerUnaryReactor* LaproxService::ComputeKeepMask(grpc::CallbackServerContext* context,
                                                          const v1::ComputeKeepMaskRequest* request,
                                                          v1::ComputeKeepMaskResponse* response) {
@@ -315,25 +347,10 @@ grpc::ServerUnaryReactor* LaproxService::ComputeKeepMask(grpc::CallbackServerCon
         if (!plan.ok()) return plan.status();
         const Clock::time_point computed = Clock::now();
         v1::KeepPlanToProto(*plan, call->policy, response);
-        const auto bytes = static_cast<int64_t>(response->ByteSizeLong());
-        if (options_.max_response_bytes > 0 && bytes > options_.max_response_bytes) {
-          response->Clear();
-          return absl::ResourceExhaustedError(
-              absl::StrCat("the response would be ", bytes,
-                           " bytes, more than max_response_bytes = ", options_.max_response_bytes,
-                           "; write positions, bitmask or scores into a region "
-                           "(outputs.destination)"));
-        }
+        if (absl::Status s = CheckResponseSize(*response); !s.ok()) return s;
         const Clock::time_point done = Clock::now();
-        const StageSeconds stages = {.queue = SecondsBetween(rpc.received(), started),
-                                     .validate = plan->timing.validate_seconds,
-                                     .score = plan->timing.score_seconds,
-                                     .select = plan->timing.select_seconds,
-                                     .respond = SecondsBetween(computed, done)};
-        v1::Timing* timing = response->mutable_timing();  // the plan's own stages are in already
-        timing->set_queue_seconds(stages.queue);
-        timing->set_respond_seconds(stages.respond);
-        timing->set_total_seconds(SecondsBetween(rpc.received(), done));
+        const StageSeconds stages = Stages(rpc.received(), started, plan->timing, computed, done);
+        SetServiceTiming(stages, SecondsBetween(rpc.received(), done), response->mutable_timing());
         if (options_.metrics != nullptr) {
           options_.metrics->RecordStages(stages);
           options_.metrics->RecordPlan(request->model_id(), *plan);
@@ -374,26 +391,13 @@ grpc::ServerUnaryReactor* LaproxService::ComputeKeepPlans(
         for (size_t i = 0; i < plans->size(); ++i) {
           v1::KeepPlanToProto((*plans)[i], calls[i].policy, response->add_plans());
         }
-        const auto bytes = static_cast<int64_t>(response->ByteSizeLong());
-        if (options_.max_response_bytes > 0 && bytes > options_.max_response_bytes) {
-          response->Clear();
-          return absl::ResourceExhaustedError(
-              absl::StrCat("the response would be ", bytes,
-                           " bytes, more than max_response_bytes = ", options_.max_response_bytes,
-                           "; write positions, bitmask or scores into a region "
-                           "(outputs.destination)"));
-        }
+        if (absl::Status s = CheckResponseSize(*response); !s.ok()) return s;
         const Clock::time_point done = Clock::now();
-        const kernels::PlanTiming& batch = plans->front().timing;
-        const StageSeconds stages = {.queue = SecondsBetween(rpc.received(), started),
-                                     .validate = batch.validate_seconds,
-                                     .score = batch.score_seconds,
-                                     .select = batch.select_seconds,
-                                     .respond = SecondsBetween(computed, done)};
+        // The batch's sequences were scored and selected together: every plan has its stages.
+        const StageSeconds stages =
+            Stages(rpc.received(), started, plans->front().timing, computed, done);
         for (v1::ComputeKeepMaskResponse& plan : *response->mutable_plans()) {
-          plan.mutable_timing()->set_queue_seconds(stages.queue);
-          plan.mutable_timing()->set_respond_seconds(stages.respond);
-          plan.mutable_timing()->set_total_seconds(SecondsBetween(rpc.received(), done));
+          SetServiceTiming(stages, SecondsBetween(rpc.received(), done), plan.mutable_timing());
         }
         *response->mutable_timing() = response->plans(0).timing();
         if (options_.metrics != nullptr) {

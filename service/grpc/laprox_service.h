@@ -86,6 +86,9 @@ class LaproxService final : public v1::Laprox::CallbackService {
   void ReclaimLapsed(const LeaseTable::Connected& connected);
 
  private:
+  // OK, or (the response cleared) RESOURCE_EXHAUSTED when `response` is larger than
+  // options_.max_response_bytes.
+  absl::Status CheckResponseSize(google::protobuf::Message& response) const;
   using Clock = std::chrono::steady_clock;
 
   // One call from arrival to reply: counts it in flight, and records its method, code and time.

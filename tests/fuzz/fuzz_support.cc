@@ -684,4 +684,158 @@ size_t MutateSerializedProto(const Message& prototype, uint8_t* data, size_t siz
   return out.size();
 }
 
+ComputeWorld SetUpComputeWorld() {
+  ComputeWorld world;
+  world.core = NewCore().release();
+  world.output = new ShmObject("-out", kOutputBytes);
+  RegisterWorldRegions(*world.core, world.output);
+  RegisterWorldModels(*world.core);
+  // Registered regions stay mapped; nothing needs the names any more, so a crash leaves none.
+  InputObject().Unlink();
+  world.output->Unlink();
+  return world;
+}
+
+namespace {
+
+// LAPROX_FUZZ_ALLOW_NONFINITE=1: non-finite layer sums and NaN scores are not findings (to fuzz
+// on while such a finding is being fixed; tests/fuzz/README.md).
+bool AllowNonFinite() {
+  static const bool allow = [] {
+    const char* v = std::getenv("LAPROX_FUZZ_ALLOW_NONFINITE");
+    return v != nullptr && *v != '\0' && *v != '0';
+  }();
+  return allow;
+}
+
+// What a block plan promises (laprox.proto BlockPlan): 1 or L units, kept logical blocks
+// ascending inside [0, num_blocks), every (layer, head) keeping exactly its unit's blocks'
+// positions, and with paged keys a new table beside the kept blocks and the rest freed.
+void CheckBlocks(const kernels::KeepPlan& plan, const FuzzModel& model) {
+  const kernels::BlockPlan& b = *plan.blocks;
+  const int64_t n = plan.n, bs = b.block_size;
+  if (bs < 1 || b.num_blocks != (n + bs - 1) / bs ||
+      (b.units != 1 && b.units != model.num_layers) ||
+      static_cast<int64_t>(b.offsets.size()) != b.units + 1 || b.offsets[0] != 0 ||
+      b.offsets[b.units] != static_cast<int64_t>(b.kept.size())) {
+    Fail(absl::StrCat("block plan header: block_size ", bs, ", ", b.num_blocks, " blocks, ",
+                      b.units, " units, ", b.offsets.size(), " offsets, ", b.kept.size(), " kept"));
+  }
+  for (int32_t u = 0; u < b.units; ++u) {
+    int64_t tokens = 0, previous = -1;
+    for (int32_t block : b.kept_blocks(u)) {
+      if (block <= previous || block >= b.num_blocks) {
+        Fail(absl::StrCat("unit ", u, ": kept block ", block, " after ", previous, " of ",
+                          b.num_blocks));
+      }
+      previous = block;
+      tokens += std::min<int64_t>(bs, n - int64_t{block} * bs);
+    }
+    const int first = b.units == 1 ? 0 : u, last = b.units == 1 ? model.num_layers : u + 1;
+    for (int l = first; l < last; ++l) {
+      for (int g = 0; g < model.num_kv_heads; ++g) {
+        if (plan.count(l, g) != tokens) {
+          Fail(absl::StrCat("layer ", l, " head ", g, " keeps ", plan.count(l, g),
+                            " positions, its unit's blocks hold ", tokens));
+        }
+      }
+    }
+    if (b.paged() &&
+        (b.new_block_table(u).size() != b.kept_blocks(u).size() ||
+         static_cast<int64_t>(b.freed_ids(u).size() + b.kept_blocks(u).size()) != b.num_blocks)) {
+      Fail(absl::StrCat("unit ", u, ": ", b.new_block_table(u).size(), " new ids, ",
+                        b.freed_ids(u).size(), " freed, ", b.kept_blocks(u).size(), " kept"));
+    }
+  }
+}
+
+}  // namespace
+
+// What the API promises about every plan (laprox.proto, ComputeKeepMaskResponse).
+void CheckPlan(const kernels::KeepPlan& plan, const service::KeepPlanCall& call) {
+  const FuzzModel& model = kModels[call.model_id - 1];
+  const int64_t heads = int64_t{model.num_layers} * model.num_kv_heads;
+  const int64_t n = call.n;
+  if (plan.num_layers != model.num_layers || plan.num_kv_heads != model.num_kv_heads ||
+      plan.n != n) {
+    Fail(absl::StrCat("plan geometry ", plan.num_layers, "x", plan.num_kv_heads, " n=", plan.n,
+                      " for a request of n=", n));
+  }
+  if (static_cast<int64_t>(plan.counts.size()) != heads ||
+      static_cast<int64_t>(plan.offsets.size()) != heads + 1 || plan.offsets[0] != 0 ||
+      static_cast<int64_t>(plan.layer_sums.size()) != model.num_layers) {
+    Fail(absl::StrCat("plan arrays: ", plan.counts.size(), " counts, ", plan.offsets.size(),
+                      " offsets, ", plan.layer_sums.size(), " layer sums"));
+  }
+  for (int64_t i = 0; i < heads; ++i) {
+    if (plan.counts[i] < 0 || plan.counts[i] > n ||
+        plan.offsets[i + 1] - plan.offsets[i] != plan.counts[i]) {
+      Fail(absl::StrCat("head ", i, ": count ", plan.counts[i], ", offsets ", plan.offsets[i], "..",
+                        plan.offsets[i + 1], ", n = ", n));
+    }
+  }
+  for (int l = 0; l < model.num_layers && !AllowNonFinite(); ++l) {
+    if (!std::isfinite(plan.layer_sums[l])) {
+      Fail(absl::StrCat("layer_sums[", l, "] = ", plan.layer_sums[l]));
+    }
+  }
+  if (plan.blocks) CheckBlocks(plan, model);
+  if (call.policy.kind == kernels::PolicyKind::kLaprox && !plan.blocks) {
+    // "For LAPROX with plan_shape RAGGED or LAYER_UNIFORM that is exactly L * Hkv * (window +
+    // sinks + quota)".
+    if (plan.offsets[heads] != heads * (plan.window + plan.sinks + plan.quota)) {
+      Fail(absl::StrCat("LAPROX kept ", plan.offsets[heads], " positions, expected ", heads, " * (",
+                        plan.window, " + ", plan.sinks, " + ", plan.quota, ")"));
+    }
+  }
+  const bool in_region = call.destination.has_value();
+  if (call.outputs.positions && !(in_region && call.destination->positions_offset)) {
+    if (static_cast<int64_t>(plan.positions.size()) != plan.offsets[heads]) {
+      Fail(absl::StrCat(plan.positions.size(), " positions, offsets say ", plan.offsets[heads]));
+    }
+    for (int64_t i = 0; i < heads; ++i) {
+      for (int64_t k = plan.offsets[i]; k < plan.offsets[i + 1]; ++k) {
+        const int32_t p = plan.positions[k];
+        if (p < 0 || p >= n || (k > plan.offsets[i] && p <= plan.positions[k - 1])) {
+          Fail(absl::StrCat("head ", i, ": positions not ascending inside [0, n): ", p));
+        }
+      }
+      if (call.policy.kind == kernels::PolicyKind::kLaprox) {
+        // The window and the sinks are always kept.
+        const int64_t count = plan.counts[i];
+        const int32_t* kept = plan.positions.data() + plan.offsets[i];
+        for (int32_t s = 0; s < plan.sinks; ++s) {
+          if (count <= s || kept[s] != s) Fail(absl::StrCat("head ", i, " lost sink ", s));
+        }
+        for (int32_t w = 0; w < plan.window; ++w) {
+          if (count < plan.window || kept[count - plan.window + w] != n - plan.window + w) {
+            Fail(absl::StrCat("head ", i, " lost window position ", n - plan.window + w));
+          }
+        }
+      }
+    }
+  }
+  if (call.outputs.bitmask && !(in_region && call.destination->bitmask_offset)) {
+    const int64_t row = (n + 7) / 8;
+    if (static_cast<int64_t>(plan.bitmask.size()) != heads * row) {
+      Fail(absl::StrCat("bitmask of ", plan.bitmask.size(), " bytes, expected ", heads * row));
+    }
+    for (int64_t i = 0; i < heads; ++i) {
+      int64_t bits = 0;
+      for (int64_t b = 0; b < row; ++b) bits += __builtin_popcount(plan.bitmask[i * row + b]);
+      if (bits != plan.counts[i]) {
+        Fail(absl::StrCat("head ", i, ": ", bits, " bits set, count ", plan.counts[i]));
+      }
+    }
+  }
+  if (call.outputs.scores && !(in_region && call.destination->scores_offset)) {
+    if (static_cast<int64_t>(plan.scores.size()) != heads * n) {
+      Fail(absl::StrCat(plan.scores.size(), " scores, expected ", heads * n));
+    }
+    for (size_t i = 0; i < plan.scores.size() && !AllowNonFinite(); ++i) {
+      if (std::isnan(plan.scores[i])) Fail(absl::StrCat("scores[", i, "] is NaN"));
+    }
+  }
+}
+
 }  // namespace laprox::fuzz

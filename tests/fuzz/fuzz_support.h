@@ -65,12 +65,28 @@ void RegisterWorldRegions(service::Core& core, const ShmObject* output);
 // Registers fuzz_world.h's kModels with inline o_proj bytes (expects ids 1, 2). Aborts on failure.
 void RegisterWorldModels(service::Core& core);
 
+// The world of the keep-plan targets, set up once in LLVMFuzzerInitialize: a NewCore() with
+// InputObject() and an output object registered as regions and the models registered, every
+// shm name unlinked (the mappings stay). Both are leaked on purpose, like InputObject().
+struct ComputeWorld {
+  service::Core* core = nullptr;
+  ShmObject* output = nullptr;
+};
+ComputeWorld SetUpComputeWorld();
+
 // `name` with every kSelfShmName replaced by InputObject().name().
 std::string ResolveShmName(absl::string_view name);
 
 // With LAPROX_FUZZ_VERBOSE=1 in the environment, prints `what` (what the server answered to
 // this input): for replaying seeds and crash files. Otherwise nothing.
 void Note(absl::string_view what);
+
+// Checks `plan`, computed for `call` on a model of fuzz_world.h's kModels, against what
+// laprox.proto promises (counts, offsets, positions, bitmask and scores agree; LAPROX keeps the
+// window and the sinks; block plans keep whole blocks; finite layer sums). Fail() otherwise.
+// LAPROX_FUZZ_ALLOW_NONFINITE=1 in the environment lets non-finite layer sums and NaN scores
+// pass (to fuzz on while such a finding is being fixed).
+void CheckPlan(const kernels::KeepPlan& plan, const service::KeepPlanCall& call);
 
 // Prints `what` and traps: a finding.
 [[noreturn]] void Fail(absl::string_view what);

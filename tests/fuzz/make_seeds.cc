@@ -551,6 +551,27 @@ void ParserSeeds(SeedWriter& w) {
   w.Write(t, "extent_zero", extent({4, 0, 8}, 3));
 }
 
+// Batches of the compute_keep_mask seeds' requests: mixed lengths, dtypes, paged and block
+// shapes, and an output destination beside ordinary sequences.
+void ComputeKeepPlansSeeds(SeedWriter& w) {
+  const std::string t = "compute_keep_plans";
+  {
+    v1::ComputeKeepPlansRequest r;
+    *r.add_sequences() = KeepMaskRequest({});
+    *r.add_sequences() = KeepMaskRequest({.dtype = v1::DTYPE_BF16});
+    *r.add_sequences() = PagedKeepMaskRequest({.n = 40, .dtype = v1::DTYPE_BF16}, 16, {3, 1, 6});
+    r.mutable_sequences(2)->mutable_policy()->set_plan_shape(v1::PLAN_SHAPE_BLOCKS_SHARED);
+    w.Write(t, "mixed", r);
+  }
+  {
+    v1::ComputeKeepPlansRequest r;
+    for (int i = 0; i < 4; ++i) *r.add_sequences() = KeepMaskRequest({.n = 40 + 8 * i});
+    r.mutable_sequences(1)->mutable_policy()->set_kind(v1::POLICY_KIND_SNAPKV);
+    r.mutable_sequences(1)->mutable_policy()->set_window(8);
+    w.Write(t, "lengths", r);
+  }
+}
+
 }  // namespace
 }  // namespace laprox::fuzz
 
@@ -561,6 +582,7 @@ int main(int argc, char** argv) {
   }
   laprox::fuzz::SeedWriter writer{std::filesystem::path(argv[1])};
   laprox::fuzz::ComputeKeepMaskSeeds(writer);
+  laprox::fuzz::ComputeKeepPlansSeeds(writer);
   laprox::fuzz::RegisterModelSeeds(writer);
   laprox::fuzz::RegisterRegionSeeds(writer);
   laprox::fuzz::ParserSeeds(writer);

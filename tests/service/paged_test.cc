@@ -218,6 +218,27 @@ TEST_F(PagedServiceTest, TableInARegionGivesThePlanOfTheInlineTable) {
        "block_tables[0] has both block_ids (1 ids) and ids_region"},
       {"a count that does not fit n", [](auto& t) { t.set_ids_count(kBlocks - 1); },
        grpc::StatusCode::INVALID_ARGUMENT, "block_tables[0] has 14 ids, but n = 300"},
+      // Fuzz finding (UBSan: memcpy from a zero-length copy's null pointer), and its relatives:
+      // counts outside [1, n] are refused before anything is sized or read, whatever the block
+      // size says.
+      {"a zero count with an invalid block size",
+       [](auto& t) {
+         t.set_ids_count(0);
+         t.set_block_size(0);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "block_tables[0].ids_count = 0 is outside [1, n = 300]"},
+      {"a negative count",
+       [](auto& t) {
+         t.set_ids_count(-5);
+         t.set_block_size(0);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "ids_count = -5 is outside [1, n = 300]"},
+      {"a count that would overflow in bytes",
+       [](auto& t) {
+         t.set_ids_count(int64_t{1} << 62);
+         t.set_block_size(0);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "is outside [1, n = 300]"},
       {"a count without a region", [](auto& t) { t.clear_ids_region(); },
        grpc::StatusCode::INVALID_ARGUMENT, "block_tables[0].ids_count = 15 without ids_region"},
       {"a misaligned offset", [](auto& t) { t.mutable_ids_region()->set_byte_offset(6); },

@@ -375,34 +375,40 @@ absl::StatusOr<std::vector<KeepPlan>> Client::ComputeKeepPlans(
   return plans;
 }
 
+namespace {
+
+// A vLLM cache [2, num_blocks, ...]: K in the first half of the pool, V in the second, both read
+// with `layout`.
+PagedKv TwoPools(uint64_t region, int64_t pool_offset, DType dtype, int64_t num_blocks,
+                 int64_t num_kv_heads, int64_t head_dim, int64_t n, const PagedRef& layout) {
+  const int64_t element = static_cast<int64_t>(kernels::DTypeSize(dtype));
+  const int64_t values_offset = pool_offset + num_blocks * layout.block_stride * element;
+  return {PagedTensor(region, pool_offset, dtype, {num_kv_heads, n, head_dim}, layout),
+          PagedTensor(region, values_offset, dtype, {num_kv_heads, n, head_dim}, layout)};
+}
+
+}  // namespace
+
 PagedKv PagedKv::VllmFlashAttention(uint64_t region, int64_t pool_offset, DType dtype,
                                     int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,
                                     int64_t head_dim, int64_t n, uint32_t table) {
-  const int64_t block = block_size * num_kv_heads * head_dim;  // elements of one K (or V) block
-  const PagedRef layout = {.block_table = table,
-                           .block_stride = block,
-                           .slot_stride = num_kv_heads * head_dim,
-                           .head_stride = head_dim,
-                           .dim_stride = 1};
-  const int64_t element = static_cast<int64_t>(kernels::DTypeSize(dtype));
-  return {PagedTensor(region, pool_offset, dtype, {num_kv_heads, n, head_dim}, layout),
-          PagedTensor(region, pool_offset + num_blocks * block * element, dtype,
-                      {num_kv_heads, n, head_dim}, layout)};
+  return TwoPools(region, pool_offset, dtype, num_blocks, num_kv_heads, head_dim, n,
+                  {.block_table = table,
+                   .block_stride = block_size * num_kv_heads * head_dim,
+                   .slot_stride = num_kv_heads * head_dim,
+                   .head_stride = head_dim,
+                   .dim_stride = 1});
 }
 
 PagedKv PagedKv::VllmHeadMajor(uint64_t region, int64_t pool_offset, DType dtype,
                                int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,
                                int64_t head_dim, int64_t n, uint32_t table) {
-  const int64_t block = block_size * num_kv_heads * head_dim;
-  const PagedRef layout = {.block_table = table,
-                           .block_stride = block,
-                           .slot_stride = head_dim,
-                           .head_stride = block_size * head_dim,
-                           .dim_stride = 1};
-  const int64_t element = static_cast<int64_t>(kernels::DTypeSize(dtype));
-  return {PagedTensor(region, pool_offset, dtype, {num_kv_heads, n, head_dim}, layout),
-          PagedTensor(region, pool_offset + num_blocks * block * element, dtype,
-                      {num_kv_heads, n, head_dim}, layout)};
+  return TwoPools(region, pool_offset, dtype, num_blocks, num_kv_heads, head_dim, n,
+                  {.block_table = table,
+                   .block_stride = block_size * num_kv_heads * head_dim,
+                   .slot_stride = head_dim,
+                   .head_stride = block_size * head_dim,
+                   .dim_stride = 1});
 }
 
 PagedKv PagedKv::SglangTokenPool(uint64_t region, int64_t keys_offset, int64_t values_offset,
