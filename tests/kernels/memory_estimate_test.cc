@@ -110,6 +110,17 @@ std::vector<Case> Cases() {
   per_layer.allocation = Allocation::kPerLayer;
   per_layer.min_per_head = 8;
   cases.push_back({"laprox_per_layer", per_layer, everything});
+  // Block shapes at the paged cases' block size (their table's), with scores (block scores too).
+  for (PlanShape shape : {PlanShape::kBlocksShared, PlanShape::kBlocksPerLayer}) {
+    for (PolicyKind kind : {PolicyKind::kLaprox, PolicyKind::kSnapKv, PolicyKind::kStreamingLlm}) {
+      PolicySpec p = PolicySpec::ForKind(kind);
+      p.window = 32;
+      p.plan_shape = shape;
+      p.block_size = 20;
+      cases.push_back(
+          {absl::StrCat(PolicyKindName(kind), "_", PlanShapeName(shape)), p, everything});
+    }
+  }
   for (PolicyKind kind :
        {PolicyKind::kStreamingLlm, PolicyKind::kSnapKv, PolicyKind::kPyramidKv, PolicyKind::kAdaKv,
         PolicyKind::kCriticalKv, PolicyKind::kCriticalAdaKv, PolicyKind::kCake}) {
@@ -175,6 +186,31 @@ TEST(MemoryEstimateTest, KeepPlanAllocatesAtMostTheEstimate) {
                 static_cast<long long>(peak), static_cast<long long>(estimate->total()),
                 static_cast<double>(estimate->total()) / static_cast<double>(peak));
   }
+}
+
+// A batch allocates at most the sum of its sequences' estimates (what the service reserves).
+TEST(MemoryEstimateTest, BatchAllocatesAtMostTheSumOfItsEstimates) {
+  auto backend = *CreateBackend("cpu", {.threads = 2});
+  TinyCase tiny(/*L=*/4, /*H=*/8, /*Hkv=*/2, /*d=*/32, /*D=*/64, /*n=*/2000, /*rows=*/32);
+  tiny.Randomize(8);
+  const auto model = *backend->PrepareModel(tiny.geometry, tiny.OProjViews());
+  std::vector<KeepPlanRequest> requests;
+  int64_t estimated = 0;
+  for (PolicyKind kind : {PolicyKind::kLaprox, PolicyKind::kSnapKv, PolicyKind::kCake}) {
+    KeepPlanRequest& request = requests.emplace_back(tiny.Request());
+    request.policy = PolicySpec::ForKind(kind);
+    request.policy.window = 32;
+    request.policy.budget = Budget::TokensPerHead(200);
+    const auto estimate = backend->EstimateKeepPlanMemory(*model, request);
+    ASSERT_TRUE(estimate.ok()) << estimate.status();
+    estimated += estimate->total();
+  }
+  absl::StatusOr<std::vector<KeepPlan>> plans;
+  const int64_t peak = PeakGrowth([&] { plans = backend->ComputeKeepPlans(*model, requests); });
+  ASSERT_TRUE(plans.ok()) << plans.status();
+  EXPECT_LE(peak, estimated);
+  std::printf("batch of 3: peak %lld, estimates %lld\n", static_cast<long long>(peak),
+              static_cast<long long>(estimated));
 }
 
 // Estimates are computed from shapes alone and saturate instead of overflowing: the geometry of
