@@ -20,7 +20,7 @@ namespace {
 
 constexpr std::array<const char*, kNumMethods> kMethodNames = {
     "GetServerInfo", "RegisterRegion",  "UnregisterRegion", "ListRegions",
-    "RegisterModel", "UnregisterModel", "ComputeKeepMask", "ComputeKeepPlans",
+    "RegisterModel", "UnregisterModel", "ComputeKeepMask",  "ComputeKeepPlans",
 };
 
 // grpc::StatusCode names, by value (the gRPC spelling, as clients print them).
