@@ -18,6 +18,14 @@ Two parts, both paired (every method sees the same prompts and the same prefill)
     output error).
 `--grid` runs the dev grid of methods.grid_methods at one budget on prompts drawn with another
 seed (GRID.md, grid.json); the default is chosen there, the full run reports it.
+
+Every laproxd method with an engine-compatible shape also runs as its BLOCKS_SHARED twin at
+block size 16 (methods.BLOCKS, "… ·blocks16"); report.py sets each beside its RAGGED row. The
+block table alone, on a subset of the full run (its first prompts and documents, the same
+seeded ones), without the methods that have no twin:
+
+    bench/quality/run.sh --blocks-only --prompts=64 --documents=12 --budgets=64,128,256,512 \
+        --tag=blocks          # writes BLOCKS.md and blocks.json
 """
 
 from __future__ import annotations
@@ -258,8 +266,38 @@ def keep_masks(client, model_id: int, prefix: Prefix, methods: List[M.Method],
             plan = client.compute_keep_plan(model_id, prefix.np_keys, prefix.np_values,
                                             window_queries=prefix.np_queries, budget=b,
                                             policy=policy)
-            out[(name, b)] = plan.to_masks()
+            masks = plan.to_masks()
+            if M.is_block_shaped(policy):
+                check_block_masks(masks, plan, b, policy["block_size"], name)
+            out[(name, b)] = masks
     return out
+
+
+def check_block_masks(masks: np.ndarray, plan, budget: int, block_size: int, what: str) -> None:
+    """A BLOCKS_SHARED plan's masks [L, Hkv, n], applied exactly like a ragged plan's, must keep
+    the same positions in every (layer, KV head), and those positions must be the union of the
+    whole blocks [b * bs, min((b + 1) * bs, n)) the plan names: floor(B / bs) of them when
+    B < n (the forced blocks, at most 4 here: a sink block and 3 that the window can straddle,
+    fit in every budget >= 64)."""
+    n = masks.shape[-1]
+    blocks = plan.blocks
+    if blocks is None or blocks.units != 1 or blocks.block_size != block_size:
+        raise AssertionError(f"{what}, B={budget}: not a BLOCKS_SHARED plan of block size "
+                             f"{block_size}: {blocks}")
+    shared = masks[0, 0]
+    if not (masks == shared).all():
+        raise AssertionError(f"{what}, B={budget}: the (layer, KV head) keep-sets differ")
+    expected = np.zeros(n, dtype=bool)
+    for b in blocks.kept(0):
+        expected[b * block_size:min((b + 1) * block_size, n)] = True
+    if not (shared == expected).all():
+        raise AssertionError(f"{what}, B={budget}: the kept positions are not the union of the "
+                             f"kept blocks {blocks.kept(0).tolist()}")
+    nb = -(-n // block_size)
+    want = nb if budget >= n else min(budget // block_size, nb)
+    if (budget >= n or budget // block_size >= 4) and len(blocks.kept(0)) != want:
+        raise AssertionError(f"{what}, B={budget}: {len(blocks.kept(0))} blocks kept, expected "
+                             f"{want} (floor(B / {block_size}) of {nb})")
 
 
 def unique(masks: Dict[Any, np.ndarray]) -> Dict[str, List[Any]]:
@@ -396,6 +434,12 @@ def span_stats(mask: np.ndarray, spans: List[Tuple[int, int]], window: int
             float(body.sum() / runs) if runs else 0.0)
 
 
+def kept_per_head(mask: np.ndarray) -> float:
+    """Mean kept tokens per (layer, KV head) of a mask set [L, Hkv, n], window included (B for a
+    ragged plan; a block plan can keep fewer)."""
+    return float(mask.sum(-1).mean())
+
+
 def run_prompt(ctx: Context, p: T.Prompt) -> Dict[str, Any]:
     """Exact match and gold log-prob of every (method, budget), and of the full cache."""
     t0 = time.time()
@@ -413,12 +457,14 @@ def run_prompt(ctx: Context, p: T.Prompt) -> Dict[str, Any]:
     masks = keep_masks(ctx.client, ctx.model_id, prefix, ctx.methods, ctx.budgets)
     _timed(ctx, "plans", t0)
     t0 = time.time()
-    res: Dict[str, Dict[Any, Any]] = {k: {} for k in ("em", "lp", "recall", "cover", "run")}
+    res: Dict[str, Dict[Any, Any]] = {k: {} for k in ("em", "lp", "recall", "cover", "run",
+                                                      "kept")}
     for key, out in forward_all(ctx, prefix, p.tail[:-1], masks).items():
         res["em"][key], res["lp"][key] = score(out)
     for key, m in masks.items():
         res["recall"][key], res["cover"][key], res["run"][key] = span_stats(m, p.gold_spans,
                                                                             M.WINDOW)
+        res["kept"][key] = kept_per_head(m)
     _timed(ctx, "forward", t0)
     ctx.bar.update(1)
     return {"task": p.task, "source": p.source, "n": p.n, "depths": p.depths,
@@ -450,6 +496,7 @@ def run_document(ctx: Context, d: T.Document) -> Dict[str, Any]:
             raise AssertionError(f"layer metrics of the full cache are not exact: {m}")
     res: Dict[str, Dict[Any, float]] = {k: {} for k in
                                         ("fid_cos", "fid_rel", "obj_dropped", "obj_renorm")}
+    res["kept"] = {key: kept_per_head(m) for key, m in masks.items()}
     for i, keys in enumerate(groups.values()):
         for key in keys:
             res["fid_cos"][key], res["fid_rel"][key] = oos["cos"][i], oos["rel"][i]
@@ -486,13 +533,26 @@ def main() -> int:
     ap.add_argument("--limit", type=int, help="at most this many prompts and documents (debug)")
     ap.add_argument("--exclude", help="comma-separated substrings of method names to leave out "
                     "(debug)")
+    ap.add_argument("--blocks-only", action="store_true",
+                    help="only the methods with a BLOCKS_SHARED twin, and their twins")
+    ap.add_argument("--prompts", type=int, help="a subset of the mode's prompts: the first N of "
+                    "its interleaved order (every task in proportion; the same seeded prompts)")
+    ap.add_argument("--documents", type=int, help="the mode's first M documents")
+    ap.add_argument("--budgets", help="comma-separated budgets instead of the mode's")
+    ap.add_argument("--tag", help="write TAG.md and TAG.json (lower-case json) instead of the "
+                    "mode's files")
     args = ap.parse_args()
     mode_name = "grid" if args.grid else "quick" if args.quick else "full"
-    mode = MODES[mode_name]
+    mode = dict(MODES[mode_name])
+    if args.budgets:
+        mode["budgets"] = sorted({int(b) for b in args.budgets.split(",") if b})
     global WQ
     WQ = 64 if args.grid else 32    # the grid has w = 64 rows
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    command = os.environ.get("LAPROX_QUALITY_COMMAND") or " ".join(
+        ["bench/quality/run.sh"] + [a for a in sys.argv[1:]
+                                    if not a.startswith(("--target", "--gguf"))])
     t_start, load_at_start = time.time(), os.getloadavg()[0]
 
     import laprox
@@ -513,6 +573,9 @@ def main() -> int:
                                   prepare_cross_grams=True)
     methods = M.grid_methods() if args.grid else list(M.MAIN)
     doc_methods = methods if args.grid else methods + M.LM_ONLY
+    if args.blocks_only:
+        paired = set(M.BLOCK_PAIRS) | set(M.BLOCK_PAIRS.values())
+        methods, doc_methods = ([m for m in ms if m[0] in paired] for ms in (methods, doc_methods))
     if args.exclude:
         drop = [x for x in args.exclude.split(",") if x]
         methods, doc_methods = ([m for m in ms if m[0] == M.DEFAULT
@@ -523,8 +586,22 @@ def main() -> int:
     prompts = T.make_prompts(tok, corpus, mode["plan"], mode["lengths"], mode["seed"])
     docs = T.make_documents(corpus, mode["docs"], mode["doc_lengths"], mode["cont"],
                             mode["seed"])
+    total_prompts, total_docs = len(prompts), len(docs)
     if args.limit:
         prompts, docs = prompts[:args.limit], docs[:args.limit]
+    if args.prompts is not None and args.prompts < len(prompts):
+        keep = set(interleaved(prompts)[:args.prompts])
+        prompts = [p for i, p in enumerate(prompts) if i in keep]
+    if args.documents is not None:
+        docs = docs[:args.documents]
+    subset = None
+    if (len(prompts), len(docs)) != (total_prompts, total_docs) or args.budgets:
+        subset = (f"a subset of the {mode_name} mode: {len(prompts)} of its {total_prompts} "
+                  f"retrieval prompts (the first of each task, in proportion, unless --limit), "
+                  f"{len(docs)} of its "
+                  f"{total_docs} documents (the first), budgets "
+                  f"{', '.join(map(str, mode['budgets']))} of "
+                  f"{', '.join(map(str, MODES[mode_name]['budgets']))}")
     log(f"== {mode_name}: {len(prompts)} prompts, {len(docs)} documents, {len(methods)} methods "
         f"({len(doc_methods)} on documents) x {len(mode['budgets'])} budgets; "
         f"{len(corpus.texts)} haystack sources; laproxd "
@@ -545,17 +622,19 @@ def main() -> int:
             "elapsed_s": time.time() - t_start, "timings_s": dict(ctx.timings),
             "budgets": mode["budgets"], "methods": doc_methods, "cont": mode["cont"],
             "seed": mode["seed"], "sources": [label for label, _ in corpus.texts],
+            "command": command, "subset": subset, "tag": args.tag,
+            "run_elapsed_s": (time.time() - float(os.environ["LAPROX_QUALITY_T0"])
+                              if os.environ.get("LAPROX_QUALITY_T0") else None),
         }
-        with open(os.path.join(args.out, report.file_name("results", mode_name, "json")),
-                  "w") as f:
+        json_name = (f"{args.tag.lower()}.json" if args.tag
+                     else report.file_name("results", mode_name, "json"))
+        with open(os.path.join(args.out, json_name), "w") as f:
             json.dump({"meta": meta, **results}, f, separators=(",", ":"))
         report.write({"meta": meta, **results}, args.out)
 
     # Documents interleaved with the prompts (tasks interleaved too), so that a run stopped
     # early still has every part; saved every 10 items.
-    order = sorted(range(len(prompts)), key=lambda i: (i - first_of(prompts, i)) / count_of(
-        prompts, i))
-    items: List[Any] = [prompts[i] for i in order]
+    items: List[Any] = [prompts[i] for i in interleaved(prompts)]
     step = max(1, len(items) // max(1, len(docs)))
     for j, d in enumerate(docs):
         items.insert(min(len(items), j * (step + 1)), d)
@@ -573,6 +652,13 @@ def main() -> int:
     log(f"== done in {(time.time() - t_start) / 60:.1f} min")
     client.close()
     return 0
+
+
+def interleaved(prompts: List[T.Prompt]) -> List[int]:
+    """The prompts' indices, tasks in turn: by each prompt's rank within its task over the
+    task's count (so that any prefix has every task in proportion)."""
+    return sorted(range(len(prompts)),
+                  key=lambda i: (i - first_of(prompts, i)) / count_of(prompts, i))
 
 
 def first_of(prompts: List[T.Prompt], i: int) -> int:

@@ -62,6 +62,35 @@ MAIN: List[Method] = [
     ("kvpress SnapKV w=64", {"kvpress": "SnapKV"}),
 ]
 
+# The engine-compatible shape (SEMANTICS.md "Plan shapes"): a BLOCKS_SHARED twin at block size
+# BLOCK_SIZE of each method an engine with a paged cache could run (LaProx, SnapKV, AdaKV,
+# StreamingLLM; CriticalKV and kvpress's own press have no block shape). The twin is the
+# method's options plus the two plan fields, so it keeps the same window w = 32: whole blocks of
+# 16 positions are kept or evicted in every layer and KV head alike, floor(B / 16) blocks per
+# head with the blocks holding the window (or the sinks) among them, which can be fewer tokens
+# than B. With a block shape AdaKV's per-head budgets have nothing to act on: its twin's plan is
+# SnapKV's (BLOCKS.md says whether it was on every item).
+BLOCK_SIZE = 16
+BLOCK_SUFFIX = f"·blocks{BLOCK_SIZE}"
+BLOCK_TWINS_OF = [DEFAULT, "LaProx paper", "SnapKV", "AdaKV", "SnapKV pool=31", "AdaKV pool=31",
+                  "StreamingLLM"]
+
+
+def block_twin(method: Method) -> Method:
+    name, options = method
+    return (name + BLOCK_SUFFIX, {**options, "plan_shape": "blocks_shared",
+                                  "block_size": BLOCK_SIZE})
+
+
+def is_block_shaped(options: Dict[str, Any]) -> bool:
+    return options.get("plan_shape", "ragged") in ("blocks_shared", "blocks_per_layer")
+
+
+BLOCKS: List[Method] = [block_twin(m) for name in BLOCK_TWINS_OF for m in MAIN if m[0] == name]
+# {block twin: its RAGGED method}, in BLOCK_TWINS_OF's order
+BLOCK_PAIRS: Dict[str, str] = {name + BLOCK_SUFFIX: name for name in BLOCK_TWINS_OF}
+MAIN += BLOCKS
+
 # Methods of the language-model part only (each costs a keep-plan per budget and prompt, and
 # the teacher-forced forward of a 31-token continuation, ~0.1 s and ~0.22 s on 2 cores).
 LM_ONLY: List[Method] = [

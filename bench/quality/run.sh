@@ -15,11 +15,18 @@
 #    prompt's values) and *.png; --quick (the same code path on 6 prompts and 2 documents)
 #    RESULTS_quick.md, results_quick.json, *_quick.png; --grid (the dev grid the default is
 #    chosen on, other prompts) GRID.md and results_grid.json.
-# Wall time on 2 cores (first venv build not counted: ~2.5 GB of downloads): --quick ~4 min,
+# Wall time on 2 cores (first venv build not counted: ~2.5 GB of downloads): --quick ~5 min,
 # --grid ~15 min (timed before the shared-prefix forwards), the full mode ~83 min (RESULTS.md
-# gives the measured time).
+# gives the measured time; timed before the BLOCKS_SHARED twins, which add 7 keep-plans per
+# budget and item).
+# The block table alone (each method beside its BLOCKS_SHARED twin at block size 16, on the
+# full run's first 64 prompts and 12 documents; BLOCKS.md and blocks.json, ~30 min):
+#   bench/quality/run.sh --blocks-only --prompts=64 --documents=12 --budgets=64,128,256,512 \
+#     --tag=blocks
 set -euo pipefail
 
+# The command line and start time, for the report's header (evaluate.py reads them).
+export LAPROX_QUALITY_COMMAND="bench/quality/run.sh $*" LAPROX_QUALITY_T0="$(date +%s)"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 build="${BUILD_DIR:-$root/build}"
@@ -31,7 +38,7 @@ passthrough=()
 for arg in "$@"; do
   case "$arg" in
     --laproxd=*) laproxd="${arg#--laproxd=}" ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) passthrough+=("$arg") ;;
   esac
 done
