@@ -21,7 +21,7 @@ if ! [[ "$seconds" =~ ^[0-9]+$ ]] || ((seconds < 1)); then
   exit 2
 fi
 build_dir=$(realpath -m "${BUILD_DIR:-build-fuzz}")
-targets=${FUZZ_TARGETS:-compute_keep_mask register_model register_region parsers}
+targets=${FUZZ_TARGETS:-compute_keep_mask compute_keep_plans register_model register_region parsers}
 memory_mb=${FUZZ_MEMORY_MB:-2048}
 unit_timeout=${FUZZ_UNIT_TIMEOUT:-30}  # seconds one input may take before it is a finding
 
