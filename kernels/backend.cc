@@ -54,17 +54,16 @@ absl::Status ResolveBlockSize(const KeepPlanRequest& request, RequestShape& shap
     bs = keys.layout().table->block_size();
   }
   for (size_t l = 0; l < request.layers.size(); ++l) {
-    for (const auto& [name, view] :
-         {std::pair<const char*, const TensorView*>{"keys", &request.layers[l].keys},
-          {"values", &request.layers[l].values}}) {
-      if (view->paged() && view->layout().table->block_size() != bs) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("layers[", l, "].", name, " is read through a block table of block size ",
-                         view->layout().table->block_size(), ", but the plan's blocks have ", bs,
-                         request.policy.block_size != 0 ? " (policy.block_size)"
-                                                        : " (the block size of layers[0].keys)"));
-      }
-    }
+    LAPROX_RETURN_IF_ERROR(ForEachLayerTensor(
+        [&](LayerTensor tensor, const TensorView& view) {
+          if (!view.paged() || view.layout().table->block_size() == bs) return absl::OkStatus();
+          return absl::InvalidArgumentError(absl::StrCat(
+              "layers[", l, "].", tensor.name, " is read through a block table of block size ",
+              view.layout().table->block_size(), ", but the plan's blocks have ", bs,
+              request.policy.block_size != 0 ? " (policy.block_size)"
+                                             : " (the block size of layers[0].keys)"));
+        },
+        request.layers[l]));
   }
   shape.block_size = bs;
   shape.num_blocks = BlockTable::BlocksFor(shape.n, bs);
@@ -261,10 +260,7 @@ absl::StatusOr<std::vector<KeepPlan>> Backend::ComputeKeepPlans(
   shapes.reserve(requests.size());
   for (size_t i = 0; i < requests.size(); ++i) {
     absl::StatusOr<RequestShape> shape = CheckKeepPlanRequest(model, requests[i]);
-    if (!shape.ok()) {
-      return absl::Status(shape.status().code(),
-                          absl::StrCat("sequences[", i, "].", shape.status().message()));
-    }
+    if (!shape.ok()) return InSequence(i, shape.status());
     shapes.push_back(*shape);
   }
   const Clock::time_point validated = Clock::now();
@@ -281,13 +277,14 @@ absl::StatusOr<std::vector<KeepPlan>> Backend::ComputeKeepPlansImpl(
   plans.reserve(requests.size());
   for (size_t i = 0; i < requests.size(); ++i) {
     absl::StatusOr<KeepPlan> plan = ComputeKeepPlanImpl(model, requests[i], shapes[i]);
-    if (!plan.ok()) {
-      return absl::Status(plan.status().code(),
-                          absl::StrCat("sequences[", i, "].", plan.status().message()));
-    }
+    if (!plan.ok()) return InSequence(i, plan.status());
     plans.push_back(*std::move(plan));
   }
   return plans;
+}
+
+absl::Status Backend::InSequence(size_t index, const absl::Status& status) {
+  return absl::Status(status.code(), absl::StrCat("sequences[", index, "].", status.message()));
 }
 
 void Backend::FinishPlan(const KeepPlanRequest& request,

@@ -285,10 +285,7 @@ absl::StatusOr<std::vector<KeepPlan>> CpuBackend::ComputeKeepPlansImpl(
     absl::Span<const RequestShape> shapes) {
   int64_t failed = 0;
   absl::StatusOr<std::vector<KeepPlan>> plans = RunSequences(model, requests, shapes, &failed);
-  if (!plans.ok()) {
-    return absl::Status(plans.status().code(),
-                        absl::StrCat("sequences[", failed, "].", plans.status().message()));
-  }
+  if (!plans.ok()) return InSequence(static_cast<size_t>(failed), plans.status());
   return plans;
 }
 
@@ -310,19 +307,21 @@ absl::StatusOr<std::vector<KeepPlan>> CpuBackend::RunSequences(
     first_item.push_back(first_item.back() +
                          int64_t{shapes[i].num_layers} * shapes[i].num_kv_heads);
   }
+  // The sequence an item belongs to.
+  const auto job_of = [&](int64_t item) {
+    return std::upper_bound(first_item.begin(), first_item.end(), item) - 1 - first_item.begin();
+  };
   std::vector<ScoreWorkspace> workspaces(threads_);
   int64_t failed_item = 0;
   absl::Status scored = RunAll(
       first_item.back(), threads_,
       [&](int64_t item, int worker) {
-        const auto job = std::upper_bound(first_item.begin(), first_item.end(), item) - 1;
-        const size_t j = static_cast<size_t>(job - first_item.begin());
-        return jobs[j]->Score(item - *job, workspaces[worker]);
+        const int64_t j = job_of(item);
+        return jobs[j]->Score(item - first_item[j], workspaces[worker]);
       },
       &failed_item);
   if (!scored.ok()) {
-    *failed = std::upper_bound(first_item.begin(), first_item.end(), failed_item) - 1 -
-              first_item.begin();
+    *failed = job_of(failed_item);
     return scored;
   }
   workspaces.clear();

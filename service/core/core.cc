@@ -213,6 +213,17 @@ struct Sequence {
   kernels::KeepPlanRequest request;
 };
 
+// FAILED_PRECONDITION, naming the sequence, when a client shrank a region a sequence read or
+// writes (Resolver::CheckIntact).
+absl::Status CheckIntact(const std::vector<Sequence>& sequences) {
+  for (const Sequence& sequence : sequences) {
+    if (absl::Status s = sequence.resolver->CheckIntact(); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat(sequence.prefix, s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // Checks every area against its region, every other area and every input of the call, then
 // (unless the call stopped) writes them all.
 absl::Status WriteOutputs(kernels::Backend& backend, std::vector<Area>& areas,
@@ -245,22 +256,14 @@ absl::Status WriteOutputs(kernels::Backend& backend, std::vector<Area>& areas,
       }
     }
   }
-  // A shrink during the copies leaves the areas with any bytes: the call must fail.
-  auto intact = [&]() {
-    for (const Sequence& sequence : sequences) {
-      if (absl::Status s = sequence.resolver->CheckIntact(); !s.ok()) {
-        return absl::Status(s.code(), absl::StrCat(sequence.prefix, s.message()));
-      }
-    }
-    return absl::OkStatus();
-  };
   if (absl::Status s = CheckCall(context, "nothing was written"); !s.ok()) return s;
-  if (absl::Status s = intact(); !s.ok()) return s;
+  if (absl::Status s = CheckIntact(sequences); !s.ok()) return s;
   for (const Area& area : areas) {
     absl::Status s = backend.CopyToRegion(area.target, area.region->space(), area.data, area.bytes);
     if (!s.ok()) return absl::Status(s.code(), absl::StrCat(area.field, ": ", s.message()));
   }
-  return intact();
+  // A shrink during the copies leaves the areas with any bytes: the call must fail.
+  return CheckIntact(sequences);
 }
 
 template <typename T>
@@ -580,14 +583,12 @@ absl::StatusOr<std::vector<kernels::KeepPlan>> Core::Compute(absl::Span<const Ke
     plans.push_back(*std::move(plan));
   }
   // Whatever was read from a region its client shrank meanwhile is garbage.
-  for (const Sequence& sequence : sequences) {
-    if (absl::Status s = sequence.resolver->CheckIntact(); !s.ok()) {
-      return Prefixed(s, sequence.prefix);
-    }
-  }
+  if (absl::Status s = CheckIntact(sequences); !s.ok()) return s;
   std::vector<Area> areas;
+  bool destination = false;
   for (size_t i = 0; i < sequences.size(); ++i) {
     if (sequences[i].destination == nullptr) continue;
+    destination = true;
     const OutputDestination& to = *calls[i].destination;
     const kernels::KeepPlan& plan = plans[i];
     AddArea(areas, sequences[i], "counts", to.counts_offset, plan.counts);
@@ -596,7 +597,7 @@ absl::StatusOr<std::vector<kernels::KeepPlan>> Core::Compute(absl::Span<const Ke
     AddArea(areas, sequences[i], "bitmask", to.bitmask_offset, plan.bitmask);
     AddArea(areas, sequences[i], "scores", to.scores_offset, plan.scores);
   }
-  if (!areas.empty()) {
+  if (destination) {
     if (absl::Status s = WriteOutputs(*backend_, areas, sequences, context); !s.ok()) return s;
     // Written to the region instead of the response (counts and offsets stay in both).
     for (size_t i = 0; i < sequences.size(); ++i) {

@@ -271,6 +271,26 @@ def _paged(name: str, source: Any, pool: _Pool, table: BlockTable, n: int, num_k
                        slot_stride=slot_stride, head_stride=head_stride, dim_stride=dim_stride)
 
 
+def _vllm_pair(kv_cache: Any, block_table: Any, n: int, layout: str, slot_axis: int,
+               head_axis: int) -> Tuple[PagedTensor, PagedTensor]:
+    """The (keys, values) of a vLLM cache [2, num_blocks, ...] whose block interiors put the
+    slot and the head on axes `slot_axis` and `head_axis` (2 and 3, either way round); `layout`
+    spells the shape for messages. Strides are the pool's own."""
+    pool = _pool("kv_cache", kv_cache)
+    _expect_shape("kv_cache", pool, layout, 5)
+    if pool.shape[0] != 2:
+        raise invalid_argument(f"kv_cache: expected {layout} (keys, values), got shape "
+                               f"{list(pool.shape)}")
+    num_blocks, head_dim = pool.shape[1], pool.shape[4]
+    block_size, heads = pool.shape[slot_axis], pool.shape[head_axis]
+    table, n = _sequence_table("kv_cache", block_table, block_size, n, num_blocks)
+    s = pool.strides
+    strides = dict(block_stride=s[1], slot_stride=s[slot_axis], head_stride=s[head_axis],
+                   dim_stride=s[4])
+    return (_paged("kv_cache", kv_cache, pool, table, n, heads, head_dim, 0, **strides),
+            _paged("kv_cache", kv_cache, pool, table, n, heads, head_dim, s[0], **strides))
+
+
 class PagedKV:
     """Presets for engines' paged KV caches: each returns one layer's (keys, values) as
     PagedTensors over the pool, read in place. Call once per layer (the block table is the
@@ -298,17 +318,8 @@ class PagedKV:
                 ceil(n / block_size) are used.
             n: the sequence's tokens, in [1, len(block_table) * block_size].
         """
-        pool = _pool("kv_cache", kv_cache)
-        _expect_shape("kv_cache", pool, "[2, num_blocks, block_size, Hkv, d]", 5)
-        two, num_blocks, block_size, heads, head_dim = pool.shape
-        if two != 2:
-            raise invalid_argument(f"kv_cache: expected [2, num_blocks, block_size, Hkv, d] "
-                                   f"(keys, values), got shape {list(pool.shape)}")
-        table, n = _sequence_table("kv_cache", block_table, block_size, n, num_blocks)
-        s = pool.strides
-        layout = dict(block_stride=s[1], slot_stride=s[2], head_stride=s[3], dim_stride=s[4])
-        return (_paged("kv_cache", kv_cache, pool, table, n, heads, head_dim, 0, **layout),
-                _paged("kv_cache", kv_cache, pool, table, n, heads, head_dim, s[0], **layout))
+        return _vllm_pair(kv_cache, block_table, n, "[2, num_blocks, block_size, Hkv, d]",
+                          slot_axis=2, head_axis=3)
 
     @staticmethod
     def vllm_head_major(kv_cache: Any, block_table: Any,
@@ -316,17 +327,8 @@ class PagedKV:
         """Head-major blocks, kv_cache [2, num_blocks, Hkv, block_size, d] (vLLM's CPU
         attention backend; a block holds each head's block_size rows in turn). Arguments as
         vllm_flash_attn."""
-        pool = _pool("kv_cache", kv_cache)
-        _expect_shape("kv_cache", pool, "[2, num_blocks, Hkv, block_size, d]", 5)
-        two, num_blocks, heads, block_size, head_dim = pool.shape
-        if two != 2:
-            raise invalid_argument(f"kv_cache: expected [2, num_blocks, Hkv, block_size, d] "
-                                   f"(keys, values), got shape {list(pool.shape)}")
-        table, n = _sequence_table("kv_cache", block_table, block_size, n, num_blocks)
-        s = pool.strides
-        layout = dict(block_stride=s[1], slot_stride=s[3], head_stride=s[2], dim_stride=s[4])
-        return (_paged("kv_cache", kv_cache, pool, table, n, heads, head_dim, 0, **layout),
-                _paged("kv_cache", kv_cache, pool, table, n, heads, head_dim, s[0], **layout))
+        return _vllm_pair(kv_cache, block_table, n, "[2, num_blocks, Hkv, block_size, d]",
+                          slot_axis=3, head_axis=2)
 
     @staticmethod
     def sglang_token_pool(k_buffer: Any, v_buffer: Any,

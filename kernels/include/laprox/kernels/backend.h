@@ -206,6 +206,8 @@ class Backend {
   virtual absl::StatusOr<std::vector<KeepPlan>> ComputeKeepPlansImpl(
       const PreparedModel& model, absl::Span<const KeepPlanRequest> requests,
       absl::Span<const RequestShape> shapes);
+  // `status` of sequence `index` of a batch: its message prefixed "sequences[index].".
+  static absl::Status InSequence(size_t index, const absl::Status& status);
   // Preconditions: handle size, UUID syntax, offset and byte_size checked. The default is
   // UNIMPLEMENTED (no device memory).
   virtual absl::StatusOr<std::unique_ptr<ImportedRegion>> ImportCudaIpcImpl(
