@@ -19,7 +19,9 @@
 #include "cpu/factors.h"
 #include "cpu/rows.h"
 #include "cpu/score.h"
+#include "cpu/triangular.h"
 #include "cpu/vector_ops.h"
+#include "cpu/window.h"
 #include "policy/baselines.h"
 #include "policy/magnitude.h"
 #include "policy/select.h"
@@ -55,33 +57,43 @@ absl::Status RunAll(int64_t count, int threads, Task&& task, int64_t* failed_ite
   return failed < count ? statuses[failed] : absl::OkStatus();
 }
 
-// Fills the factor matrices of one layer from its o_proj [D, H*d] (converted to fp32 `w`).
+// Per-worker scratch of PrepareModel.
+struct PrepareScratch {
+  std::vector<float> weights;   // one layer's o_proj in fp32, when it must be converted
+  std::vector<double> columns;  // [D, d]: W_h, or sum_h W_h, in fp64
+  std::vector<double> gram;     // [d, d]
+};
+
+// Fills the factor blocks of one layer from its o_proj [D, H*d] (converted to fp32 `w`): the
+// triangular factors of blocks 0..G (factors.h, cpu/triangular.h) and the cross-Grams.
 void LayerFactors(const ModelGeometry& g, const float* w, bool cross, int64_t layer,
-                  CpuPreparedModel& model, std::vector<float>& summed) {
+                  CpuPreparedModel& model, PrepareScratch& scratch) {
   const int64_t D = g.hidden_size, d = g.head_dim, G = g.group_size(),
                 Hd = int64_t{g.num_heads} * d;
   const int ld = static_cast<int>(model.row_stride());
+  double* columns = Sized(scratch.columns, D * d);
   for (int64_t kv = 0; kv < g.num_kv_heads; ++kv) {
     float* f = model.mutable_factors(layer, kv);
     const float* group = w + kv * G * d;  // columns of head kv*G
-    // Block 0: S^T S with S = sum_h W[:, h-block] (D x d).
-    summed.assign(D * d, 0.f);
+    // Block 0: T with T T^T = S^T S, S = sum_h W[:, h-block] (D x d), summed in fp64.
     for (int64_t r = 0; r < D; ++r) {
-      for (int64_t h = 0; h < G; ++h) {
-        for (int64_t k = 0; k < d; ++k) summed[r * d + k] += group[r * Hd + h * d + k];
+      for (int64_t k = 0; k < d; ++k) {
+        double sum = 0.0;
+        for (int64_t h = 0; h < G; ++h) sum += group[r * Hd + h * d + k];
+        columns[r * d + k] = sum;
       }
     }
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(d), static_cast<int>(d),
-                static_cast<int>(D), 1.f, summed.data(), static_cast<int>(d), summed.data(),
-                static_cast<int>(d), 0.f, f, ld);
-    // Blocks 1..G: W_h^T W_h; then the cross pairs W_h^T W_h' for h < h'.
-    int64_t block = 1;
-    for (int64_t a = 0; a < G; ++a, ++block) {
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(d), static_cast<int>(d),
-                  static_cast<int>(D), 1.f, group + a * d, static_cast<int>(Hd), group + a * d,
-                  static_cast<int>(Hd), 0.f, f + block * d, ld);
+    GramCholesky(columns, D, d, scratch.gram, f, ld);
+    // Blocks 1..G: T_h with T_h T_h^T = W_h^T W_h.
+    for (int64_t a = 0; a < G; ++a) {
+      for (int64_t r = 0; r < D; ++r) {
+        for (int64_t k = 0; k < d; ++k) columns[r * d + k] = group[r * Hd + a * d + k];
+      }
+      GramCholesky(columns, D, d, scratch.gram, f + (1 + a) * d, ld);
     }
+    // Then the cross pairs W_h^T W_h' for h < h' (EXACT_BLOCK).
     if (!cross) continue;
+    int64_t block = 1 + G;
     for (int64_t a = 0; a < G; ++a) {
       for (int64_t b = a + 1; b < G; ++b, ++block) {
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(d),
@@ -232,10 +244,7 @@ absl::StatusOr<std::shared_ptr<const PreparedModel>> CpuBackend::PrepareModelImp
     const PrepareOptions& options) {
   auto model = std::make_shared<CpuPreparedModel>(geometry, options);
   const int64_t D = geometry.hidden_size, Hd = int64_t{geometry.num_heads} * geometry.head_dim;
-  struct Scratch {
-    std::vector<float> weights, summed;
-  };
-  std::vector<Scratch> scratch(threads_);
+  std::vector<PrepareScratch> scratch(threads_);
   LAPROX_RETURN_IF_ERROR(RunAll(geometry.num_layers, threads_, [&](int64_t l, int worker) {
     // View the [D, H*d] weight as one "head" of D rows so that LoadRows converts and checks it.
     const TensorView& w = o_proj[l];
@@ -254,7 +263,7 @@ absl::StatusOr<std::shared_ptr<const PreparedModel>> CpuBackend::PrepareModelImp
       }
       block.data = buffer.data();
     }
-    LayerFactors(geometry, block.data, options.cross_grams, l, *model, scratch[worker].summed);
+    LayerFactors(geometry, block.data, options.cross_grams, l, *model, scratch[worker]);
     // The bound above keeps every factor finite; a non-finite one would poison every request.
     const float* f = model->factors(l, 0);
     if (!std::isfinite(MaxAbs(f, geometry.num_kv_heads * model->matrix_size()))) {
@@ -381,9 +390,11 @@ int64_t CpuBackend::KeepPlanWorkspaceBytes(const ModelGeometry& geometry, const 
 
 int64_t CpuBackend::PrepareWorkspaceBytes(const ModelGeometry& geometry,
                                           const PrepareOptions&) const {
-  // Per worker: one layer's o_proj in fp32 (twice when it is made dense) and the summed block.
-  const int64_t D = geometry.hidden_size, Hd = SatMul(geometry.num_heads, geometry.head_dim);
-  const int64_t per_worker = SatAdd(SatMul({8, D, Hd}), SatMul({4, D, geometry.head_dim}));
+  // Per worker: one layer's o_proj in fp32 (twice when it is made dense), one head's columns and
+  // its Gram in fp64 (PrepareScratch).
+  const int64_t D = geometry.hidden_size, d = geometry.head_dim;
+  const int64_t Hd = SatMul(geometry.num_heads, d);
+  const int64_t per_worker = SatAdd({SatMul({8, D, Hd}), SatMul({8, D, d}), SatMul({8, d, d})});
   return SatMul(std::min<int64_t>(threads_, geometry.num_layers), per_worker);
 }
 

@@ -1,11 +1,13 @@
 // Per-(layer, KV head) value factors of the CPU backend, prepared once per model.
 //
 // For KV head g with query heads h in g, the factor matrix is row-major [d, blocks * d]:
-//   block 0            M_sum = S S^T with S = sum_h W_O^h        (SUMMED_PROJECTION)
-//   blocks 1 .. G      M_h   = W_O^h W_O^h^T                      (MEAN_HEAD_*)
+//   block 0            T_sum, T_sum T_sum^T = S S^T with S = sum_h W_O^h    (SUMMED_PROJECTION)
+//   blocks 1 .. G      T_h,   T_h T_h^T     = W_O^h W_O^h^T                  (MEAN_HEAD_*)
 //   blocks G+1 ..      C_hh' = W_O^h W_O^h'^T for h < h', pairs in (0,1),(0,2),..,(1,2),..
 //                      order (EXACT_BLOCK; only with PrepareOptions::cross_grams)
-// so that ||v W_O^h||^2 = v M_h v^T and one sgemm of V with a column range covers a mode.
+// The T blocks are lower-triangular Cholesky factors (cpu/triangular.h, zeros above the
+// diagonal), so that ||v W_O^h||^2 = ||v T_h||^2 costs d(d+1)/2 multiply-adds per row; the
+// cross-Grams stay full d x d matrices for v C_hh' v^T (one sgemm of V with their column range).
 //
 // With PrepareOptions::output_projection it also keeps each layer's o_proj.weight [D, H*d] in
 // fp32 (L * D * H * d * 4 bytes), which the CriticalKV baselines need for ||v W_O^h||_1.

@@ -7,6 +7,7 @@
 
 #include "common/status_macros.h"
 #include "cpu/rows.h"
+#include "cpu/triangular.h"
 #include "cpu/vector_ops.h"
 #include "policy/magnitude.h"
 #include "policy/score_modes.h"
@@ -93,13 +94,15 @@ absl::Status ValueStatistics(const RequestShape& shape, const PolicySpec& policy
                              ScoreWorkspace& ws) {
   const TensorView& values = task.inputs->values;
   const TensorName name{task.layer, "values"};
-  const int64_t d = shape.head_dim, F = modes.factor_blocks;
+  const int64_t d = shape.head_dim, F = modes.factor_blocks, G = shape.group_size;
   if (modes.value == ValueStat::kNone) {
     return CheckRowsFinite(values, task.kv_head, 0, shape.n, name, ws.rows);
   }
   float max_values = 0.f;
   float* out = Sized(ws.value, std::max<int64_t>(F, 1) * prefix);
-  float* projected = Sized(ws.projected, kValueChunk * F * d);
+  // EXACT_BLOCK's cross forms v C_hh' (the other modes need no product buffer).
+  float* projected =
+      modes.value == ValueStat::kExact ? Sized(ws.projected, kValueChunk * F * d) : nullptr;
   for (int64_t i0 = 0; i0 < prefix; i0 += kValueChunk) {
     const int64_t count = std::min(kValueChunk, prefix - i0);
     RowBlock v;
@@ -112,17 +115,31 @@ absl::Status ValueStatistics(const RequestShape& shape, const PolicySpec& policy
       }
       continue;
     }
+    // ||v T_f||^2 of the triangular blocks (factors.h): all F of them, or EXACT_BLOCK's G diagonal
+    // forms v M_h v^T; then EXACT_BLOCK's cross forms v C_hh' v^T through the full cross-Grams
+    // (one sgemm over their column range, a dot each). EXACT_BLOCK so costs G^2 d^2 / 2
+    // multiply-adds per row: G d(d+1)/2 for the diagonal, G(G-1)/2 d^2 for the cross forms,
+    // against G(G+1) d^2 / 2 when every form was a full d x d product.
+    const int64_t triangles = modes.value == ValueStat::kExact ? G : F;
+    TriangularSquaredNorms(v.data, v.ld, count, d, task.factors + modes.first_block * d,
+                           task.factor_ld, triangles, out + i0, prefix);
+    if (modes.value != ValueStat::kExact) {
+      for (int64_t f = 0; f < F; ++f) {
+        float* norms = out + f * prefix + i0;
+        for (int64_t j = 0; j < count; ++j) norms[j] = std::sqrt(norms[j]);
+      }
+      continue;
+    }
+    const int64_t cross = F - G;
+    if (cross == 0) continue;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(count),
-                static_cast<int>(F * d), static_cast<int>(d), 1.f, v.data, static_cast<int>(v.ld),
-                task.factors + modes.first_block * d, static_cast<int>(task.factor_ld), 0.f,
-                projected, static_cast<int>(F * d));
+                static_cast<int>(cross * d), static_cast<int>(d), 1.f, v.data,
+                static_cast<int>(v.ld), task.factors + (modes.first_block + G) * d,
+                static_cast<int>(task.factor_ld), 0.f, projected, static_cast<int>(cross * d));
     for (int64_t j = 0; j < count; ++j) {
       const float* row = v.data + j * v.ld;
-      for (int64_t f = 0; f < F; ++f) {
-        const float q = Dot(projected + (j * F + f) * d, row, d);
-        // Quadratic forms of PSD matrices are >= 0 up to rounding; cross terms may be negative.
-        out[f * prefix + i0 + j] =
-            modes.value == ValueStat::kExact ? q : std::sqrt(std::max(q, 0.f));
+      for (int64_t p = 0; p < cross; ++p) {
+        out[(G + p) * prefix + i0 + j] = Dot(projected + (j * cross + p) * d, row, d);
       }
     }
   }

@@ -314,6 +314,8 @@ __attribute__((target("avx2,fma,f16c"))) void RoundToF16F16c(float* x, int64_t c
 
 std::atomic<bool> force_portable{false};
 
+}  // namespace
+
 bool UseAvx2() {
 #if LAPROX_HAVE_X86
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -322,6 +324,8 @@ bool UseAvx2() {
   return false;
 #endif
 }
+
+namespace {
 
 #if LAPROX_HAVE_X86
 bool UseF16c() {

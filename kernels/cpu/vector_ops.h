@@ -47,6 +47,10 @@ float AbsSum(const float* x, int64_t count);
 void RoundToBf16(float* x, int64_t count);
 void RoundToF16(float* x, int64_t count);
 
+// Whether the AVX2+FMA versions run: the CPU has AVX2 and FMA and ForcePortableVectorOps is off.
+// Other files with AVX2 kernels (cpu/triangular.cc) choose by it too.
+bool UseAvx2();
+
 // Tests: true forces the portable versions on every thread (false restores the choice).
 void ForcePortableVectorOps(bool portable);
 
