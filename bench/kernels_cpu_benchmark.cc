@@ -14,17 +14,28 @@
 //   floor = max(FLOPs / sgemm rate, fp32 K+V bytes / read bandwidth)
 //   FLOPs = L * (2*H*w*n*d  [Q.K^T]  +  2*H*n*d*d  [V times one d x d factor per query head])
 //   bytes = 2 * L * Hkv * n * d * 4  [K and V read once]
+// and, as a second column, the floor of the least work (issue 16): the same with the value
+// factor's FLOPs at L * H * n * d * (d + 1), the triangular form's multiply-adds (least_ms,
+// x_least). The backend computes the value factor that way since issue 16, so the first floor
+// no longer bounds it from below.
 // The sgemm rate is two threads each running a single-threaded 1024^3 sgemm at the same time,
 // summed (the backend runs single-threaded BLAS on two workers). The bandwidth is two threads
 // summing the halves of a 1 GiB array. Both are measured at start-up and again before each case,
 // and the best trial so far is used (the machine may be shared; the floor is what it can do, so
 // a busy moment must not lower the bar). For diagnosis it also measures, at start-up, the rate
-// of the sgemm shapes the backend actually issues (qk_GFLOPs for the Q.K^T chunks, vm_GFLOPs
-// for the V.M chunks); those do not enter the floor.
+// of the kernel shapes the backend runs (qk_GFLOPs for the Q.K^T sgemm chunks, tri_GFLOPs for
+// the triangular value kernel in least-work FLOPs, and vm_GFLOPs for the V.M sgemm chunks the
+// value factor used before); those do not enter the floor.
 //
 // Counters per case (--benchmark_counters_tabular=true prints them as columns): GFLOP, KV_MB,
-// flop_ms, byte_ms, floor_ms, x_floor (time / floor), ours_GFLOPs (achieved), sgemm_GFLOPs,
-// read_GBs, qk_GFLOPs, vm_GFLOPs. The Time column is the mean of the timed calls.
+// flop_ms, byte_ms, floor_ms, x_floor (time / floor), least_GFLOP, least_ms, x_least (time /
+// least-work floor), ours_GFLOPs (achieved, in the first floor's FLOPs), sgemm_GFLOPs, read_GBs,
+// qk_GFLOPs, vm_GFLOPs, tri_GFLOPs. The Time column is the mean of the timed calls.
+//
+// Memory: peak_extra_MB is the peak resident size during the timed calls beyond the resident
+// size before them (Linux VmHWM after a clear_refs reset), estimate_MB the backend's
+// EstimateKeepPlanMemory bound (what laproxd reserves against --max_request_memory_bytes).
+// --laprox_long_context runs SmolLM2 at 128K and its 6-layer geometry at 64K..512K instead.
 //
 // Running it:
 //   bench/run_cpu_bench.sh BUILD_DIR   # this benchmark + the numpy timing, one table
@@ -39,6 +50,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -58,6 +70,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "cpu/triangular.h"
 #include "laprox/kernels/backend.h"
 #include "laprox/kernels/registry.h"
 
@@ -81,6 +94,9 @@ struct Geometry {
 };
 constexpr Geometry kSmolLM2{"SmolLM2-135M", 30, 9, 3, 64, 576};
 constexpr Geometry kLlama{"Llama-3.1-8B", 32, 32, 8, 128, 4096};
+// SmolLM2's layer geometry with 6 of its 30 layers: the long-context series reaches 512K tokens
+// with it (30 layers' fp32 K and V at 512K are 47 GB, beyond this machine's 24 GB).
+constexpr Geometry kSmolLM2Layers6{"SmolLM2-135M-6layers", 6, 9, 3, 64, 576};
 
 struct Case {
   Geometry geometry;
@@ -96,6 +112,13 @@ struct Case {
   double Flops() const {
     const Geometry& g = geometry;
     const double per_layer = 2.0 * g.H * kWindow * n * g.d + 2.0 * g.H * n * g.d * g.d;
+    return per_layer * g.L;
+  }
+  // The least arithmetic the scores need: Q.K^T as above, and ||v T_h||^2 with T_h triangular,
+  // d(d+1)/2 multiply-adds per value row and query head (kernels/cpu/triangular.h).
+  double LeastFlops() const {
+    const Geometry& g = geometry;
+    const double per_layer = 2.0 * g.H * kWindow * n * g.d + 1.0 * g.H * n * g.d * (g.d + 1.0);
     return per_layer * g.L;
   }
   double KvBytes() const { return 2.0 * geometry.L * geometry.Hkv * n * geometry.d * 4; }
@@ -243,17 +266,52 @@ struct MachineRates {
   double read_bytes = 0;   // bytes/s, both threads
 };
 
-// Rates of the sgemm shapes the CPU backend issues for one geometry (kernels/cpu/score.cc:
-// 256-token chunks; Q.K^T is [G*w, d] x [256, d]^T, V.M is [256, d] x [d, G*d]).
+// Summed rate of kThreads threads each running the CPU backend's triangular value kernel
+// (cpu/triangular.h) on `rows` rows and G factors of d x d, counted in the least-work FLOPs it
+// stands for (d(d+1) per row and factor); best of `trials`.
+double TriangleRate(int rows, int G, int d, int trials) {
+  const double flops_per_call = static_cast<double>(rows) * G * d * (d + 1.0);
+  const int reps = std::max(1, static_cast<int>(1e9 / flops_per_call));
+  struct Buffers {
+    std::vector<float> v, t, out;
+  };
+  std::vector<Buffers> buffers(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    buffers[t].v.resize(int64_t{rows} * d);
+    buffers[t].t.assign(int64_t{d} * G * d, 0.f);
+    buffers[t].out.resize(int64_t{rows} * G);
+    FillNormal(buffers[t].v.data(), int64_t{rows} * d, 3000 + t, 1.f);
+    FillNormal(buffers[t].t.data(), int64_t{d} * G * d, 4000 + t, 1.f);  // dense: same work
+  }
+  auto run = [&](int t) {
+    Buffers& buf = buffers[t];
+    for (int r = 0; r < reps; ++r) {
+      cpu::TriangularSquaredNorms(buf.v.data(), d, rows, d, buf.t.data(), int64_t{G} * d, G,
+                                  buf.out.data(), rows);
+    }
+  };
+  TimeConcurrent(run);
+  double best = 0.0;
+  for (int trial = 0; trial < trials; ++trial) {
+    best = std::max(best, kThreads * reps * flops_per_call / TimeConcurrent(run));
+  }
+  return best;
+}
+
+// Rates of the kernel shapes of one geometry (kernels/cpu/window.cc and score.cc: Q.K^T is
+// [G*w, d] x [1024, d]^T in sgemm; the value factor was [256, d] x [d, G*d] in sgemm before the
+// triangular kernel replaced it, and is the triangular kernel on 256 rows now).
 struct ShapedRates {
   double qk_flops = 0;
-  double vm_flops = 0;
+  double vm_flops = 0;   // the former V.M sgemm shape, for comparison
+  double tri_flops = 0;  // the triangular kernel, in least-work FLOPs
 };
 
 ShapedRates MeasureShaped(const Geometry& g) {
   const int G = g.H / g.Hkv, chunk = 256;
-  return {SgemmRate(G * kWindow, chunk, g.d, /*transpose_b=*/true, /*trials=*/5),
-          SgemmRate(chunk, G * g.d, g.d, /*transpose_b=*/false, /*trials=*/5)};
+  return {SgemmRate(G * kWindow, 1024, g.d, /*transpose_b=*/true, /*trials=*/5),
+          SgemmRate(chunk, G * g.d, g.d, /*transpose_b=*/false, /*trials=*/5),
+          TriangleRate(chunk, G, g.d, /*trials=*/5)};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -444,6 +502,24 @@ CaseData& GetCase(const Case& c) {
   return *s.current;
 }
 
+// A "VmRSS:"/"VmHWM:" line of /proc/self/status, in bytes (-1 when unreadable).
+double ProcStatusBytes(const char* key) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(key, 0) == 0) return std::atof(line.c_str() + std::strlen(key)) * 1024.0;
+  }
+  return -1.0;
+}
+
+// Resets the peak resident size (VmHWM) to the current one (Linux: clear_refs, value 5).
+bool ResetPeakResident() {
+  std::ofstream out("/proc/self/clear_refs");
+  out << "5";
+  out.flush();
+  return static_cast<bool>(out);
+}
+
 void BM_KeepPlan(benchmark::State& state, const Case& c) {
   CaseData& data = GetCase(c);
   if (!data.status().ok()) {
@@ -452,6 +528,9 @@ void BM_KeepPlan(benchmark::State& state, const Case& c) {
   }
   RefreshRates(/*trials=*/3);
   Backend& backend = *Global().backend;
+  // Peak memory of the calls beyond what the process holds before them (inputs, the model).
+  const bool peak_known = ResetPeakResident();
+  const double resident_before = ProcStatusBytes("VmRSS:");
   double total = 0.0;
   double best = std::numeric_limits<double>::infinity();
   for (auto _ : state) {  // NOLINT(clang-analyzer-deadcode.DeadStores): Google Benchmark idiom
@@ -468,12 +547,21 @@ void BM_KeepPlan(benchmark::State& state, const Case& c) {
     best = std::min(best, seconds);
   }
   if (state.iterations() == 0) return;
+  if (peak_known && resident_before >= 0) {
+    state.counters["peak_extra_MB"] = (ProcStatusBytes("VmHWM:") - resident_before) * 1e-6;
+  }
+  if (absl::StatusOr<MemoryEstimate> estimate =
+          backend.EstimateKeepPlanMemory(data.model(), data.request());
+      estimate.ok()) {
+    state.counters["estimate_MB"] = static_cast<double>(estimate->total()) * 1e-6;
+  }
 
   const MachineRates& rates = Global().rates;
   const double mean = total / static_cast<double>(state.iterations());
   const double flop_s = c.Flops() / rates.sgemm_flops;
   const double byte_s = c.KvBytes() / rates.read_bytes;
   const double floor_s = std::max(flop_s, byte_s);
+  const double least_s = std::max(c.LeastFlops() / rates.sgemm_flops, byte_s);
   state.counters["GFLOP"] = c.Flops() * 1e-9;
   state.counters["KV_MB"] = c.KvBytes() * 1e-6;
   state.counters["flop_ms"] = flop_s * 1e3;
@@ -484,6 +572,9 @@ void BM_KeepPlan(benchmark::State& state, const Case& c) {
   state.counters["best_ms"] = best * 1e3;
   state.counters["mean_ms"] = mean * 1e3;
   state.counters["x_floor"] = best / floor_s;
+  state.counters["least_GFLOP"] = c.LeastFlops() * 1e-9;
+  state.counters["least_ms"] = least_s * 1e3;
+  state.counters["x_least"] = best / least_s;
   state.counters["ours_GFLOPs"] = c.Flops() / best * 1e-9;
   state.counters["sgemm_GFLOPs"] = rates.sgemm_flops * 1e-9;
   state.counters["read_GBs"] = rates.read_bytes * 1e-9;
@@ -491,10 +582,21 @@ void BM_KeepPlan(benchmark::State& state, const Case& c) {
     if (name != c.geometry.name) continue;
     state.counters["qk_GFLOPs"] = shaped.qk_flops * 1e-9;
     state.counters["vm_GFLOPs"] = shaped.vm_flops * 1e-9;
+    state.counters["tri_GFLOPs"] = shaped.tri_flops * 1e-9;
   }
 }
 
 int Run(int argc, char** argv) {
+  // --laprox_long_context: the long-context series instead of the standard cases.
+  bool long_context = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--laprox_long_context") == 0) {
+      long_context = true;
+      std::copy(argv + i + 1, argv + argc, argv + i);
+      --argc;
+      break;
+    }
+  }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
 
@@ -509,8 +611,17 @@ int Run(int argc, char** argv) {
   openblas_set_num_threads(1);
 
   // Each paged case right after its contiguous twin, so the two see the same machine.
-  const std::vector<Case> cases = {{kSmolLM2, 4096},      {kSmolLM2, 4096, 16}, {kSmolLM2, 32768},
-                                   {kSmolLM2, 32768, 16}, {kLlama, 4096},       {kLlama, 4096, 16}};
+  std::vector<Case> cases = {{kSmolLM2, 4096},      {kSmolLM2, 4096, 16}, {kSmolLM2, 32768},
+                             {kSmolLM2, 32768, 16}, {kLlama, 4096},       {kLlama, 4096, 16}};
+  // Time and peak memory against n (issue 16, item 4): all 30 layers up to 128K, then the
+  // 6-layer geometry from 64K to 512K, so that four sizes of one geometry can be fitted.
+  if (long_context) {
+    cases = {{kSmolLM2, 131072},
+             {kSmolLM2Layers6, 65536},
+             {kSmolLM2Layers6, 131072},
+             {kSmolLM2Layers6, 262144},
+             {kSmolLM2Layers6, 524288}};
+  }
 
   // The floor, measured before the cases so that no case's memory is in the way.
   RefreshRates(/*trials=*/5);
@@ -520,8 +631,10 @@ int Run(int argc, char** argv) {
   std::printf("  sgemm 1024^3:     %7.1f GFLOP/s\n", s.rates.sgemm_flops * 1e-9);
   std::printf("  read bandwidth:   %7.1f GB/s\n", s.rates.read_bytes * 1e-9);
   for (const auto& [name, shaped] : s.shaped) {
-    std::printf("  %s sgemm shapes: Q.K^T chunk %.1f GFLOP/s, V.M chunk %.1f GFLOP/s\n",
-                name.c_str(), shaped.qk_flops * 1e-9, shaped.vm_flops * 1e-9);
+    std::printf(
+        "  %s: Q.K^T sgemm chunk %.1f GFLOP/s; value factor: former V.M sgemm chunk %.1f "
+        "GFLOP/s, triangular kernel %.1f least-work GFLOP/s\n",
+        name.c_str(), shaped.qk_flops * 1e-9, shaped.vm_flops * 1e-9, shaped.tri_flops * 1e-9);
   }
   std::printf("  backend:          %s\n\n", s.backend->Describe().c_str());
   std::fflush(stdout);
@@ -535,7 +648,7 @@ int Run(int argc, char** argv) {
                      c.block_size ? absl::StrCat("/block:", c.block_size) : std::string())
             .c_str(),
         [c](benchmark::State& state) { BM_KeepPlan(state, c); })
-        ->Iterations(kIterations)
+        ->Iterations(long_context ? 3 : kIterations)
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);
   }
