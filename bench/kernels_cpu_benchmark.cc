@@ -273,21 +273,23 @@ double TriangleRate(int rows, int G, int d, int trials) {
   const double flops_per_call = static_cast<double>(rows) * G * d * (d + 1.0);
   const int reps = std::max(1, static_cast<int>(1e9 / flops_per_call));
   struct Buffers {
-    std::vector<float> v, t, out;
+    std::vector<float> v, t, packed, out;
   };
   std::vector<Buffers> buffers(kThreads);
   for (int t = 0; t < kThreads; ++t) {
     buffers[t].v.resize(int64_t{rows} * d);
     buffers[t].t.assign(int64_t{d} * G * d, 0.f);
+    buffers[t].packed.resize(G * cpu::PackedTriangleSize(d));
     buffers[t].out.resize(int64_t{rows} * G);
     FillNormal(buffers[t].v.data(), int64_t{rows} * d, 3000 + t, 1.f);
-    FillNormal(buffers[t].t.data(), int64_t{d} * G * d, 4000 + t, 1.f);  // dense: same work
+    FillNormal(buffers[t].t.data(), int64_t{d} * G * d, 4000 + t, 1.f);
+    cpu::PackTriangles(buffers[t].t.data(), int64_t{G} * d, d, G, buffers[t].packed.data());
   }
   auto run = [&](int t) {
     Buffers& buf = buffers[t];
     for (int r = 0; r < reps; ++r) {
-      cpu::TriangularSquaredNorms(buf.v.data(), d, rows, d, buf.t.data(), int64_t{G} * d, G,
-                                  buf.out.data(), rows);
+      cpu::TriangularSquaredNorms(buf.v.data(), d, rows, d, buf.packed.data(), G, buf.out.data(),
+                                  rows);
     }
   };
   TimeConcurrent(run);

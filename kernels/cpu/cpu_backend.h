@@ -1,6 +1,7 @@
-// CpuBackend: the reference backend. fp32 math on host memory, OpenBLAS sgemm for Q.K^T and
-// V.M, worker threads over (layer, KV head) pairs with single-threaded BLAS inside. Implements
-// LAPROX and every baseline policy.
+// CpuBackend: the reference backend. fp32 math on host memory, OpenBLAS sgemm for Q.K^T, the
+// value factors ||v T_h|| through triangular factors (cpu/triangular.h), worker threads over
+// (layer, KV head) pairs with single-threaded BLAS inside. Implements LAPROX and every baseline
+// policy.
 #ifndef LAPROX_KERNELS_CPU_CPU_BACKEND_H_
 #define LAPROX_KERNELS_CPU_CPU_BACKEND_H_
 

@@ -103,6 +103,14 @@ absl::Status ValueStatistics(const RequestShape& shape, const PolicySpec& policy
   // EXACT_BLOCK's cross forms v C_hh' (the other modes need no product buffer).
   float* projected =
       modes.value == ValueStat::kExact ? Sized(ws.projected, kValueChunk * F * d) : nullptr;
+  // ||v T_f||^2 of the triangular blocks (factors.h): all F of them, or EXACT_BLOCK's G diagonal
+  // forms v M_h v^T, packed once per task for the kernel.
+  const int64_t triangles = modes.value == ValueStat::kExact ? G : F;
+  float* packed = nullptr;
+  if (modes.value_product()) {
+    packed = Sized(ws.triangles, triangles * PackedTriangleSize(d));
+    PackTriangles(task.factors + modes.first_block * d, task.factor_ld, d, triangles, packed);
+  }
   for (int64_t i0 = 0; i0 < prefix; i0 += kValueChunk) {
     const int64_t count = std::min(kValueChunk, prefix - i0);
     RowBlock v;
@@ -115,14 +123,11 @@ absl::Status ValueStatistics(const RequestShape& shape, const PolicySpec& policy
       }
       continue;
     }
-    // ||v T_f||^2 of the triangular blocks (factors.h): all F of them, or EXACT_BLOCK's G diagonal
-    // forms v M_h v^T; then EXACT_BLOCK's cross forms v C_hh' v^T through the full cross-Grams
-    // (one sgemm over their column range, a dot each). EXACT_BLOCK so costs G^2 d^2 / 2
+    // The triangular forms, then EXACT_BLOCK's cross forms v C_hh' v^T through the full
+    // cross-Grams (one sgemm over their column range, a dot each). EXACT_BLOCK so costs G^2 d^2 / 2
     // multiply-adds per row: G d(d+1)/2 for the diagonal, G(G-1)/2 d^2 for the cross forms,
     // against G(G+1) d^2 / 2 when every form was a full d x d product.
-    const int64_t triangles = modes.value == ValueStat::kExact ? G : F;
-    TriangularSquaredNorms(v.data, v.ld, count, d, task.factors + modes.first_block * d,
-                           task.factor_ld, triangles, out + i0, prefix);
+    TriangularSquaredNorms(v.data, v.ld, count, d, packed, triangles, out + i0, prefix);
     if (modes.value != ValueStat::kExact) {
       for (int64_t f = 0; f < F; ++f) {
         float* norms = out + f * prefix + i0;

@@ -17,19 +17,32 @@
 namespace laprox::kernels::cpu {
 namespace {
 
+// Calls fn(j0, panel) for each panel of columns [j0, j0 + kTrianglePanel) of a packed factor,
+// `panel` pointing at its first row (row j0).
+template <typename Float, typename Fn>
+void ForEachPanel(Float* packed, int64_t d, Fn&& fn) {
+  for (int64_t j0 = 0; j0 < d; j0 += kTrianglePanel) {
+    fn(j0, packed);
+    packed += (d - j0) * kTrianglePanel;
+  }
+}
+
 void TriangularSquaredNormsScalar(const float* v, int64_t ldv, int64_t rows, int64_t d,
-                                  const float* t, int64_t ldt, int64_t count, float* out,
+                                  const float* packed, int64_t count, float* out,
                                   int64_t out_stride) {
+  const int64_t size = PackedTriangleSize(d);
   for (int64_t f = 0; f < count; ++f) {
-    const float* tf = t + f * d;
     for (int64_t r = 0; r < rows; ++r) {
       const float* row = v + r * ldv;
       float sum = 0.f;
-      for (int64_t j = 0; j < d; ++j) {
-        float u = 0.f;
-        for (int64_t i = j; i < d; ++i) u += row[i] * tf[i * ldt + j];
-        sum += u * u;
-      }
+      ForEachPanel(packed + f * size, d, [&](int64_t j0, const float* panel) {
+        float u[kTrianglePanel] = {};
+        for (int64_t i = j0; i < d; ++i) {
+          const float* t_row = panel + (i - j0) * kTrianglePanel;
+          for (int64_t c = 0; c < kTrianglePanel; ++c) u[c] += row[i] * t_row[c];
+        }
+        for (float x : u) sum += x * x;
+      });
       out[f * out_stride + r] = sum;
     }
   }
@@ -49,21 +62,20 @@ LAPROX_AVX2 inline float HorizontalSum(__m256 v) {
 }
 
 // Columns [j0, j0 + 16) of v T for R rows: u = sum_{i >= j0} v[., i] T[i, j0:j0+16] (T is lower
-// triangular, so rows i < j0 contribute nothing), accumulated as sum u^2 into sq. Lanes past
-// column d - 1 load 0 under `mask0`/`mask1` (the last panel when 16 does not divide d). The
-// 6 x 16 tile holds 12 accumulators, two T loads and one broadcast: 15 of the 16 ymm registers.
-template <int R, bool kMasked>
-LAPROX_AVX2 inline void Panel(const float* v, int64_t ldv, int64_t d, const float* t, int64_t ldt,
-                              int64_t j0, __m256i mask0, __m256i mask1, __m256* sq) {
+// triangular, so rows i < j0 contribute nothing), accumulated as sum u^2 into sq. The panel's
+// rows are contiguous (PackTriangles). The 6 x 16 tile holds 12 accumulators, two T loads and
+// one broadcast: 15 of the 16 ymm registers.
+template <int R>
+LAPROX_AVX2 inline void Panel(const float* v, int64_t ldv, int64_t d, int64_t j0,
+                              const float* panel, __m256* sq) {
   __m256 a0[R], a1[R];
   LAPROX_UNROLL
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-  for (int64_t i = j0; i < d; ++i) {
-    const float* ti = t + i * ldt + j0;
-    const __m256 t0 = kMasked ? _mm256_maskload_ps(ti, mask0) : _mm256_loadu_ps(ti);
-    const __m256 t1 = kMasked ? _mm256_maskload_ps(ti + 8, mask1) : _mm256_loadu_ps(ti + 8);
+  for (int64_t i = j0; i < d; ++i, panel += kTrianglePanel) {
+    const __m256 t0 = _mm256_loadu_ps(panel);
+    const __m256 t1 = _mm256_loadu_ps(panel + 8);
     LAPROX_UNROLL
-  for (int r = 0; r < R; ++r) {
+    for (int r = 0; r < R; ++r) {
       const __m256 b = _mm256_broadcast_ss(v + r * ldv + i);
       a0[r] = _mm256_fmadd_ps(b, t0, a0[r]);
       a1[r] = _mm256_fmadd_ps(b, t1, a1[r]);
@@ -76,45 +88,50 @@ LAPROX_AVX2 inline void Panel(const float* v, int64_t ldv, int64_t d, const floa
   }
 }
 
-// ||v_r T||^2 for R rows into out[r * out_stride].
+// ||v_r T||^2 for R rows into out[r].
 template <int R>
-LAPROX_AVX2 void RowTile(const float* v, int64_t ldv, int64_t d, const float* t, int64_t ldt,
-                         float* out, int64_t out_stride) {
+LAPROX_AVX2 void RowTile(const float* v, int64_t ldv, int64_t d, const float* packed, float* out) {
   __m256 sq[R];
   LAPROX_UNROLL
   for (int r = 0; r < R; ++r) sq[r] = _mm256_setzero_ps();
-  const __m256i none = _mm256_setzero_si256();
-  int64_t j0 = 0;
-  for (; j0 + 16 <= d; j0 += 16) Panel<R, false>(v, ldv, d, t, ldt, j0, none, none, sq);
-  if (j0 < d) {
-    // The masked loads read nothing past column d - 1 of a row (T's rows may end there).
-    const __m256i width = _mm256_set1_epi32(static_cast<int>(d - j0));
-    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i mask0 = _mm256_cmpgt_epi32(width, lanes);
-    const __m256i mask1 = _mm256_cmpgt_epi32(width, _mm256_add_epi32(lanes, _mm256_set1_epi32(8)));
-    Panel<R, true>(v, ldv, d, t, ldt, j0, mask0, mask1, sq);
+  for (int64_t j0 = 0; j0 < d; j0 += kTrianglePanel) {
+    Panel<R>(v, ldv, d, j0, packed, sq);
+    packed += (d - j0) * kTrianglePanel;
   }
   LAPROX_UNROLL
-  for (int r = 0; r < R; ++r) out[r * out_stride] = HorizontalSum(sq[r]);
+  for (int r = 0; r < R; ++r) out[r] = HorizontalSum(sq[r]);
 }
 
 LAPROX_AVX2 void TriangularSquaredNormsAvx2(const float* v, int64_t ldv, int64_t rows, int64_t d,
-                                            const float* t, int64_t ldt, int64_t count, float* out,
+                                            const float* packed, int64_t count, float* out,
                                             int64_t out_stride) {
   constexpr int kTile = 6;
-  // One factor at a time over all rows: T_f (16 KiB at d = 64) stays in L1 while rows stream.
+  const int64_t size = PackedTriangleSize(d);
+  // One factor at a time over all rows: T_f (10 KiB packed at d = 64) stays in L1 while rows
+  // stream.
   for (int64_t f = 0; f < count; ++f) {
-    const float* tf = t + f * d;
+    const float* tf = packed + f * size;
     float* of = out + f * out_stride;
     int64_t r = 0;
-    for (; r + kTile <= rows; r += kTile) RowTile<kTile>(v + r * ldv, ldv, d, tf, ldt, of + r, 1);
+    for (; r + kTile <= rows; r += kTile) RowTile<kTile>(v + r * ldv, ldv, d, tf, of + r);
     switch (rows - r) {
-      case 5: RowTile<5>(v + r * ldv, ldv, d, tf, ldt, of + r, 1); break;
-      case 4: RowTile<4>(v + r * ldv, ldv, d, tf, ldt, of + r, 1); break;
-      case 3: RowTile<3>(v + r * ldv, ldv, d, tf, ldt, of + r, 1); break;
-      case 2: RowTile<2>(v + r * ldv, ldv, d, tf, ldt, of + r, 1); break;
-      case 1: RowTile<1>(v + r * ldv, ldv, d, tf, ldt, of + r, 1); break;
-      default: break;
+      case 5:
+        RowTile<5>(v + r * ldv, ldv, d, tf, of + r);
+        break;
+      case 4:
+        RowTile<4>(v + r * ldv, ldv, d, tf, of + r);
+        break;
+      case 3:
+        RowTile<3>(v + r * ldv, ldv, d, tf, of + r);
+        break;
+      case 2:
+        RowTile<2>(v + r * ldv, ldv, d, tf, of + r);
+        break;
+      case 1:
+        RowTile<1>(v + r * ldv, ldv, d, tf, of + r);
+        break;
+      default:
+        break;
     }
   }
 }
@@ -161,15 +178,36 @@ void GramCholesky(const double* a, int64_t rows, int64_t d, std::vector<double>&
   }
 }
 
-void TriangularSquaredNorms(const float* v, int64_t ldv, int64_t rows, int64_t d, const float* t,
-                            int64_t ldt, int64_t count, float* out, int64_t out_stride) {
+int64_t PackedTriangleSize(int64_t d) {
+  int64_t size = 0;
+  for (int64_t j0 = 0; j0 < d; j0 += kTrianglePanel) size += (d - j0) * kTrianglePanel;
+  return size;
+}
+
+void PackTriangles(const float* t, int64_t ldt, int64_t d, int64_t count, float* packed) {
+  for (int64_t f = 0; f < count; ++f) {
+    const float* tf = t + f * d;
+    float* out = packed + f * PackedTriangleSize(d);
+    ForEachPanel(out, d, [&](int64_t j0, float* panel) {
+      for (int64_t i = j0; i < d; ++i) {
+        for (int64_t c = 0; c < kTrianglePanel; ++c) {
+          const int64_t j = j0 + c;
+          panel[(i - j0) * kTrianglePanel + c] = j < d && j <= i ? tf[i * ldt + j] : 0.f;
+        }
+      }
+    });
+  }
+}
+
+void TriangularSquaredNorms(const float* v, int64_t ldv, int64_t rows, int64_t d,
+                            const float* packed, int64_t count, float* out, int64_t out_stride) {
 #if LAPROX_HAVE_X86
   if (UseAvx2()) {
-    TriangularSquaredNormsAvx2(v, ldv, rows, d, t, ldt, count, out, out_stride);
+    TriangularSquaredNormsAvx2(v, ldv, rows, d, packed, count, out, out_stride);
     return;
   }
 #endif
-  TriangularSquaredNormsScalar(v, ldv, rows, d, t, ldt, count, out, out_stride);
+  TriangularSquaredNormsScalar(v, ldv, rows, d, packed, count, out, out_stride);
 }
 
 }  // namespace laprox::kernels::cpu

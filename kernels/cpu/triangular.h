@@ -27,12 +27,25 @@ namespace laprox::kernels::cpu {
 void GramCholesky(const double* a, int64_t rows, int64_t d, std::vector<double>& gram, float* t,
                   int64_t ldt);
 
+// The kernel reads each factor packed in panels of kTrianglePanel columns: panel p (columns
+// [j0, j0 + 16), j0 = 16p) holds rows [j0, d) of those columns, 16 floats a row, contiguous (the
+// rows above j0 are 0 in a lower triangle; columns past d - 1 are stored as 0). Contiguous panels
+// stream through the cache; the rows of a factor inside the prepared model are a power-of-two
+// stride apart and collide in a few L1 sets.
+inline constexpr int64_t kTrianglePanel = 16;
+
+// Floats of one packed d x d factor: sum over panels of (d - j0) * 16.
+int64_t PackedTriangleSize(int64_t d);
+
+// Packs the lower triangles of `count` factors T_f = t + f * d (row stride ldt) into `packed`
+// (count * PackedTriangleSize(d) floats, factor after factor).
+void PackTriangles(const float* t, int64_t ldt, int64_t d, int64_t count, float* packed);
+
 // out[f * out_stride + r] = ||v_r T_f||^2 in fp32 for r < rows and f < count, where
-// v_r = v + r * ldv (d floats) and T_f = t + f * d is lower-triangular d x d with row stride ldt
-// (the entries above the diagonal are read and must be 0, as GramCholesky writes them). AVX2+FMA
+// v_r = v + r * ldv (d floats) and T_f is the f-th factor in `packed` (PackTriangles). AVX2+FMA
 // where the CPU has it (cpu/vector_ops.h's choice, ForcePortableVectorOps included).
-void TriangularSquaredNorms(const float* v, int64_t ldv, int64_t rows, int64_t d, const float* t,
-                            int64_t ldt, int64_t count, float* out, int64_t out_stride);
+void TriangularSquaredNorms(const float* v, int64_t ldv, int64_t rows, int64_t d,
+                            const float* packed, int64_t count, float* out, int64_t out_stride);
 
 }  // namespace laprox::kernels::cpu
 

@@ -54,14 +54,20 @@ TEST_P(TriangularTest, SquaredNormsMatchFp64AtEveryShape) {
           }
         }
         // Canaries after each factor's rows: the kernel writes rows entries per factor only.
+        // Canaries after the packed factors too: PackTriangles writes exactly the size it states.
+        const int64_t packed_size = count * PackedTriangleSize(d);
+        std::vector<float> packed(packed_size + 4, -2.f);
+        PackTriangles(t.data(), ldt, d, count, packed.data());
+        for (int64_t k = packed_size; k < packed_size + 4; ++k) EXPECT_EQ(packed[k], -2.f);
         std::vector<float> out(count * out_stride, -1.f);
-        TriangularSquaredNorms(v.data(), ldv, rows, d, t.data(), ldt, count, out.data(),
+        TriangularSquaredNorms(v.data(), ldv, rows, d, packed.data(), count, out.data(),
                                out_stride);
         for (int64_t f = 0; f < count; ++f) {
           for (int64_t r = 0; r < rows; ++r) {
             const double want = NormSquaredFp64(v.data() + r * ldv, d, t.data() + f * d, ldt);
             // Sums of at most d products and d squares in fp32.
-            EXPECT_NEAR(out[f * out_stride + r], want, 4.0 * static_cast<double>(d) * 0x1p-24 * want)
+            EXPECT_NEAR(out[f * out_stride + r], want,
+                        4.0 * static_cast<double>(d) * 0x1p-24 * want)
                 << "d " << d << " rows " << rows << " factor " << f << " row " << r;
           }
           for (int64_t r = rows; r < out_stride; ++r) EXPECT_EQ(out[f * out_stride + r], -1.f);
@@ -154,6 +160,8 @@ TEST_P(TriangularTest, IllConditionedHeadKeepsTheDigitsTheGramFormLoses) {
   std::vector<double> gram_scratch;
   std::vector<float> t(d * d);
   GramCholesky(a.data(), D, d, gram_scratch, t.data(), d);
+  std::vector<float> packed(PackedTriangleSize(d));
+  PackTriangles(t.data(), d, d, 1, packed.data());
   double t_frobenius = 0.0;
   for (float x : t) t_frobenius += double{x} * x;
   t_frobenius = std::sqrt(t_frobenius);
@@ -188,7 +196,7 @@ TEST_P(TriangularTest, IllConditionedHeadKeepsTheDigitsTheGramFormLoses) {
     // Errors of the norm relative to the scale of the head's value factors, ||v|| ||T||_F.
     const double scale = v_norm * t_frobenius;
     float q = 0.f;
-    TriangularSquaredNorms(v.data(), d, 1, d, t.data(), d, 1, &q, 1);
+    TriangularSquaredNorms(v.data(), d, 1, d, packed.data(), 1, &q, 1);
     const double error = std::abs(std::sqrt(double{q}) - exact) / scale;
     // triangular.h: at most about d u (for the kernel's sums and for T's own rounding).
     EXPECT_LE(error, 2.0 * d * 0x1p-24) << "trial " << trial << ": ||Av|| = " << exact;
