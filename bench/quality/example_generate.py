@@ -57,7 +57,11 @@ def main() -> int:
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                   return_dict=True)["input_ids"]
     n = ids.shape[1]
-    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False,
+    # Both runs decode exactly max_new_tokens (an EOS does not stop one earlier), so their times
+    # compare; each includes the prefill (and, compressed, the plan). bench/decode_benchmark.py
+    # times the decode steps alone.
+    gen = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
+               do_sample=False,
                attention_mask=torch.ones_like(ids), pad_token_id=tok.eos_token_id)
 
     with torch.no_grad():

@@ -8,6 +8,7 @@ Run:    /usr/bin/python3 tests/python/run_tests.py -k hf   (skipped without torc
 Extend: add a test method; self.model is a fresh random LlamaForCausalLM (L=2, H=4, Hkv=2).
 """
 
+import contextlib
 import unittest
 import warnings
 
@@ -25,6 +26,7 @@ except ImportError:  # Debian's python3 has neither: nothing to test here
     raise unittest.SkipTest("torch/transformers not installed")
 
 import laprox.hf as lhf  # noqa: E402
+from laprox.errors import LaproxError  # noqa: E402
 
 L, H, HKV, D_HEAD, HIDDEN = 2, 4, 2, 16, 64
 
@@ -174,6 +176,126 @@ class HfIntegrationTest(unittest.TestCase):
         finally:
             torch.set_warn_always(always)
         self.assertTrue(press.compacted)
+
+    def decode_steps(self, cache, steps, masks=None):
+        """Greedy decoding one token per forward (the path generate() takes after the prefill);
+        the logits of every step, [steps, vocab]."""
+        n = self.ids.shape[1]
+        token, logits = self.cont[:, :1], []
+        with torch.no_grad(), (lhf.masked(self.model, masks) if masks is not None
+                               else contextlib.nullcontext()):
+            for i in range(steps):
+                out = self.model(token, past_key_values=cache,
+                                 position_ids=torch.tensor([[n + i]]),
+                                 cache_position=torch.tensor([n + i]))
+                logits.append(out.logits[0, -1])
+                token = out.logits[:, -1:].argmax(-1)
+        return torch.stack(logits)
+
+    def test_masked_decode_steps_equal_physical_eviction(self):
+        # One query row per call: the prebuilt decode bias (and, on the CPU, SDPA over the KV
+        # heads with enable_gqa) must still equal a cache that holds only the kept keys.
+        plan = FakeClient(keep=12, equal_counts=True).compute_keep_plan(
+            0, [np.zeros((HKV, 40, D_HEAD))] * L, None)
+        masks = [torch.from_numpy(m) for m in plan.masks]
+        masked = self.decode_steps(self.prefill(), 6, masks)
+        cache = self.prefill()
+        for l in range(L):
+            keys, values = lhf.cache_layer_kv(cache, l)
+            idx = torch.stack([torch.from_numpy(np.array(plan.kept(l, g))).long()
+                               for g in range(HKV)])[None, :, :, None].expand(1, -1, -1, D_HEAD)
+            lhf._set_cache_layer_kv(cache, l, keys.gather(2, idx), values.gather(2, idx))
+        torch.testing.assert_close(masked, self.decode_steps(cache, 6), rtol=1e-4, atol=1e-5)
+        self.assertGreater((masked - self.decode_steps(self.prefill(), 6)).abs().max().item(),
+                           1e-3)
+
+    def test_decode_bias_is_built_once_and_grows(self):
+        state = lhf._State(1, HKV, H)
+        keep = torch.ones(HKV, 5, dtype=torch.bool)
+        keep[1, 2] = False
+        state.set_masks([keep])
+        q = torch.zeros(1, H, 1, D_HEAD)
+        first = state.decode_bias(0, q, 6)
+        self.assertEqual(tuple(first.shape), (1, H, 1, 6))
+        expected = torch.zeros(1, H, 1, 6)
+        expected[0, 2:4, 0, 2] = float("-inf")  # KV head 1 = query heads 2, 3
+        self.assertTrue(torch.equal(first, expected))
+        again = state.decode_bias(0, q, 7)  # the next step: a view of the same buffer
+        self.assertEqual(again.data_ptr(), first.data_ptr())
+        self.assertTrue(torch.equal(again[..., :6], expected))
+        self.assertEqual(again[..., 6].abs().sum().item(), 0.0)
+        grown = state.decode_bias(0, q, 600)  # past the capacity: rebuilt, same contents
+        self.assertTrue(torch.equal(grown[..., :6], expected))
+        self.assertEqual(grown[..., 6:].abs().sum().item(), 0.0)
+        with self.assertRaises(LaproxError):
+            state.decode_bias(0, q, 4)  # the cache is shorter than the masks
+
+    def attention_calls(self, press, steps=8):
+        """Runs generate() with `press`; per decode step (one query row) and layer, the mask
+        that reached SDPA, and the number of _masked() calls (mask rebuilt for that call)."""
+        from transformers.integrations import sdpa_attention
+        seen, rebuilt = [], [0]
+        sdpa, masked_fn = sdpa_attention.sdpa_attention_forward, lhf._masked
+        gqa = getattr(lhf, "_sdpa_masked_gqa", None)
+
+        def spy_sdpa(module, query, key, value, attention_mask, **kw):
+            if query.shape[2] == 1:
+                seen.append(attention_mask)
+            return sdpa(module, query, key, value, attention_mask, **kw)
+
+        def spy_gqa(query, key, value, mask, *args):
+            seen.append(mask)
+            return gqa(query, key, value, mask, *args)
+
+        def spy_masked(*args, **kw):
+            rebuilt[0] += 1
+            return masked_fn(*args, **kw)
+
+        sdpa_attention.sdpa_attention_forward = spy_sdpa
+        lhf._sdpa_masked_gqa, lhf._masked = spy_gqa, spy_masked
+        try:
+            with torch.no_grad(), press:
+                out = self.model.generate(self.ids, max_new_tokens=steps, do_sample=False)
+        finally:
+            sdpa_attention.sdpa_attention_forward = sdpa
+            lhf._masked = masked_fn
+            if gqa is None:
+                del lhf._sdpa_masked_gqa
+            else:
+                lhf._sdpa_masked_gqa = gqa
+        self.assertEqual(len(seen), (steps - 1) * L)
+        return out, seen, rebuilt[0]
+
+    def test_compacted_decode_needs_no_masks_with_equal_counts(self):
+        # Every head of a layer kept the same count: the compacted cache is exact as it is, so
+        # decoding runs without any mask (SDPA's unmasked GQA path, like the full cache).
+        press = lhf.Compressor(self.model, FakeClient(keep=16, equal_counts=True), budget=16,
+                               compact=True)
+        out, seen, rebuilt = self.attention_calls(press)
+        self.assertTrue(press.compacted)
+        self.assertEqual(rebuilt, 0)
+        self.assertTrue(all(m is None for m in seen))
+        with torch.no_grad(), lhf.Compressor(self.model, FakeClient(keep=16, equal_counts=True),
+                                             budget=16) as masked_press:
+            ref = masked_press.model.generate(self.ids, max_new_tokens=8, do_sample=False)
+        self.assertTrue(torch.equal(out, ref))
+
+    def test_compacted_decode_reuses_masks_of_padded_layers(self):
+        # Unequal counts: padded layers need a mask, built once per layer and sliced at every
+        # step (the same storage), never rebuilt by _masked per step.
+        press = lhf.Compressor(self.model, FakeClient(keep=16), budget=16, compact=True)
+        _, seen, rebuilt = self.attention_calls(press)
+        self.assertEqual(rebuilt, 0)
+        per_layer = [seen[l::L] for l in range(L)]
+        padded = [l for l in range(L) if len(set(press.plan.counts[l].tolist())) > 1]
+        self.assertTrue(padded)  # the fake plan pads at least one layer
+        for l in range(L):
+            if l not in padded:
+                self.assertTrue(all(m is None for m in per_layer[l]))
+        for l in padded:
+            self.assertEqual(len({m.data_ptr() for m in per_layer[l]}), 1)
+            self.assertEqual([m.shape[-1] for m in per_layer[l]],
+                             [per_layer[l][0].shape[-1] + i for i in range(7)])
 
     def test_window_queries_are_post_rope(self):
         with lhf.capture_window_queries(self.model, rows=5) as captured, torch.no_grad():

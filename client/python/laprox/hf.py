@@ -25,7 +25,11 @@ keys/values returned by the cache, so:
 3. Every later attention call (decoding, or a teacher-forced continuation) adds -inf to the
    logits of evicted (layer, KV head, position) — for each of the G query heads of the KV head —
    before SDPA's softmax, so the softmax is renormalised over the kept keys exactly as if the
-   cache held only them. Tokens appended after the prefill are always visible.
+   cache held only them. Tokens appended after the prefill are always visible. A decoding step
+   (one query row, no padding) reuses a per-layer mask built once, and a layer with nothing
+   evicted (e.g. a compacted layer whose heads kept equal counts) gets no mask at all; on the
+   CPU the masked SDPA runs over the KV heads as they are (enable_gqa) rather than on keys and
+   values repeated to every query head.
 4. With `compact=True` the cache is physically shrunk instead: each layer to its largest
    per-head kept count, shorter heads padded with a masked duplicate. That saves memory when the
    plan keeps one length per layer (policy option plan_shape="layer_uniform", or its older
@@ -132,19 +136,29 @@ class _State:
         self.capture_rows = 0                 # > 0: keep that many query rows of a prefill
         self.captured: Dict[int, torch.Tensor] = {}
         self.prefix_bias: Optional[List[Optional[torch.Tensor]]] = None  # [B, H, 1, n] per layer
+        # Per layer: whether any prefix position is evicted. A layer with nothing evicted (every
+        # layer of an all-kept mask, or a compacted layer whose heads kept equal counts) needs
+        # no mask when one query row attends to the whole cache (decoding).
+        self.evicts: List[bool] = []
+        # Per layer: the decode mask [B, H, 1, capacity] (prefix bias, then zeros for appended
+        # tokens) in the queries' dtype and device, built once and sliced at every step.
+        self._decode_bias: Dict[int, torch.Tensor] = {}
 
     def set_masks(self, masks: Optional[Sequence[Any]]) -> None:
         """masks[l]: bool [B, Hkv, n] or [Hkv, n] (True = keep), or None to clear."""
+        self._decode_bias = {}
         if masks is None:
             self.prefix_bias = None
+            self.evicts = []
             return
         if len(masks) != self.num_layers:
             raise invalid_argument(f"masks: {len(masks)} layers, the model has "
                                    f"{self.num_layers}")
-        biases = []
+        biases, evicts = [], []
         for l, m in enumerate(masks):
             if m is None:
                 biases.append(None)
+                evicts.append(False)
                 continue
             m = torch.as_tensor(m, dtype=torch.bool)
             if m.dim() == 2:
@@ -155,7 +169,59 @@ class _State:
             bias = torch.zeros(m.shape, dtype=torch.float32)
             bias.masked_fill_(~m, float("-inf"))
             biases.append(bias.repeat_interleave(self.group, dim=1).unsqueeze(2))
+            evicts.append(not bool(m.all()))
         self.prefix_bias = biases
+        self.evicts = evicts
+
+    def decode_bias(self, layer: int, query: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """The additive mask [B, H, 1, kv_len] of one query row over `kv_len` keys: the layer's
+        prefix bias, 0 for the tokens appended since. A view of a buffer built on the first
+        call and rebuilt only when kv_len outgrows it (capacity doubles), so decoding step by
+        step allocates nothing."""
+        b = query.shape[0]
+        prefix = self.prefix_bias[layer]
+        n = prefix.shape[-1]
+        if n > kv_len:
+            raise invalid_argument(f"keep masks cover {n} positions but the cache holds "
+                                   f"{kv_len}: was the cache cropped or compacted after the "
+                                   "masks were set?")
+        buf = self._decode_bias.get(layer)
+        if buf is None or buf.shape[-1] < kv_len or buf.dtype != query.dtype or \
+                buf.device != query.device:
+            capacity = max(kv_len, n + 256, 2 * buf.shape[-1] if buf is not None else 0)
+            buf = torch.zeros(prefix.shape[0], prefix.shape[1], 1, capacity,
+                              dtype=query.dtype, device=query.device)
+            buf[..., :n] = prefix
+            self._decode_bias[layer] = buf
+        if buf.shape[0] != b:
+            if buf.shape[0] != 1:
+                raise invalid_argument(f"keep masks are for batch {buf.shape[0]}, the call "
+                                       f"has {b}")
+            return buf[..., :kv_len].expand(b, -1, -1, -1)
+        return buf[..., :kv_len]
+
+
+def _sdpa_supports_gqa() -> bool:
+    try:
+        major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (2, 5)
+
+
+_SDPA_GQA = _sdpa_supports_gqa()
+
+
+def _sdpa_masked_gqa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     mask: torch.Tensor, dropout: float, scaling: Optional[float]):
+    """SDPA over the KV heads as they are (enable_gqa) with an additive mask, in the layout
+    transformers' attention functions return ([B, q, H, d], no weights). transformers' own
+    SDPA path repeats keys and values to every query head whenever a mask is given (a copy of
+    the layer's cache per call); torch's CPU kernel takes the mask with enable_gqa directly."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -166,14 +232,28 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
     state: Optional[_State] = getattr(module, "_laprox_state", None)
     if state is not None:
         q_len, kv_len = query.shape[2], key.shape[2]
+        layer = module.layer_idx
         if q_len == kv_len and q_len > 1:
             # A new sequence's prefill: it runs on the full cache; earlier masks are void.
             if state.capture_rows > 0:
-                state.captured[module.layer_idx] = \
-                    query[:, :, -state.capture_rows:].detach().clone()
-        elif state.prefix_bias is not None and state.prefix_bias[module.layer_idx] is not None:
-            attention_mask = _masked(attention_mask, state.prefix_bias[module.layer_idx],
-                                     query, kv_len)
+                state.captured[layer] = query[:, :, -state.capture_rows:].detach().clone()
+        elif state.prefix_bias is not None and state.prefix_bias[layer] is not None:
+            if q_len == 1 and attention_mask is None:
+                # Decoding (the model's mask was skipped: no padding, one query row). A layer
+                # with nothing evicted runs exactly like the full cache; the others take their
+                # prebuilt bias, sliced to this step's length.
+                if not state.evicts[layer]:
+                    if state.prefix_bias[layer].shape[-1] > kv_len:
+                        state.decode_bias(layer, query, kv_len)  # raises: the cache is short
+                elif _SDPA_GQA and query.device.type == "cpu":
+                    return _sdpa_masked_gqa(query, key, value,
+                                            state.decode_bias(layer, query, kv_len),
+                                            dropout, scaling)
+                else:
+                    attention_mask = state.decode_bias(layer, query, kv_len)
+            else:
+                attention_mask = _masked(attention_mask, state.prefix_bias[layer], query,
+                                         kv_len)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, **kwargs)
 
@@ -441,6 +521,7 @@ class Compressor:
                                 values.gather(2, gather).contiguous())
             compact_masks.append(keep)
         # Always through the masking path: layers now differ in length, so the model's own
-        # mask (built for layer 0) is replaced by one of the right length (_masked).
+        # mask (built for layer 0) is replaced by one of the right length (_masked). Decoding
+        # needs no mask in a layer without padded slots, and a prebuilt one in the others.
         self._state.set_masks(compact_masks)
         return self.plan
