@@ -5,14 +5,8 @@
 
 #include <cblas.h>
 
+#include "cpu/simd.h"
 #include "cpu/vector_ops.h"
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define LAPROX_HAVE_X86 1
-#else
-#define LAPROX_HAVE_X86 0
-#endif
 
 namespace laprox::kernels::cpu {
 namespace {
@@ -49,17 +43,9 @@ void TriangularSquaredNormsScalar(const float* v, int64_t ldv, int64_t rows, int
 }
 
 #if LAPROX_HAVE_X86
-#define LAPROX_AVX2 __attribute__((target("avx2,fma")))
 // The loops over a tile's rows must unroll so that the accumulators live in registers (GCC -O2
 // does not unroll them by itself and keeps the arrays on the stack: 3.5x slower).
 #define LAPROX_UNROLL _Pragma("GCC unroll 8")
-
-LAPROX_AVX2 inline float HorizontalSum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // Columns [j0, j0 + 16) of v T for R rows: u = sum_{i >= j0} v[., i] T[i, j0:j0+16] (T is lower
 // triangular, so rows i < j0 contribute nothing), accumulated as sum u^2 into sq. The panel's
@@ -105,39 +91,24 @@ LAPROX_AVX2 void RowTile(const float* v, int64_t ldv, int64_t d, const float* pa
 LAPROX_AVX2 void TriangularSquaredNormsAvx2(const float* v, int64_t ldv, int64_t rows, int64_t d,
                                             const float* packed, int64_t count, float* out,
                                             int64_t out_stride) {
+  // Tiles of 6 rows, and one of the 1..5 rows left.
+  using Tile = void (*)(const float*, int64_t, int64_t, const float*, float*);
   constexpr int kTile = 6;
+  constexpr Tile kTiles[kTile + 1] = {nullptr,    RowTile<1>, RowTile<2>, RowTile<3>,
+                                      RowTile<4>, RowTile<5>, RowTile<6>};
   const int64_t size = PackedTriangleSize(d);
   // One factor at a time over all rows: T_f (10 KiB packed at d = 64) stays in L1 while rows
   // stream.
   for (int64_t f = 0; f < count; ++f) {
     const float* tf = packed + f * size;
     float* of = out + f * out_stride;
-    int64_t r = 0;
-    for (; r + kTile <= rows; r += kTile) RowTile<kTile>(v + r * ldv, ldv, d, tf, of + r);
-    switch (rows - r) {
-      case 5:
-        RowTile<5>(v + r * ldv, ldv, d, tf, of + r);
-        break;
-      case 4:
-        RowTile<4>(v + r * ldv, ldv, d, tf, of + r);
-        break;
-      case 3:
-        RowTile<3>(v + r * ldv, ldv, d, tf, of + r);
-        break;
-      case 2:
-        RowTile<2>(v + r * ldv, ldv, d, tf, of + r);
-        break;
-      case 1:
-        RowTile<1>(v + r * ldv, ldv, d, tf, of + r);
-        break;
-      default:
-        break;
+    for (int64_t r = 0; r < rows; r += kTile) {
+      kTiles[std::min<int64_t>(kTile, rows - r)](v + r * ldv, ldv, d, tf, of + r);
     }
   }
 }
 
 #undef LAPROX_UNROLL
-#undef LAPROX_AVX2
 #endif  // LAPROX_HAVE_X86
 
 }  // namespace

@@ -6,12 +6,10 @@
 
 #include "common/half.h"
 
-#if defined(__x86_64__)
+#include "cpu/simd.h"
+
+#if LAPROX_HAVE_X86
 #include <cpuid.h>
-#include <immintrin.h>
-#define LAPROX_HAVE_X86 1
-#else
-#define LAPROX_HAVE_X86 0
 #endif
 
 // Each operation has a portable scalar version and, on x86-64, an AVX2+FMA version written with
@@ -132,21 +130,6 @@ void RoundToF16Scalar(float* x, int64_t begin, int64_t count) {
 // ---- AVX2 + FMA versions ----------------------------------------------------------------------
 
 #if LAPROX_HAVE_X86
-#define LAPROX_AVX2 __attribute__((target("avx2,fma")))
-
-LAPROX_AVX2 inline float HorizontalSum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-LAPROX_AVX2 inline float HorizontalMax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
 
 // The same polynomial as ExpScalar, eight lanes at a time.
 LAPROX_AVX2 inline __m256 Exp8(__m256 x) {
@@ -309,7 +292,6 @@ __attribute__((target("avx2,fma,f16c"))) void RoundToF16F16c(float* x, int64_t c
   RoundToF16Scalar(x, i, count);
 }
 
-#undef LAPROX_AVX2
 #endif  // LAPROX_HAVE_X86
 
 std::atomic<bool> force_portable{false};
