@@ -380,6 +380,24 @@ def _diff_cell(x_block: np.ndarray, x_ragged: np.ndarray, digits: int) -> str:
     return text if text == "–" else f"{text} p={_fmt_p(p)}"
 
 
+def _retrieval_pair_table(data: Data, pairs, task: Optional[str], heading: str) -> List[str]:
+    """Each method beside its BLOCKS twin on the retrieval prompts of `task` (None: all):
+    kept tokens per head, exact match and gold log-prob, one row per budget that ran."""
+    lines = [heading, "",
+             "| method | B | kept/head | exact match, BLOCKS vs RAGGED | gold log-prob "
+             "RAGGED · BLOCKS | BLOCKS − RAGGED [95%] |", "|---|---|---|---|---|---|"]
+    for r, b in pairs:
+        for x in data.budgets:
+            lr, lb = data.prompt_values("lp", r, x, task), data.prompt_values("lp", b, x, task)
+            if not _ran(lr, lb):
+                continue
+            lines.append(f"| {r} | {x} | {_kept_cell(data, r, b, x, False)} | "
+                         f"{_em_cell(data, r, b, x, task)} | {_mean_pair(lr, lb, 2)} | "
+                         f"{_diff_cell(lb, lr, 2)} |")
+    lines.append("")
+    return lines
+
+
 def same_values(data: Data, a: str, b: str) -> bool:
     """Whether two methods gave the same value on every item, metric and budget (identical keep
     masks give identical values: forward_all runs each distinct mask set once)."""
@@ -431,36 +449,16 @@ def blocks_section(data: Data) -> List[str]:
         n_key = len(data.prompt_values("lp", pairs[0][0], data.budgets[0], PRIMARY_TASK))
         solved_key = len(data.prompt_values("em", pairs[0][0], data.budgets[0], PRIMARY_TASK,
                                             True))
-        lines += [f"**The primary endpoint's task ({PRIMARY_TASK}: exact match over the "
-                  f"{solved_key} prompts the full cache solves, gold log-prob over all "
-                  f"{n_key})**", "",
-                  "| method | B | kept/head | exact match, BLOCKS vs RAGGED | gold log-prob "
-                  "RAGGED · BLOCKS | BLOCKS − RAGGED [95%] |", "|---|---|---|---|---|---|"]
-        for r, b in pairs:
-            for x in data.budgets:
-                lr = data.prompt_values("lp", r, x, PRIMARY_TASK)
-                lb = data.prompt_values("lp", b, x, PRIMARY_TASK)
-                if not _ran(lr, lb):
-                    continue
-                lines.append(f"| {r} | {x} | {_kept_cell(data, r, b, x, False)} | "
-                             f"{_em_cell(data, r, b, x, PRIMARY_TASK)} | "
-                             f"{_mean_pair(lr, lb, 2)} | {_diff_cell(lb, lr, 2)} |")
-        lines.append("")
+        lines += _retrieval_pair_table(
+            data, pairs, PRIMARY_TASK,
+            f"**The primary endpoint's task ({PRIMARY_TASK}: exact match over the "
+            f"{solved_key} prompts the full cache solves, gold log-prob over all {n_key})**")
     if data.prompts:
         solved = len(data.prompt_values("em", pairs[0][0], data.budgets[0], None, True))
-        lines += [f"**Every retrieval prompt ({len(data.prompts)}; exact match over the {solved} "
-                  "the full cache solves)**", "",
-                  "| method | B | kept/head | exact match, BLOCKS vs RAGGED | gold log-prob "
-                  "RAGGED · BLOCKS | BLOCKS − RAGGED [95%] |", "|---|---|---|---|---|---|"]
-        for r, b in pairs:
-            for x in data.budgets:
-                lr, lb = data.prompt_values("lp", r, x), data.prompt_values("lp", b, x)
-                if not _ran(lr, lb):
-                    continue
-                lines.append(f"| {r} | {x} | {_kept_cell(data, r, b, x, False)} | "
-                             f"{_em_cell(data, r, b, x, None)} | {_mean_pair(lr, lb, 2)} | "
-                             f"{_diff_cell(lb, lr, 2)} |")
-        lines.append("")
+        lines += _retrieval_pair_table(
+            data, pairs, None,
+            f"**Every retrieval prompt ({len(data.prompts)}; exact match over the {solved} "
+            "the full cache solves)**")
     if data.prompts and "recall" in data.prompts[0]:
         lines += ["**The gold facts kept, every retrieval prompt**: recall (the share of the "
                   "facts' tokens kept, mean over (layer, KV head)) and cover (the share of "
