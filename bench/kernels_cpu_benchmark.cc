@@ -183,12 +183,26 @@ double TimeConcurrent(Fn&& fn) {
   return std::chrono::duration<double>(Clock::now() - begin).count();
 }
 
+// Summed FLOP rate of kThreads threads each repeating call(t), flops_per_call FLOPs a call, at
+// the same time (about 1 GFLOP per thread per trial: long enough to time, short enough to
+// repeat); best of `trials` after a warm-up.
+template <typename Call>
+double ConcurrentRate(double flops_per_call, int trials, Call&& call) {
+  const int reps = std::max(1, static_cast<int>(1e9 / flops_per_call));
+  auto run = [&](int t) {
+    for (int r = 0; r < reps; ++r) call(t);
+  };
+  TimeConcurrent(run);  // warm-up: OpenBLAS allocates its buffers on the first call
+  double best = 0.0;
+  for (int trial = 0; trial < trials; ++trial) {
+    best = std::max(best, kThreads * reps * flops_per_call / TimeConcurrent(run));
+  }
+  return best;
+}
+
 // Summed FLOP rate of kThreads threads each calling single-threaded sgemm C[m,n] = A[m,k] B
 // concurrently, B given as [k, n] or transposed as [n, k]; best of `trials` after a warm-up.
 double SgemmRate(int m, int n, int k, bool transpose_b, int trials) {
-  const double flops_per_call = 2.0 * m * n * k;
-  // About 1 GFLOP per thread per trial: long enough to time, short enough to repeat.
-  const int reps = std::max(1, static_cast<int>(1e9 / flops_per_call));
   struct Buffers {
     std::vector<float> a, b, c;
   };
@@ -200,19 +214,11 @@ double SgemmRate(int m, int n, int k, bool transpose_b, int trials) {
     FillNormal(buffers[t].a.data(), int64_t{m} * k, 1000 + t, 1.f);
     FillNormal(buffers[t].b.data(), int64_t{k} * n, 2000 + t, 1.f);
   }
-  auto run = [&](int t) {
+  return ConcurrentRate(2.0 * m * n * k, trials, [&](int t) {
     Buffers& buf = buffers[t];
-    for (int r = 0; r < reps; ++r) {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans, m, n, k,
-                  1.f, buf.a.data(), k, buf.b.data(), transpose_b ? k : n, 0.f, buf.c.data(), n);
-    }
-  };
-  TimeConcurrent(run);  // warm-up: OpenBLAS allocates its buffers on the first call
-  double best = 0.0;
-  for (int trial = 0; trial < trials; ++trial) {
-    best = std::max(best, kThreads * reps * flops_per_call / TimeConcurrent(run));
-  }
-  return best;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans, m, n, k, 1.f,
+                buf.a.data(), k, buf.b.data(), transpose_b ? k : n, 0.f, buf.c.data(), n);
+  });
 }
 
 // Sum of x[0, count); several independent accumulators so the loads, not the add latency,
@@ -270,8 +276,6 @@ struct MachineRates {
 // (cpu/triangular.h) on `rows` rows and G factors of d x d, counted in the least-work FLOPs it
 // stands for (d(d+1) per row and factor); best of `trials`.
 double TriangleRate(int rows, int G, int d, int trials) {
-  const double flops_per_call = static_cast<double>(rows) * G * d * (d + 1.0);
-  const int reps = std::max(1, static_cast<int>(1e9 / flops_per_call));
   struct Buffers {
     std::vector<float> v, t, packed, out;
   };
@@ -285,19 +289,11 @@ double TriangleRate(int rows, int G, int d, int trials) {
     FillNormal(buffers[t].t.data(), int64_t{d} * G * d, 4000 + t, 1.f);
     cpu::PackTriangles(buffers[t].t.data(), int64_t{G} * d, d, G, buffers[t].packed.data());
   }
-  auto run = [&](int t) {
+  return ConcurrentRate(static_cast<double>(rows) * G * d * (d + 1.0), trials, [&](int t) {
     Buffers& buf = buffers[t];
-    for (int r = 0; r < reps; ++r) {
-      cpu::TriangularSquaredNorms(buf.v.data(), d, rows, d, buf.packed.data(), G, buf.out.data(),
-                                  rows);
-    }
-  };
-  TimeConcurrent(run);
-  double best = 0.0;
-  for (int trial = 0; trial < trials; ++trial) {
-    best = std::max(best, kThreads * reps * flops_per_call / TimeConcurrent(run));
-  }
-  return best;
+    cpu::TriangularSquaredNorms(buf.v.data(), d, rows, d, buf.packed.data(), G, buf.out.data(),
+                                rows);
+  });
 }
 
 // Rates of the kernel shapes of one geometry (kernels/cpu/window.cc and score.cc: Q.K^T is
