@@ -20,7 +20,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(BackendKind kind,
   }
   switch (kind) {
     case BackendKind::kCpu:
-      return std::make_unique<cpu::CpuBackend>(options.threads);
+      return std::make_unique<cpu::CpuBackend>(options.threads, options.cpu_window_bytes);
     case BackendKind::kCuda:
 #if LAPROX_HAVE_CUDA
     {

@@ -99,6 +99,9 @@ ABSL_FLAG(std::string, health_listen, "",
           "fatal (sticky) CUDA error");
 ABSL_FLAG(std::string, backend, "auto", "compute backend: auto, cpu or cuda");
 ABSL_FLAG(int, threads, 2, "CPU backend worker threads per request");
+ABSL_FLAG(int64_t, cpu_window_mb, 64,
+          "CPU backend, LAPROX: MiB of window probabilities a worker thread holds at most; "
+          "longer contexts compute the window rows in several passes over the keys");
 ABSL_FLAG(int, device, 0, "CUDA device ordinal (cuda backend)");
 ABSL_FLAG(std::string, cuda_kernels, "v0",
           "cuda backend kernels: v0 (cuBLAS GEMMs, radix-sort select) or v1 (fused kernel, "
@@ -213,9 +216,16 @@ int main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
+  const int64_t cpu_window_mb = absl::GetFlag(FLAGS_cpu_window_mb);
+  if (cpu_window_mb < 1 || cpu_window_mb > (int64_t{1} << 20)) {
+    std::fprintf(stderr, "laproxd: --cpu_window_mb=%lld is outside [1, 2^20]\n",
+                 static_cast<long long>(cpu_window_mb));
+    return 1;
+  }
   // CreateBackend checks every option (--cuda_kernels too) and names what is wrong.
   auto backend = laprox::kernels::CreateBackend(
       absl::GetFlag(FLAGS_backend), {.threads = absl::GetFlag(FLAGS_threads),
+                                     .cpu_window_bytes = cpu_window_mb << 20,
                                      .device = absl::GetFlag(FLAGS_device),
                                      .cuda_kernels = absl::GetFlag(FLAGS_cuda_kernels)});
   if (!backend.ok()) {

@@ -170,7 +170,7 @@ void WindowStatistics(const RequestShape& shape, const PolicySpec& policy, const
 absl::Status BaselineHead(const RequestShape& shape, const PolicySpec& policy, const HeadTask& task,
                           DType attention_dtype, ScoreWorkspace& ws,
                           const BaselineHeadOutput& out) {
-  LAPROX_RETURN_IF_ERROR(WindowAttention(shape, task, ws));
+  LAPROX_RETURN_IF_ERROR(WindowAttention(shape, task, AllWindowRows(shape), ws));
   if (out.value_norms != nullptr) {
     float max_values = 0.f;
     LAPROX_RETURN_IF_ERROR(ProjectedValueL1(shape, task, ws, out.value_norms, &max_values));

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <new>
+#include <utility>
 #include <vector>
 
 #include <cblas.h>
@@ -111,17 +112,18 @@ class SequenceJob {
   virtual ~SequenceJob() = default;
   // Scores item (layer * Hkv + KV head) with the calling worker's workspace.
   virtual absl::Status Score(int64_t item, ScoreWorkspace& ws) = 0;
-  // Once every item is scored: the plan.
+  // Once every item is scored: the plan (called once; it may consume the job's buffers).
   virtual absl::StatusOr<KeepPlan> Select() = 0;
 };
 
 class LaproxJob final : public SequenceJob {
  public:
   LaproxJob(const CpuPreparedModel& model, const KeepPlanRequest& request,
-            const RequestShape& shape)
+            const RequestShape& shape, int64_t window_bytes)
       : model_(model),
         request_(request),
         shape_(shape),
+        window_bytes_(window_bytes),
         raw_(int64_t{shape.num_layers} * shape.num_kv_heads * shape.n, 0.f) {}
 
   absl::Status Score(int64_t item, ScoreWorkspace& ws) override {
@@ -134,17 +136,19 @@ class LaproxJob final : public SequenceJob {
     task.hidden_size = model_.geometry().hidden_size;
     task.max_o_proj = model_.max_o_proj(task.layer);
     task.scale = model_.geometry().EffectiveScale();
+    task.window_bytes = window_bytes_;
     return ScoreHead(shape_, request_.policy, task, ws, raw_.data() + item * shape_.n);
   }
 
   absl::StatusOr<KeepPlan> Select() override {
-    return policy::SelectKeepPlan(shape_, request_.policy, raw_, request_.outputs);
+    return policy::SelectKeepPlan(shape_, request_.policy, std::move(raw_), request_.outputs);
   }
 
  private:
   const CpuPreparedModel& model_;
   const KeepPlanRequest& request_;
   const RequestShape& shape_;
+  int64_t window_bytes_;
   std::vector<float> raw_;
 };
 
@@ -229,7 +233,8 @@ CpuPreparedModel::CpuPreparedModel(const ModelGeometry& geometry, const PrepareO
   max_o_proj_.assign(geometry.num_layers, 0.f);
 }
 
-CpuBackend::CpuBackend(int threads) : threads_(std::max(threads, 1)) {
+CpuBackend::CpuBackend(int threads, int64_t window_bytes)
+    : threads_(std::max(threads, 1)), window_bytes_(std::max<int64_t>(window_bytes, 1)) {
   // Parallelism comes from our workers over (layer, head) pairs; nested BLAS threads would
   // oversubscribe the cores.
   openblas_set_num_threads(1);
@@ -309,7 +314,7 @@ absl::StatusOr<std::vector<KeepPlan>> CpuBackend::RunSequences(
   std::vector<int64_t> first_item = {0};
   for (size_t i = 0; i < requests.size(); ++i) {
     if (requests[i].policy.kind == PolicyKind::kLaprox) {
-      jobs.push_back(std::make_unique<LaproxJob>(prepared, requests[i], shapes[i]));
+      jobs.push_back(std::make_unique<LaproxJob>(prepared, requests[i], shapes[i], window_bytes_));
     } else {
       jobs.push_back(std::make_unique<BaselineJob>(prepared, requests[i], shapes[i]));
     }
@@ -370,8 +375,12 @@ int64_t CpuBackend::KeepPlanWorkspaceBytes(const ModelGeometry& geometry, const 
   // that fp64 accumulators are covered).
   const int64_t blocks = exact ? SatAdd(G, SatMul(G, G - 1) / 2) : std::max<int64_t>(G, 2);
   const int64_t statistics = exact ? SatMul(G, G + 1) / 2 : G;
+  // LAPROX computes the window rows in ranges within window_bytes_ (ScoreHead).
+  const int64_t probability_rows = policy.kind == PolicyKind::kLaprox
+                                       ? SatMul(G, WindowRowsPerRange(shape, window_bytes_))
+                                       : rows;
   const int64_t per_worker = SatAdd({
-      SatMul({4, rows, n}),                                        // window probabilities
+      SatMul({4, probability_rows, n}),                            // window probabilities
       SatMul({8, statistics, n}),                                  // attention statistics
       SatMul({4, blocks, n}),                                      // value statistics
       SatMul({4, 256, SatAdd(SatMul(blocks, d), D)}),              // one value chunk's products
@@ -382,9 +391,10 @@ int64_t CpuBackend::KeepPlanWorkspaceBytes(const ModelGeometry& geometry, const 
       SatMul(4, rows),                                // scaled row scales
       per_head_pool ? SatMul({4, G, n}) : 0,          // per-head pooled attention factors
   });
-  // Shared: raw scores, the competing scores, marks and the candidate pool of the selection
-  // (LAPROX: 4 + 4 + 2 + 8 bytes per entry; the baselines keep fp64 scores and ranked pools).
-  const int64_t per_entry = policy.kind == PolicyKind::kLaprox ? 20 : 48;
+  // Shared: the raw scores, normalised in place by the selection, its marks and a block plan's
+  // token marks (LAPROX: 4 + 1 + 1 bytes per entry, policy/select.cc; the baselines keep fp64
+  // scores and ranked pools).
+  const int64_t per_entry = policy.kind == PolicyKind::kLaprox ? 6 : 48;
   return SatAdd({SatMul(std::min<int64_t>(threads_, heads), per_worker),
                  SatMul({heads, n, per_entry}), SatMul(heads, 64)});
 }

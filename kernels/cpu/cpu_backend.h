@@ -17,9 +17,10 @@ class CpuPreparedModel;
 
 class CpuBackend final : public Backend {
  public:
-  // `threads` >= 1 workers over (layer, KV head) pairs. Sets OpenBLAS to one thread per call
-  // (a process-wide OpenBLAS setting).
-  explicit CpuBackend(int threads);
+  // `threads` >= 1 workers over (layer, KV head) pairs, each holding at most `window_bytes` of
+  // LAPROX's window probabilities (BackendOptions::cpu_window_bytes). Sets OpenBLAS to one
+  // thread per call (a process-wide OpenBLAS setting).
+  explicit CpuBackend(int threads, int64_t window_bytes = int64_t{64} << 20);
 
   BackendKind kind() const override { return BackendKind::kCpu; }
   std::string Describe() const override;
@@ -52,6 +53,7 @@ class CpuBackend final : public Backend {
                                                      int64_t* failed);
 
   int threads_;
+  int64_t window_bytes_;
 };
 
 }  // namespace laprox::kernels::cpu

@@ -32,57 +32,69 @@ int AttentionScaleExponent(int64_t we, int64_t G) {
   return static_cast<int>(std::floor((126.0 - top) / 2.0));
 }
 
-// Per-token attention statistics over the prefix [0, prefix) into ws.attention, times 2^(2k)
-// with k = AttentionScaleExponent (fp32: at most 2^126).
-void AttentionStatistics(const RequestShape& shape, AttentionStat stat, int64_t prefix, int k,
-                         ScoreWorkspace& ws) {
-  const int64_t n = shape.n, we = shape.window, G = shape.group_size;
+// The number of attention statistics per token (blocks of ws.attention).
+int64_t AttentionStatisticCount(AttentionStat stat, int64_t G) {
+  switch (stat) {
+    case AttentionStat::kGroupMean:
+      return 1;
+    case AttentionStat::kPerHead:
+      return G;
+    case AttentionStat::kHeadGram:
+      break;
+  }
+  return G * (G + 1) / 2;
+}
+
+// Adds the window rows `rows` (computed into ws.probs by WindowAttention) to the per-token
+// attention statistics over the prefix [0, prefix) in ws.attention, times 2^(2k) with
+// k = AttentionScaleExponent (fp32: at most 2^126). Each statistic adds its window rows in
+// increasing t, so computing the rows in several ranges gives the same sums.
+void AttentionStatistics(const RequestShape& shape, AttentionStat stat, WindowRows rows,
+                         int64_t prefix, int k, ScoreWorkspace& ws) {
+  const int64_t n = shape.n, G = shape.group_size, count = rows.count();
   const float* probs = ws.probs.data();
   const float* row_scale = ws.row_scale.data();
+  float* acc = ws.attention.data();
   // The row scales times 2^k (exact: a power of two; at most 2^k, as a row scale is at most 1).
-  float* scale = Sized(ws.scaled_row_scale, G * we);
-  for (int64_t r = 0; r < G * we; ++r) scale[r] = std::ldexp(row_scale[r], k);
+  float* scale = Sized(ws.scaled_row_scale, G * count);
+  for (int64_t r = 0; r < G * count; ++r) scale[r] = std::ldexp(row_scale[r], k);
+  // Row t of query head hi of the group in ws.probs and `scale`.
+  const auto at = [&](int64_t hi, int64_t t) { return hi * count + t - rows.begin; };
   switch (stat) {
     case AttentionStat::kGroupMean: {
-      float* acc = Zeroed(ws.attention, prefix);
-      std::vector<const float*> rows(G);
+      std::vector<const float*> heads(G);
       std::vector<float> scales(G);
-      for (int64_t t = 0; t < we; ++t) {
+      for (int64_t t = rows.begin; t < rows.end; ++t) {
         for (int64_t hi = 0; hi < G; ++hi) {
-          rows[hi] = probs + (hi * we + t) * n;
-          scales[hi] = scale[hi * we + t];
+          heads[hi] = probs + at(hi, t) * n;
+          scales[hi] = scale[at(hi, t)];
         }
-        AccumulateSquaredSum(rows.data(), scales.data(), static_cast<int>(G), prefix, acc);
+        AccumulateSquaredSum(heads.data(), scales.data(), static_cast<int>(G), prefix, acc);
       }
       break;
     }
-    case AttentionStat::kPerHead: {
-      float* acc = Zeroed(ws.attention, G * prefix);
+    case AttentionStat::kPerHead:
       for (int64_t hi = 0; hi < G; ++hi) {
-        for (int64_t t = 0; t < we; ++t) {
-          const float* row = probs + (hi * we + t) * n;
-          AccumulateSquaredSum(&row, &scale[hi * we + t], 1, prefix, acc + hi * prefix);
+        for (int64_t t = rows.begin; t < rows.end; ++t) {
+          const float* row = probs + at(hi, t) * n;
+          AccumulateSquaredSum(&row, &scale[at(hi, t)], 1, prefix, acc + hi * prefix);
         }
       }
       break;
-    }
-    case AttentionStat::kHeadGram: {
-      const int64_t stats = G * (G + 1) / 2;
-      float* acc = Zeroed(ws.attention, stats * prefix);
-      for (int64_t t = 0; t < we; ++t) {
+    case AttentionStat::kHeadGram:
+      for (int64_t t = rows.begin; t < rows.end; ++t) {
         int64_t pair = G;
         for (int64_t a = 0; a < G; ++a) {
-          const float* ra = probs + (a * we + t) * n;
-          const float sa = scale[a * we + t];
+          const float* ra = probs + at(a, t) * n;
+          const float sa = scale[at(a, t)];
           AccumulateSquaredSum(&ra, &sa, 1, prefix, acc + a * prefix);
           for (int64_t b = a + 1; b < G; ++b, ++pair) {
-            const float* rb = probs + (b * we + t) * n;
-            AccumulateProduct(ra, rb, sa * scale[b * we + t], prefix, acc + pair * prefix);
+            const float* rb = probs + at(b, t) * n;
+            AccumulateProduct(ra, rb, sa * scale[at(b, t)], prefix, acc + pair * prefix);
           }
         }
       }
       break;
-    }
   }
 }
 
@@ -196,11 +208,20 @@ absl::Status ScoreHead(const RequestShape& shape, const PolicySpec& policy, cons
   const int64_t prefix = shape.n - shape.window;  // pooled range: sinks and candidates
   const ScoreModes modes = ChooseScoreModes(policy, G);
 
-  LAPROX_RETURN_IF_ERROR(WindowAttention(shape, task, ws));
-  LAPROX_RETURN_IF_ERROR(ValueStatistics(shape, policy, task, modes, prefix, ws));
+  // The window rows in ranges (WindowRowsPerRange), so that ws.probs stays within
+  // task.window_bytes; the first range comes before the value statistics, as the checks of the
+  // attention inputs come before those of the values.
+  const int64_t we = shape.window;
+  const int64_t per_range = WindowRowsPerRange(shape, task.window_bytes);
+  const int k = AttentionScaleExponent(we, G);
+  Zeroed(ws.attention, AttentionStatisticCount(modes.attention, G) * prefix);
+  for (int64_t t0 = 0; t0 < std::max<int64_t>(we, 1); t0 += per_range) {
+    const WindowRows rows = {t0, std::min(we, t0 + per_range)};
+    LAPROX_RETURN_IF_ERROR(WindowAttention(shape, task, rows, ws));
+    if (t0 == 0) LAPROX_RETURN_IF_ERROR(ValueStatistics(shape, policy, task, modes, prefix, ws));
+    if (prefix > 0) AttentionStatistics(shape, modes.attention, rows, prefix, k, ws);
+  }
   if (prefix == 0) return absl::OkStatus();
-  const int k = AttentionScaleExponent(shape.window, G);
-  AttentionStatistics(shape, modes.attention, prefix, k, ws);
 
   // The statistics are 2^(2k) times their value: combined in fp64 (a scaled statistic times a
   // value factor may exceed fp32) and unscaled by 2^-k after the square root.

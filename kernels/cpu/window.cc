@@ -21,18 +21,21 @@ constexpr int64_t kKeyChunk = 1024;
 // Tolerance on the row sums of a window attention row given by the engine (bf16 rows).
 constexpr double kRowSumTolerance = 1e-2;
 
-// Fills ws.probs columns [0, prefix) and ws.row_scale with the group's window attention given
-// by the engine, checking every given row of the group's heads.
-absl::Status LoadGivenAttention(const RequestShape& shape, const HeadTask& task, int64_t prefix,
-                                ScoreWorkspace& ws) {
+// Fills ws.probs columns [0, prefix) and ws.row_scale with the window rows `range` of the group's
+// attention given by the engine, checking those rows of the group's heads and, with the first
+// range, the rows before the window.
+absl::Status LoadGivenAttention(const RequestShape& shape, const HeadTask& task, WindowRows range,
+                                int64_t prefix, ScoreWorkspace& ws) {
   const TensorView& attention = task.inputs->window_attention;
   const int64_t n = shape.n, we = shape.window, wq = shape.window_rows, G = shape.group_size;
+  const int64_t count = range.count();
   const TensorName name{task.layer, "window_attention"};
-  float* probs = Sized(ws.probs, G * we * n);
-  float* row_scale = Sized(ws.row_scale, G * we);
+  float* probs = Sized(ws.probs, G * count * n);
+  float* row_scale = Sized(ws.row_scale, G * count);
+  const int64_t first_row = range.begin == 0 ? 0 : wq - we + range.begin;
   for (int64_t hi = 0; hi < G; ++hi) {
     const int64_t h = task.kv_head * G + hi;
-    for (int64_t row = 0; row < wq; ++row) {
+    for (int64_t row = first_row; row < wq - we + range.end; ++row) {
       RowBlock block;
       LAPROX_RETURN_IF_ERROR(LoadRows(attention, h, row, 1, name, ws.rows, &block));
       double sum = 0.0;
@@ -50,21 +53,22 @@ absl::Status LoadGivenAttention(const RequestShape& shape, const HeadTask& task,
                          "] sums to ", sum, ", not 1 (tolerance ", kRowSumTolerance, ")"));
       }
       const int64_t t = row - (wq - we);
-      if (t < 0) continue;
-      std::copy(block.data, block.data + prefix, probs + (hi * we + t) * n);
-      row_scale[hi * we + t] = 1.f;
+      if (t < range.begin) continue;
+      const int64_t r = hi * count + t - range.begin;
+      std::copy(block.data, block.data + prefix, probs + r * n);
+      row_scale[r] = 1.f;
     }
   }
   return absl::OkStatus();
 }
 
 // KVPRESS_COMPAT rounds the logits q . k to the model dtype, where finite inputs may overflow
-// (fp16 ends at 65504): INVALID_ARGUMENT naming the first infinite logit of window row r.
-absl::Status CompatLogitOverflow(const RequestShape& shape, const HeadTask& task, int64_t r,
-                                 const float* row, int64_t visible) {
-  const int64_t we = shape.window;
-  const int64_t h = task.kv_head * shape.group_size + r / we;
-  const int64_t query_row = shape.window_rows - we + r % we;
+// (fp16 ends at 65504): INVALID_ARGUMENT naming the first infinite logit of window row t of
+// query head hi of the group.
+absl::Status CompatLogitOverflow(const RequestShape& shape, const HeadTask& task, int64_t hi,
+                                 int64_t t, const float* row, int64_t visible) {
+  const int64_t h = task.kv_head * shape.group_size + hi;
+  const int64_t query_row = shape.window_rows - shape.window + t;
   int64_t j = 0;
   while (j + 1 < visible && std::isfinite(row[j])) ++j;
   return absl::InvalidArgumentError(absl::StrCat(
@@ -75,13 +79,14 @@ absl::Status CompatLogitOverflow(const RequestShape& shape, const HeadTask& task
       "finite but too large"));
 }
 
-// Computes the group's window attention from queries and keys into ws.probs (unnormalised,
-// columns [0, prefix) valid) and ws.row_scale.
-absl::Status ComputeAttention(const RequestShape& shape, const HeadTask& task, int64_t prefix,
-                              ScoreWorkspace& ws) {
+// Computes the window rows `range` of the group's attention from queries and keys into ws.probs
+// (unnormalised, columns [0, prefix) valid) and ws.row_scale. Every query, key and LSE value is
+// checked whatever the range, so that each range refuses bad inputs alike.
+absl::Status ComputeAttention(const RequestShape& shape, const HeadTask& task, WindowRows range,
+                              int64_t prefix, ScoreWorkspace& ws) {
   const LayerInputs& in = *task.inputs;
   const int64_t n = shape.n, d = shape.head_dim, we = shape.window, wq = shape.window_rows,
-                G = shape.group_size, rows = G * we;
+                G = shape.group_size, count = range.count(), rows = G * count;
   float* queries = Sized(ws.queries, rows * d);
   float max_queries = 0.f, max_keys = 0.f;  // for the logit bound
   for (int64_t hi = 0; hi < G; ++hi) {
@@ -89,9 +94,9 @@ absl::Status ComputeAttention(const RequestShape& shape, const HeadTask& task, i
     RowBlock block;
     LAPROX_RETURN_IF_ERROR(LoadRows(in.window_queries, h, 0, wq, {task.layer, "window_queries"},
                                     ws.rows, &block, &max_queries));
-    for (int64_t t = 0; t < we; ++t) {
+    for (int64_t t = range.begin; t < range.end; ++t) {
       const float* src = block.data + (wq - we + t) * block.ld;
-      float* dst = queries + (hi * we + t) * d;
+      float* dst = queries + (hi * count + t - range.begin) * d;
       if (task.kvpress_compat) {
         std::copy(src, src + d, dst);  // scaled after the logits are rounded
       } else {
@@ -114,7 +119,7 @@ absl::Status ComputeAttention(const RequestShape& shape, const HeadTask& task, i
                                                          ") at [", h, ", ", row, "]"));
         }
         const int64_t t = row - (wq - we);
-        if (t >= 0) lse[hi * we + t] = v;
+        if (t >= range.begin && t < range.end) lse[hi * count + t - range.begin] = v;
       }
     }
   }
@@ -149,7 +154,7 @@ absl::Status ComputeAttention(const RequestShape& shape, const HeadTask& task, i
   // kvpress: matmul(q, k^T) / math.sqrt(head_dim), each op's output in the model dtype.
   const float sqrt_d = static_cast<float>(std::sqrt(static_cast<double>(d)));
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t = r % we;
+    const int64_t t = range.begin + r % count;
     float* row = probs + r * n;
     if (use_lse) {
       ExpInPlace(row, prefix, lse[r]);
@@ -159,7 +164,9 @@ absl::Status ComputeAttention(const RequestShape& shape, const HeadTask& task, i
       const int64_t visible = n - we + t + 1;
       if (task.kvpress_compat) {
         RoundTo(task.compat_dtype, row, visible);
-        if (!AllFinite(row, visible)) return CompatLogitOverflow(shape, task, r, row, visible);
+        if (!AllFinite(row, visible)) {
+          return CompatLogitOverflow(shape, task, r / count, t, row, visible);
+        }
         for (int64_t j = 0; j < visible; ++j) row[j] /= sqrt_d;
         RoundTo(task.compat_dtype, row, visible);
       }
@@ -172,14 +179,23 @@ absl::Status ComputeAttention(const RequestShape& shape, const HeadTask& task, i
 
 }  // namespace
 
-absl::Status WindowAttention(const RequestShape& shape, const HeadTask& task, ScoreWorkspace& ws) {
+absl::Status WindowAttention(const RequestShape& shape, const HeadTask& task, WindowRows rows,
+                             ScoreWorkspace& ws) {
   const int64_t prefix = shape.n - shape.window;
-  if (!shape.attention_given) return ComputeAttention(shape, task, prefix, ws);
-  LAPROX_RETURN_IF_ERROR(LoadGivenAttention(shape, task, prefix, ws));
+  if (!shape.attention_given) return ComputeAttention(shape, task, rows, prefix, ws);
+  LAPROX_RETURN_IF_ERROR(LoadGivenAttention(shape, task, rows, prefix, ws));
   // Keys are not needed with the engine's attention, but a NaN/Inf in any input rejects the
   // request (DESIGN.md section 2), as the CUDA backend's input check does.
   return CheckRowsFinite(task.inputs->keys, task.kv_head, 0, shape.n, {task.layer, "keys"},
                          ws.rows);
+}
+
+int64_t WindowRowsPerRange(const RequestShape& shape, int64_t window_bytes) {
+  const int64_t we = std::max<int64_t>(shape.window, 1);
+  const int64_t per_row = 4 * int64_t{shape.group_size} * std::max<int64_t>(shape.n, 1);
+  const int64_t fit = std::clamp<int64_t>(window_bytes / per_row, 1, we);
+  const int64_t ranges = (we + fit - 1) / fit;
+  return (we + ranges - 1) / ranges;
 }
 
 void RoundTo(DType dtype, float* x, int64_t count) {

@@ -14,8 +14,8 @@ namespace laprox::kernels::cpu {
 // Scratch memory of one worker thread, reused across (layer, head) tasks and requests.
 struct ScoreWorkspace {
   std::vector<float> queries;    // [G * we, d], scaled
-  std::vector<float> probs;      // [G * we, n], logits, then unnormalised probabilities
-  std::vector<float> row_scale;  // [G * we], 1 / row sum
+  std::vector<float> probs;      // [G * rows, n], logits, then unnormalised probabilities
+  std::vector<float> row_scale;  // [G * rows], 1 / row sum
   std::vector<float> rows;       // converted key / value / attention rows
   std::vector<float> projected;  // [chunk, F * d] V times factor blocks, or [chunk, D] V W_O^h
   std::vector<float> triangles;  // the task's triangular factors, packed (cpu/triangular.h)
@@ -39,6 +39,8 @@ struct HeadTask {
   int64_t hidden_size = 0;         // D
   float max_o_proj = 0.f;          // CpuPreparedModel::max_o_proj(layer): largest |o_proj[l]|
   float scale = 0.f;               // softmax scale
+  // LAPROX: the most bytes of window probabilities to hold at once (WindowRowsPerRange).
+  int64_t window_bytes = int64_t{1} << 62;
   // KVPRESS_COMPAT arithmetic of the SnapKV kinds (kvpress's SnapKVPress in the model dtype T =
   // compat_dtype, kF32: no rounding): WindowAttention rounds the logits q.k to T, divides them
   // by sqrt(d) (not `scale`), rounds again and takes the softmax from them, ignoring a
@@ -66,16 +68,34 @@ T* Zeroed(std::vector<T>& v, int64_t size) {
   return p;
 }
 
-// The window attention of the G query heads of `task` (SEMANTICS.md, "Scores"): from the
-// engine's window_attention rows, or from queries and keys (fp32 sgemm, causal softmax, or the
-// engine's window_lse; KVPRESS_COMPAT: see HeadTask::kvpress_compat). Afterwards row r = hi * we +
-// t of ws.probs ([G * we, n]) times ws.row_scale[r] is A^h[t, :] for query head h = kv_head * G +
-// hi, valid in columns [0, n - we); every entry is at most 1 (softmax rows; with the engine's
-// window_lse, exp(logit - lse) capped at 1; given rows are checked to sum to at most 1.01). Checks
-// every input element it reads (the group's keys, queries or attention rows, LSE) and answers
+// Window rows t in [begin, end) of every query head of a group, 0 <= begin < end <= we.
+struct WindowRows {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int64_t count() const { return end - begin; }
+};
+
+// The window attention rows `rows` of the G query heads of `task` (SEMANTICS.md, "Scores"): from
+// the engine's window_attention rows, or from queries and keys (fp32 sgemm, causal softmax, or
+// the engine's window_lse; KVPRESS_COMPAT: see HeadTask::kvpress_compat). Afterwards row
+// r = hi * rows.count() + (t - rows.begin) of ws.probs ([G * rows.count(), n]) times
+// ws.row_scale[r] is A^h[t, :] for query head h = kv_head * G + hi, valid in columns [0, n - we);
+// every entry is at most 1 (softmax rows; with the engine's window_lse, exp(logit - lse) capped at
+// 1; given rows are checked to sum to at most 1.01). A row's values do not depend on the range it
+// is computed in. Checks every input element it reads (the group's keys, queries and LSE, or the
+// attention rows of the range, and those before the window with the first range) and answers
 // INVALID_ARGUMENT naming the tensor and element on bad data, and naming the keys when the logits
 // could overflow (policy::CheckLogitMagnitude) or, in KVPRESS_COMPAT, overflow the model dtype.
-absl::Status WindowAttention(const RequestShape& shape, const HeadTask& task, ScoreWorkspace& ws);
+absl::Status WindowAttention(const RequestShape& shape, const HeadTask& task, WindowRows rows,
+                             ScoreWorkspace& ws);
+
+// All the window rows of a request: [0, we).
+inline WindowRows AllWindowRows(const RequestShape& shape) { return {0, shape.window}; }
+
+// The window rows per range when a worker may hold `window_bytes` of probabilities
+// ([G * rows, n] fp32): the we rows in as few ranges as fit (one row per range at least), the
+// ranges as even as possible. At least 1.
+int64_t WindowRowsPerRange(const RequestShape& shape, int64_t window_bytes);
 
 // out[i] for i in [begin, len) = pool(x)_i over x[0, len) (SEMANTICS.md, "pool"); `sums` is
 // scratch. AVG adds each window's own terms in fp64 (no difference of prefix sums, which would

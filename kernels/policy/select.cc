@@ -1,8 +1,11 @@
 #include "policy/select.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
+#include <numeric>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -11,37 +14,66 @@
 namespace laprox::kernels::policy {
 namespace {
 
-// Selection state over the flat [L, Hkv, n] index space.
+// The order of the selection as an unsigned key: a higher finite score has a higher key, and -0
+// and +0 (equal scores) have the same one.
+uint32_t OrderKey(float score) {
+  if (score == 0.f) score = 0.f;
+  const uint32_t bits = std::bit_cast<uint32_t>(score);
+  return (bits & 0x80000000u) != 0 ? ~bits : bits | 0x80000000u;
+}
+
+// Selection state over the flat [L, Hkv, n] index space. A step selects the best k of the
+// candidates not yet selected in a range of (layer, head) rows by a radix select on the scores'
+// order keys: three histogram passes fix the key of the k-th best, then one pass marks every
+// better candidate and, of those tied with it, the first ones in flat index order. That is the
+// order RankedBefore sorts by (score descending, flat index ascending), with no candidate pool:
+// the extra memory is one histogram, whatever L * Hkv * n.
 class Selector {
  public:
   Selector(const RequestShape& shape, const std::vector<float>& scores)
       : shape_(shape), scores_(scores), selected_(scores.size(), 0) {}
 
-  const std::vector<uint8_t>& selected() const { return selected_; }
+  // The kept marks so far, moved out: the selector is spent afterwards.
+  std::vector<uint8_t> TakeSelected() { return std::move(selected_); }
 
-  // Appends the not-yet-selected candidates of (layer, head) to `out`.
-  void Gather(int64_t layer, int64_t head, std::vector<ScoredToken>& out) const {
-    const int64_t base = (layer * shape_.num_kv_heads + head) * shape_.n;
-    const int64_t begin = base + shape_.sinks, end = begin + shape_.candidates;
-    for (int64_t i = begin; i < end; ++i) {
-      if (!selected_[i]) out.push_back({scores_[i], static_cast<uint32_t>(i)});
+  // Selects the best `k` not-yet-selected candidates of rows [row_begin, row_end), all of them
+  // when there are at most k.
+  void Take(int64_t row_begin, int64_t row_end, int64_t k) {
+    if (k <= 0) return;
+    uint32_t prefix = 0, prefix_mask = 0;
+    int64_t needed = k;  // among the candidates whose key starts with `prefix`
+    int64_t available = 0;
+    for (const int shift : {21, 10, 0}) {
+      const uint32_t digit_mask = shift == 0 ? 0x3ffu : 0x7ffu;
+      std::fill(histogram_.begin(), histogram_.end(), 0);
+      ForEachOpen(row_begin, row_end, [&](int64_t, uint32_t key) {
+        if ((key & prefix_mask) == prefix) ++histogram_[(key >> shift) & digit_mask];
+      });
+      if (prefix_mask == 0) {
+        available = std::accumulate(histogram_.begin(), histogram_.end(), int64_t{0});
+        if (available <= k) break;
+      }
+      uint32_t digit = digit_mask;
+      while (histogram_[digit] < needed) needed -= histogram_[digit--];
+      prefix |= digit << shift;
+      prefix_mask |= digit_mask << shift;
     }
-  }
-
-  // Selects the best `k` of `pool` (cleared afterwards).
-  void Take(std::vector<ScoredToken>& pool, int64_t k) {
-    k = std::min<int64_t>(k, static_cast<int64_t>(pool.size()));
-    PartitionBest(absl::MakeSpan(pool), k);
-    for (int64_t j = 0; j < k; ++j) selected_[pool[j].index] = 1;
-    pool.clear();
+    if (available <= k) {
+      ForEachOpen(row_begin, row_end, [&](int64_t i, uint32_t) { selected_[i] = 1; });
+      return;
+    }
+    // `prefix` is the k-th best key: every better candidate and the first `needed` tied ones.
+    ForEachOpen(row_begin, row_end, [&](int64_t i, uint32_t key) {
+      if (key > prefix || (key == prefix && needed-- > 0)) selected_[i] = 1;
+    });
   }
 
   // Each head of `layer` selects its own best k (head 0..Hkv-1 get `per_head` plus one for the
   // first `extra` heads).
-  void TakePerHead(int64_t layer, int64_t per_head, int64_t extra, std::vector<ScoredToken>& pool) {
+  void TakePerHead(int64_t layer, int64_t per_head, int64_t extra) {
     for (int64_t g = 0; g < shape_.num_kv_heads; ++g) {
-      Gather(layer, g, pool);
-      Take(pool, per_head + (g < extra ? 1 : 0));
+      const int64_t row = layer * shape_.num_kv_heads + g;
+      Take(row, row + 1, per_head + (g < extra ? 1 : 0));
     }
   }
 
@@ -56,9 +88,22 @@ class Selector {
   }
 
  private:
+  // Calls visit(flat index, order key) for every not-yet-selected candidate of rows
+  // [row_begin, row_end), in flat index order.
+  template <typename Visit>
+  void ForEachOpen(int64_t row_begin, int64_t row_end, Visit visit) const {
+    for (int64_t row = row_begin; row < row_end; ++row) {
+      const int64_t begin = row * shape_.n + shape_.sinks, end = begin + shape_.candidates;
+      for (int64_t i = begin; i < end; ++i) {
+        if (!selected_[i]) visit(i, OrderKey(scores_[i]));
+      }
+    }
+  }
+
   const RequestShape& shape_;
   const std::vector<float>& scores_;
   std::vector<uint8_t> selected_;
+  std::vector<int64_t> histogram_ = std::vector<int64_t>(2048);
 };
 
 }  // namespace
@@ -76,17 +121,23 @@ absl::Status NonFiniteScoreError(const RequestShape& shape, uint64_t flat_index,
 
 absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicySpec& policy,
                                         absl::Span<const float> raw, const OutputOptions& outputs) {
+  return SelectKeepPlan(shape, policy, std::vector<float>(raw.begin(), raw.end()), outputs);
+}
+
+absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicySpec& policy,
+                                        std::vector<float>&& raw, const OutputOptions& outputs) {
   const int64_t L = shape.num_layers, Hkv = shape.num_kv_heads, n = shape.n;
   const int64_t se = shape.sinks, m = shape.candidates, q = shape.quota;
   const int64_t candidates_end = se + m;
 
-  // Competing scores: +inf marks forced tokens (sinks, window) in the output.
-  std::vector<float> scores(raw.size(), std::numeric_limits<float>::infinity());
+  // The competing scores replace the raw ones in place; +inf marks forced tokens (sinks,
+  // window) in the output.
+  std::vector<float> scores = std::move(raw);
   std::vector<double> layer_sums(L, 0.0);
   for (int64_t l = 0; l < L; ++l) {
     double sum = 0.0;
     for (int64_t g = 0; g < Hkv; ++g) {
-      const float* p = raw.data() + (l * Hkv + g) * n;
+      const float* p = scores.data() + (l * Hkv + g) * n;
       for (int64_t i = se; i < candidates_end; ++i) {
         if (!std::isfinite(p[i])) {
           return NonFiniteScoreError(shape, static_cast<uint64_t>((l * Hkv + g) * n + i), p[i],
@@ -99,15 +150,12 @@ absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicyS
     const bool uniform = !(sum > 0.0) || !std::isfinite(sum);
     const double uniform_score = m > 0 ? 1.0 / static_cast<double>(Hkv * m) : 0.0;
     for (int64_t g = 0; g < Hkv; ++g) {
-      const int64_t base = (l * Hkv + g) * n;
+      float* p = scores.data() + (l * Hkv + g) * n;
+      std::fill(p, p + se, std::numeric_limits<float>::infinity());
+      std::fill(p + candidates_end, p + n, std::numeric_limits<float>::infinity());
+      if (policy.allocation == Allocation::kGlobalRaw) continue;
       for (int64_t i = se; i < candidates_end; ++i) {
-        double s;
-        if (policy.allocation == Allocation::kGlobalRaw) {
-          s = raw[base + i];
-        } else {
-          s = uniform ? uniform_score : raw[base + i] / sum;
-        }
-        scores[base + i] = static_cast<float>(s);
+        p[i] = static_cast<float>(uniform ? uniform_score : p[i] / sum);
       }
     }
   }
@@ -128,41 +176,35 @@ absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicyS
   }
 
   Selector selector(shape, scores);
-  std::vector<ScoredToken> pool;
   const int64_t reserve = std::min<int64_t>(policy.min_per_head, q);
   switch (policy.allocation) {
     case Allocation::kGlobalNormalized:
     case Allocation::kGlobalRaw:
       if (reserve > 0) {
-        for (int64_t l = 0; l < L; ++l) selector.TakePerHead(l, reserve, 0, pool);
+        for (int64_t l = 0; l < L; ++l) selector.TakePerHead(l, reserve, 0);
       }
-      pool.reserve(L * Hkv * m);
-      for (int64_t l = 0; l < L; ++l) {
-        for (int64_t g = 0; g < Hkv; ++g) selector.Gather(l, g, pool);
-      }
-      selector.Take(pool, L * Hkv * (q - reserve));
+      selector.Take(0, L * Hkv, L * Hkv * (q - reserve));
       break;
     case Allocation::kPerLayer:
       for (int64_t l = 0; l < L; ++l) {
-        if (reserve > 0) selector.TakePerHead(l, reserve, 0, pool);
-        for (int64_t g = 0; g < Hkv; ++g) selector.Gather(l, g, pool);
-        selector.Take(pool, Hkv * (q - reserve));
+        if (reserve > 0) selector.TakePerHead(l, reserve, 0);
+        selector.Take(l * Hkv, (l + 1) * Hkv, Hkv * (q - reserve));
       }
       break;
     case Allocation::kUniform:
-      for (int64_t l = 0; l < L; ++l) selector.TakePerHead(l, q, 0, pool);
+      for (int64_t l = 0; l < L; ++l) selector.TakePerHead(l, q, 0);
       break;
   }
   if (plan_shape == PlanShape::kLayerUniform) {
     for (int64_t l = 0; l < L; ++l) {
       const int64_t total = selector.CountInLayer(l);
       selector.ClearLayer(l);
-      selector.TakePerHead(l, total / Hkv, total % Hkv, pool);
+      selector.TakePerHead(l, total / Hkv, total % Hkv);
     }
   }
 
   // Kept: forced tokens (sinks, window) and the selected candidates.
-  std::vector<uint8_t> kept = selector.selected();
+  std::vector<uint8_t> kept = selector.TakeSelected();
   for (int64_t lg = 0; lg < L * Hkv; ++lg) {
     std::fill_n(kept.begin() + lg * n, se, 1);
     std::fill(kept.begin() + lg * n + candidates_end, kept.begin() + (lg + 1) * n, 1);

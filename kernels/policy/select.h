@@ -63,6 +63,10 @@ KeepPlan BuildKeepPlan(const RequestShape& shape, absl::Span<const uint8_t> kept
 // break the strict order the selection sorts by).
 absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicySpec& policy,
                                         absl::Span<const float> raw, const OutputOptions& outputs);
+// The same, normalising `raw` in place: no second [L, Hkv, n] buffer. The selection marks one
+// byte per entry and needs no candidate pool (select.cc, Selector).
+absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicySpec& policy,
+                                        std::vector<float>&& raw, const OutputOptions& outputs);
 
 // The INTERNAL status for a non-finite score a backend produced: "layers[l], KV head g, position
 // i: the <what> is <score>, not finite: ..." (the device selection reports the same words).

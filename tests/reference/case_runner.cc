@@ -9,7 +9,8 @@
 // Paged tensor references ("paged" with a table index into case.json "block_tables", see
 // laprox_ref.py) become TensorView::Paged views over the pool file; a block-shaped plan also
 // writes cpp_blocks.json (KeepPlan::blocks but its scores) and cpp_block_scores.npy.
-// Driven by compare_test.py; LAPROX_CASE_THREADS sets the worker count (default 2).
+// Driven by compare_test.py; LAPROX_CASE_THREADS sets the worker count (default 2),
+// LAPROX_CASE_WINDOW_BYTES BackendOptions::cpu_window_bytes.
 #include <cstdlib>
 #include <exception>
 #include <fstream>
@@ -323,6 +324,10 @@ int main(int argc, char** argv) {
   laprox::kernels::BackendOptions options;
   if (const char* threads = std::getenv("LAPROX_CASE_THREADS")) {
     options.threads = std::atoi(threads);
+  }
+  // A small budget makes LAPROX compute the window rows in several ranges (one row each at 1).
+  if (const char* bytes = std::getenv("LAPROX_CASE_WINDOW_BYTES")) {
+    options.cpu_window_bytes = std::atoll(bytes);
   }
   auto backend = laprox::kernels::CreateBackend("cpu", options);
   if (!backend.ok()) {

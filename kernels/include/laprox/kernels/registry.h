@@ -14,7 +14,11 @@ namespace laprox::kernels {
 
 struct BackendOptions {
   int threads = 2;  // CPU worker threads over (layer, KV head) pairs; BLAS runs single-threaded
-  int device = 0;   // CUDA device ordinal
+  // CPU, LAPROX: the most bytes of window probabilities ([G * rows, n] fp32) a worker holds;
+  // longer contexts compute the window rows in several passes over the keys (at 64 MiB: one
+  // pass up to n = 174K at G = 3, w = 32).
+  int64_t cpu_window_bytes = int64_t{64} << 20;
+  int device = 0;  // CUDA device ordinal
   // CUDA kernels: "v0" (cuBLAS GEMMs + simple kernels, radix-sort select) or "v1" (fused
   // kernel, histogram select; requests it cannot take run on v0).
   std::string cuda_kernels = "v0";
