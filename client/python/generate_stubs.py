@@ -1,26 +1,23 @@
 #!/usr/bin/env python3
-"""Generates the protobuf and gRPC Python modules of the laprox package.
+"""Compiles the .proto files of the laprox package into its descriptor set.
 
     generate_stubs.py OUTDIR [--proto-root DIR] [--protoc {auto,grpc_tools,system}]
 
-writes into OUTDIR (normally <package>/laprox/_gen):
+writes into OUTDIR (normally <package>/laprox/_gen) one file, DESCRIPTOR_SET: the serialized
+google.protobuf.FileDescriptorSet of proto/laprox/v1/laprox.proto and
+proto/grpc/health/v1/health.proto (protoc --descriptor_set_out --include_imports). laprox._proto
+builds the message classes and gRPC stubs from it at import time, so no generated Python code
+is involved: descriptor bytes do not depend on protoc's version nor on the protobuf runtime's,
+and any protoc works with any supported runtime.
 
-    __init__.py
-    laprox_pb2.py, laprox_pb2_grpc.py   from proto/laprox/v1/laprox.proto
-    health_pb2.py, health_pb2_grpc.py   from proto/grpc/health/v1/health.proto
-
-The modules are never committed: setup.py runs this at build time, the tests run it into a
+The file is never committed: setup.py runs this at build time, the tests run it into a
 temporary directory. The .proto files are compiled under their canonical names
-("laprox/v1/laprox.proto"), so the descriptors are the same ones the C++ code and server
-reflection use; only the import lines protoc writes ("from laprox.v1 import laprox_pb2") are
-rewritten to relative imports, because the Python package `laprox` owns that top-level name.
+("laprox/v1/laprox.proto"), the names the C++ code and server reflection use.
 
 Compilers, in the order tried with --protoc=auto (the default):
   grpc_tools   grpcio-tools' bundled protoc (the build requirement in pyproject.toml);
-  system       protoc on the PATH (Debian: /usr/bin/protoc 3.21) with
-               --plugin=protoc-gen-grpc_python=grpc_python_plugin (Debian:
-               /usr/bin/grpc_python_plugin), for offline builds and CI.
-Both produce code for the protobuf 4.21 runtime.
+  system       protoc on the PATH (Debian: /usr/bin/protoc, package protobuf-compiler), for
+               offline builds and CI.
 
 The proto root is found as --proto-root, else ./proto beside this script (an sdist), else
 ../../proto (the repository checkout).
@@ -28,22 +25,17 @@ The proto root is found as --proto-root, else ./proto beside this script (an sdi
 
 import argparse
 import os
-import re
 import shutil
 import subprocess
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# (proto file under the proto root, module stem in OUTDIR)
-PROTOS = (
-    ("laprox/v1/laprox.proto", "laprox"),
-    ("grpc/health/v1/health.proto", "health"),
-)
+# The .proto files under the proto root, in the order they are compiled.
+PROTOS = ("laprox/v1/laprox.proto", "grpc/health/v1/health.proto")
 
-INIT = '''"""Generated protobuf/gRPC modules of laprox (generate_stubs.py); do not edit."""
-'''
+# The file written into OUTDIR; laprox/_proto.py reads it.
+DESCRIPTOR_SET = "descriptors.binpb"
 
 
 def find_proto_root(explicit=None):
@@ -51,15 +43,15 @@ def find_proto_root(explicit=None):
     candidates = [explicit] if explicit else [os.path.join(HERE, "proto"),
                                                os.path.join(HERE, "..", "..", "proto")]
     for root in candidates:
-        if root and all(os.path.isfile(os.path.join(root, p)) for p, _ in PROTOS):
+        if root and all(os.path.isfile(os.path.join(root, p)) for p in PROTOS):
             return os.path.abspath(root)
     raise FileNotFoundError(
         "laprox: cannot find the .proto files (looked in %s); pass --proto-root"
         % ", ".join(c for c in candidates if c))
 
 
-# grpcio-tools' compiled protoc (the grpc_python generator is built in). Called directly:
-# grpc_tools.protoc of 1.51 imports pkg_resources, which setuptools >= 81 no longer ships.
+# grpcio-tools' compiled protoc, called directly: grpc_tools.protoc of some versions imports
+# pkg_resources, which setuptools >= 81 no longer ships.
 _GRPC_TOOLS_MAIN = ("import sys; from grpc_tools import _protoc_compiler; "
                     "sys.exit(_protoc_compiler.run_main([a.encode() for a in sys.argv]))")
 
@@ -76,10 +68,7 @@ def _grpc_tools_command():
 
 def _system_command():
     protoc = shutil.which("protoc")
-    plugin = shutil.which("grpc_python_plugin")
-    if protoc is None or plugin is None:
-        return None
-    return [protoc, "--plugin=protoc-gen-grpc_python=" + plugin]
+    return None if protoc is None else [protoc]
 
 
 def protoc_command(which="auto"):
@@ -91,40 +80,24 @@ def protoc_command(which="auto"):
         if command is not None:
             return name, command
     raise RuntimeError(
-        "laprox: no protoc found: install grpcio-tools (pip) or protobuf-compiler and "
-        "protobuf-compiler-grpc (Debian: /usr/bin/protoc, /usr/bin/grpc_python_plugin)")
-
-
-# protoc writes absolute imports of the other generated modules, e.g.
-#   from laprox.v1 import laprox_pb2 as laprox_dot_v1_dot_laprox__pb2
-_IMPORT = re.compile(r"^from (laprox\.v1|grpc\.health\.v1) import (\w+_pb2)( as \w+)$", re.M)
+        "laprox: no protoc found: install grpcio-tools (pip) or protobuf-compiler "
+        "(Debian: /usr/bin/protoc)")
 
 
 def generate(outdir, proto_root=None, which="auto", verbose=False):
-    """Writes the generated modules into `outdir` (created if needed); returns the compiler
-    used ("grpc_tools" or "system")."""
+    """Writes OUTDIR/DESCRIPTOR_SET (creating `outdir` if needed); returns the compiler used
+    ("grpc_tools" or "system")."""
     root = find_proto_root(proto_root)
     name, command = protoc_command(which)
     os.makedirs(outdir, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="laprox-stubs-") as tmp:
-        args = command + ["-I" + root, "--python_out=" + tmp, "--grpc_python_out=" + tmp]
-        args += [os.path.join(root, p) for p, _ in PROTOS]
-        if verbose:
-            print("laprox: " + " ".join(args), file=sys.stderr)
-        result = subprocess.run(args, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError("laprox: protoc failed (%s):\n%s" % (name, result.stderr))
-        for proto, stem in PROTOS:
-            base = os.path.join(tmp, os.path.dirname(proto), os.path.basename(proto)[:-6])
-            for suffix in ("_pb2.py", "_pb2_grpc.py"):
-                with open(base + suffix) as fh:
-                    text = fh.read()
-                text = _IMPORT.sub(lambda m: "from . import %s%s" % (m.group(2), m.group(3)),
-                                   text)
-                with open(os.path.join(outdir, stem + suffix), "w") as fh:
-                    fh.write(text)
-    with open(os.path.join(outdir, "__init__.py"), "w") as fh:
-        fh.write(INIT)
+    args = command + ["-I" + root, "--include_imports",
+                      "--descriptor_set_out=" + os.path.join(outdir, DESCRIPTOR_SET)]
+    args += [os.path.join(root, p) for p in PROTOS]
+    if verbose:
+        print("laprox: " + " ".join(args), file=sys.stderr)
+    result = subprocess.run(args, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError("laprox: protoc failed (%s):\n%s" % (name, result.stderr))
     return name
 
 
@@ -141,7 +114,8 @@ def main(argv=None):
         print(e, file=sys.stderr)
         return 1
     if args.verbose:
-        print("laprox: stubs generated with %s into %s" % (name, args.outdir), file=sys.stderr)
+        print("laprox: descriptor set written with %s into %s" % (name, args.outdir),
+              file=sys.stderr)
     return 0
 
 

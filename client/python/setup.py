@@ -1,7 +1,8 @@
-"""Build hook of the laprox package: the gRPC/protobuf modules are generated, never committed.
+"""Build hook of the laprox package: the protobuf descriptor set is compiled, never committed.
 
 build_py runs generate_stubs.py into <build>/laprox/_gen (into the source tree for editable
 installs) from ../../proto (a checkout) or ./proto (an sdist, which sdist copies them into).
+laprox/_proto.py builds the messages and gRPC stubs from it at import time.
 """
 
 import os
@@ -17,8 +18,8 @@ sys.path.insert(0, HERE)
 import generate_stubs  # noqa: E402
 
 
-class BuildPyWithStubs(build_py):
-    """build_py that also writes laprox/_gen/*_pb2*.py."""
+class BuildPyWithDescriptors(build_py):
+    """build_py that also writes laprox/_gen/descriptors.binpb."""
 
     def run(self):
         super().run()
@@ -27,13 +28,13 @@ class BuildPyWithStubs(build_py):
         else:
             outdir = os.path.join(self.build_lib, "laprox", "_gen")
         compiler = generate_stubs.generate(outdir)
-        print(f"laprox: generated gRPC stubs with {compiler} into {outdir}")
+        print(f"laprox: compiled the descriptor set with {compiler} into {outdir}")
 
     def get_outputs(self, include_bytecode=True):
         outputs = super().get_outputs(include_bytecode)
-        gen = os.path.join(self.build_lib, "laprox", "_gen")
-        if os.path.isdir(gen):
-            outputs += [os.path.join(gen, f) for f in os.listdir(gen) if f.endswith(".py")]
+        built = os.path.join(self.build_lib, "laprox", "_gen", generate_stubs.DESCRIPTOR_SET)
+        if os.path.isfile(built):
+            outputs.append(built)
         return outputs
 
 
@@ -43,10 +44,10 @@ class SdistWithProtos(sdist):
     def make_release_tree(self, base_dir, files):
         super().make_release_tree(base_dir, files)
         root = generate_stubs.find_proto_root()
-        for proto, _ in generate_stubs.PROTOS:
+        for proto in generate_stubs.PROTOS:
             target = os.path.join(base_dir, "proto", proto)
             os.makedirs(os.path.dirname(target), exist_ok=True)
             shutil.copyfile(os.path.join(root, proto), target)
 
 
-setup(cmdclass={"build_py": BuildPyWithStubs, "sdist": SdistWithProtos})
+setup(cmdclass={"build_py": BuildPyWithDescriptors, "sdist": SdistWithProtos})

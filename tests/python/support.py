@@ -1,9 +1,10 @@
-"""Shared set-up of the Python client tests: the laprox package with freshly generated stubs,
-the real laproxd on a temporary Unix socket, random inputs and the float64 oracle.
+"""Shared set-up of the Python client tests: the laprox package with a freshly compiled
+descriptor set, the real laproxd on a temporary Unix socket, random inputs and the float64
+oracle.
 
 The package is used from the source tree: client/python/laprox is copied into a temporary
 directory and client/python/generate_stubs.py writes laprox/_gen there with the system protoc
-(/usr/bin/protoc + /usr/bin/grpc_python_plugin), so no PyPI package is needed. With
+(/usr/bin/protoc), so no PyPI package is needed. With
 LAPROX_TEST_INSTALLED=1 the tests use whatever `laprox` is importable instead (e.g. a venv
 where `pip install ./client/python` ran).
 """

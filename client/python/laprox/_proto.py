@@ -1,21 +1,138 @@
-"""The generated protobuf/gRPC modules (laprox/_gen, written at build time by
-generate_stubs.py) and the conversions between them and laprox.types."""
+"""The laprox.v1 and grpc.health.v1 messages and gRPC stubs, and the conversions between
+them and laprox.types.
+
+No generated code is involved: the message classes are built at import time from the
+descriptor set laprox/_gen/descriptors.binpb (compiled from proto/ by generate_stubs.py at
+build time), the stubs from its service descriptors. A descriptor set means the same to every
+protobuf runtime whichever protoc wrote it, so the package runs on protobuf 4.21 (Debian 12)
+to 7.x. The descriptors live in a private pool: another package's grpc.health.v1 in the
+default pool (grpcio-health-checking's) cannot conflict with them.
+
+The names are those of protoc's modules: `laprox_pb2` (alias `pb`) and `health_pb2` hold the
+message classes, enum wrappers and enum values of their file (and DESCRIPTOR);
+`laprox_pb2_grpc` and `health_pb2_grpc` hold, for each service S, `SStub(channel)`,
+`SServicer` and `add_SServicer_to_server(servicer, server)`.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from types import SimpleNamespace
+from typing import Any, Dict, Tuple
 
-try:
-    from ._gen import health_pb2, health_pb2_grpc, laprox_pb2, laprox_pb2_grpc  # noqa: F401
-except ImportError as e:  # pragma: no cover - depends on how the package was installed
-    raise ImportError(
-        "laprox: the generated gRPC modules (laprox._gen) are missing. Install the package "
-        "with `pip install ./client/python`, or generate them in place with "
-        "`python3 client/python/generate_stubs.py client/python/laprox/_gen`.") from e
+import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.internal import enum_type_wrapper
 
 from . import types as t
 from .errors import invalid_argument
 
+# generate_stubs.DESCRIPTOR_SET, as the build installs it.
+_DESCRIPTOR_SET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_gen",
+                               "descriptors.binpb")
+
+
+def _load(path: str) -> Tuple[Any, Dict[str, Tuple[bool, bool]]]:
+    """A new descriptor pool holding the files of the descriptor set at `path`, and for each
+    method (by full name) whether it streams requests and responses. The streaming flags are
+    read from the protos: protobuf 4.21's upb MethodDescriptor has no client_streaming, and
+    the pure-Python MethodDescriptor.CopyToProto fails on descriptors built in a pool."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except FileNotFoundError as e:  # pragma: no cover - depends on how the package was installed
+        raise ImportError(
+            f"laprox: the descriptor set {path} is missing. Install the package with "
+            "`pip install ./client/python`, or compile it in place with "
+            "`python3 client/python/generate_stubs.py client/python/laprox/_gen`.") from e
+    pool = descriptor_pool.DescriptorPool()
+    streaming = {}
+    for file in descriptor_pb2.FileDescriptorSet.FromString(data).file:  # imports come first
+        pool.AddSerializedFile(file.SerializeToString())
+        for service in file.service:
+            for method in service.method:
+                name = ".".join(filter(None, (file.package, service.name, method.name)))
+                streaming[name] = (method.client_streaming, method.server_streaming)
+    return pool, streaming
+
+
+_POOL, _STREAMING = _load(_DESCRIPTOR_SET)
+# protobuf 4.21 lacks GetMessageClass; its MessageFactory.GetPrototype is gone from later
+# versions.
+_message_class = getattr(message_factory, "GetMessageClass", None) or \
+    message_factory.MessageFactory(_POOL).GetPrototype
+
+
+def _messages(file_name: str) -> SimpleNamespace:
+    """What protoc's <file>_pb2 module holds: DESCRIPTOR, the message classes, the enum
+    wrappers and the enum values of the file."""
+    file = _POOL.FindFileByName(file_name)
+    module = SimpleNamespace(DESCRIPTOR=file)
+    for name, message in file.message_types_by_name.items():
+        setattr(module, name, _message_class(message))
+    for name, enum in file.enum_types_by_name.items():
+        setattr(module, name, enum_type_wrapper.EnumTypeWrapper(enum))
+        for value in enum.values:
+            setattr(module, value.name, value.number)
+    return module
+
+
+def _kind(method: Any) -> str:
+    """The grpc call kind of `method`: unary_unary, unary_stream, stream_unary or
+    stream_stream."""
+    client, server = _STREAMING[method.full_name]
+    return "%s_%s" % ("stream" if client else "unary", "stream" if server else "unary")
+
+
+def _stub_class(service: Any) -> type:
+    def __init__(self: Any, channel: grpc.Channel) -> None:
+        for method in service.methods:
+            setattr(self, method.name, getattr(channel, _kind(method))(
+                f"/{service.full_name}/{method.name}",
+                request_serializer=_message_class(method.input_type).SerializeToString,
+                response_deserializer=_message_class(method.output_type).FromString))
+
+    return type(service.name + "Stub", (), {
+        "__init__": __init__,
+        "__doc__": f"Client of {service.full_name}: one multi-callable per method."})
+
+
+def _unimplemented(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+    context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+    context.set_details("Method not implemented!")
+    raise NotImplementedError("Method not implemented!")
+
+
+def _add_servicer_function(service: Any) -> Any:
+    def add(servicer: Any, server: grpc.Server) -> None:
+        handlers = {
+            method.name: getattr(grpc, _kind(method) + "_rpc_method_handler")(
+                getattr(servicer, method.name),
+                request_deserializer=_message_class(method.input_type).FromString,
+                response_serializer=_message_class(method.output_type).SerializeToString)
+            for method in service.methods}
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+    return add
+
+
+def _services(file_name: str) -> SimpleNamespace:
+    """What grpc_python_plugin's <file>_pb2_grpc module holds: for each service S of the file,
+    SStub, SServicer (every method UNIMPLEMENTED) and add_SServicer_to_server."""
+    module = SimpleNamespace()
+    for service in _POOL.FindFileByName(file_name).services_by_name.values():
+        setattr(module, service.name + "Stub", _stub_class(service))
+        setattr(module, service.name + "Servicer", type(
+            service.name + "Servicer", (), {m.name: _unimplemented for m in service.methods}))
+        setattr(module, f"add_{service.name}Servicer_to_server", _add_servicer_function(service))
+    return module
+
+
+laprox_pb2 = _messages("laprox/v1/laprox.proto")
+laprox_pb2_grpc = _services("laprox/v1/laprox.proto")
+health_pb2 = _messages("grpc/health/v1/health.proto")
+health_pb2_grpc = _services("grpc/health/v1/health.proto")
 pb = laprox_pb2
 
 
@@ -44,6 +161,13 @@ def policy_to_proto(policy: t.Policy, message: Any) -> None:
             raise invalid_argument(f"policy.{name} = {value!r}: {e}") from None
 
 
+def _is_repeated(field: Any) -> bool:
+    # Recent runtimes have FieldDescriptor.is_repeated and protobuf 7 removed .label; older
+    # ones have only .label.
+    repeated = getattr(field, "is_repeated", None)
+    return field.label == field.LABEL_REPEATED if repeated is None else repeated
+
+
 def _is_set(message: Any, field: Any) -> bool:
     if field.has_presence:
         return message.HasField(field.name)
@@ -60,7 +184,7 @@ def policy_from_proto(message: Any) -> t.Policy:
         if field.has_presence or field.type == field.TYPE_ENUM:
             if not _is_set(message, field):
                 continue  # not set (enum 0): None
-        elif field.type == field.TYPE_MESSAGE or field.label == field.LABEL_REPEATED:
+        elif field.type == field.TYPE_MESSAGE or _is_repeated(field):
             continue
         value = getattr(message, name)
         if name in t.POLICY_ENUMS:
