@@ -1,0 +1,55 @@
+"""laprox inside vLLM: compress each sequence's KV cache after its prefill through laproxd.
+
+Installed with the package (entry point `laprox = laprox.vllm:register` in the group
+`vllm.general_plugins`); vLLM calls register() in every process it starts. The plugin does
+nothing unless LAPROX_VLLM_TARGET names a laproxd, e.g.
+
+    LAPROX_VLLM_TARGET=unix:/run/laprox/laproxd.sock LAPROX_VLLM_BUDGET=256 \\
+        VLLM_CPU_KVCACHE_SPACE=1 vllm serve MODEL --enforce-eager
+
+Configuration (environment, read once per process; see Config):
+    LAPROX_VLLM_TARGET    laproxd address (unset: the plugin is off)
+    LAPROX_VLLM_BUDGET    kept tokens per KV head (int) or a compression ratio (float < 1)
+    LAPROX_VLLM_POLICY    policy options as JSON, e.g. {"kind": "laprox", "window": 32}
+    LAPROX_VLLM_WINDOW    post-RoPE query rows captured per layer (default 32)
+    LAPROX_VLLM_MODEL     the model's name in laproxd's metrics (default: vLLM's model name)
+
+What works now (vLLM 0.32, CPU attention backend; see DESIGN.md in this directory):
+  - the KV block pool lives in one POSIX shared-memory region registered with laproxd, so
+    laproxd reads every layer's keys and values in place through each sequence's block table;
+  - the post-RoPE queries of the last w prompt positions are captured per layer during the
+    prefill (chunked prefill included: each chunk adds its rows);
+  - when a sequence's prefill completes, one ComputeKeepPlans call covers every sequence that
+    completed in that step, and the plans are kept per request (`plans()`).
+Not yet: applying the plan in decode (masking evicted entries) and freeing blocks.
+"""
+
+from __future__ import annotations
+
+import os
+
+# The vLLM releases the plugin was tested with: its hooks patch their internals.
+SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
+
+
+def register() -> None:
+    """The vllm.general_plugins entry point: installs the hooks when LAPROX_VLLM_TARGET is
+    set (idempotent: vLLM may call it more than once per process)."""
+    if not os.environ.get("LAPROX_VLLM_TARGET"):
+        return
+    import vllm
+
+    if vllm.__version__ not in SUPPORTED_VLLM_VERSIONS:
+        raise RuntimeError(
+            f"laprox.vllm supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}; this is vLLM "
+            f"{vllm.__version__}. Unset LAPROX_VLLM_TARGET to run without laprox.")
+    from . import _runner
+
+    _runner.install(_runner.Config.from_env())
+
+
+def plans():
+    """The keep-plans computed in this process so far, by vLLM request id."""
+    from . import _runner
+
+    return dict(_runner.STATE.plans)

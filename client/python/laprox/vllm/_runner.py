@@ -1,0 +1,483 @@
+"""The hooks of laprox.vllm in vLLM 0.32's model runner and CPU attention backend.
+
+Four functions are wrapped, each calling the original first or last and adding only what the
+plugin needs:
+  vllm.v1.worker.gpu_model_runner.allocate_kv_cache   the one backing buffer of every layer's
+      KV cache is allocated in a laprox SharedArray (POSIX shm registered with laproxd);
+  CPUModelRunner.load_model                           registers the model (o_proj) once;
+  GPUModelRunner._prepare_inputs                      notes which batch rows are prefill;
+  CPUAttentionBackendImpl.forward                     captures the last w prompt queries;
+  GPUModelRunner.execute_model                        after the forward, one ComputeKeepPlans
+      call for every sequence whose prefill completed in this step.
+A failure of laproxd (down, refusing a request) never stops the engine: the sequence goes on
+with its full cache, the failure is counted and logged at most once per LOG_INTERVAL seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("laprox.vllm")
+
+LOG_INTERVAL = 60.0  # seconds between two warnings about laproxd
+MAX_PLANS = 1024  # plans kept for plans(), newest last
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The plugin's settings (module docstring of laprox.vllm)."""
+    target: str
+    budget: Any = 128
+    policy: Dict[str, Any] = field(default_factory=dict)
+    window: int = 32
+    model_name: str = ""
+
+    @staticmethod
+    def from_env() -> "Config":
+        budget_text = os.environ.get("LAPROX_VLLM_BUDGET", "128")
+        budget = float(budget_text) if "." in budget_text else int(budget_text)
+        policy = json.loads(os.environ.get("LAPROX_VLLM_POLICY", "{}"))
+        if not isinstance(policy, dict):
+            raise ValueError("LAPROX_VLLM_POLICY must be a JSON object of policy options")
+        return Config(target=os.environ["LAPROX_VLLM_TARGET"], budget=budget, policy=policy,
+                      window=int(os.environ.get("LAPROX_VLLM_WINDOW", "32")),
+                      model_name=os.environ.get("LAPROX_VLLM_MODEL", ""))
+
+
+@dataclass
+class _Prefill:
+    """A sequence being prefilled: its window queries so far and where it lies."""
+    prompt_len: int
+    queries: np.ndarray                   # [L, H, w, d] float32, rows of the last w positions
+    block_ids: Optional[np.ndarray] = None
+
+
+@dataclass
+class _Compressed:
+    """A sequence decoding under its plan: kept[l] [Hkv, prompt_len] says which prompt
+    entries take part in attention; the kept keys and values of each layer are gathered from
+    the cache once, at the first decode step that needs them ([Hkv, c, d], heads padded to the
+    largest count c, `valid` [Hkv, c] marking real entries)."""
+    prompt_len: int
+    kept: np.ndarray
+    block_ids: np.ndarray
+    layers: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict)
+
+
+@dataclass
+class _Metrics:
+    """Counts and seconds the plugin spends (exported by metrics() in laprox.vllm)."""
+    plans: int = 0
+    failures: int = 0
+    capture_seconds: float = 0.0
+    call_seconds: float = 0.0
+    apply_seconds: float = 0.0
+
+
+class _State:
+    def __init__(self) -> None:
+        self.config: Optional[Config] = None
+        self.client: Any = None
+        self.pool: Any = None                 # the SharedArray behind the KV cache
+        self.pool_base: int = 0               # its data pointer
+        self.model_id: Optional[int] = None
+        self.geometry: Any = None
+        self.kv_dtype = torch.bfloat16
+        # This step's prefill rows: batch index -> (request id, first position, count).
+        self.step: Dict[int, Tuple[str, int, int]] = {}
+        self.prefills: Dict[str, _Prefill] = {}
+        # Sequences decoding under a plan, and this step's decode rows of them: batch index ->
+        # (request id, first position, count).
+        self.compressed: Dict[str, "_Compressed"] = {}
+        self.decode_rows: Dict[int, Tuple[str, int, int]] = {}
+        self.plans: "OrderedDict[str, Any]" = OrderedDict()  # the last MAX_PLANS requests
+        self.metrics = _Metrics()
+        self.last_warning = 0.0
+        self.lock = threading.Lock()
+
+    def warn(self, message: str) -> None:
+        self.metrics.failures += 1
+        now = time.monotonic()
+        if now - self.last_warning >= LOG_INTERVAL:
+            self.last_warning = now
+            logger.warning("laprox: %s; the sequence keeps its full KV cache (failures so far: "
+                           "%d)", message, self.metrics.failures)
+
+
+STATE = _State()
+
+
+def _client():
+    if STATE.client is None:
+        import laprox
+
+        STATE.client = laprox.Client(STATE.config.target)
+    return STATE.client
+
+
+def _shared_dtype(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}[dtype]
+
+
+def _allocate_kv_cache(original: Any) -> Any:
+    """allocate_kv_cache with its backing buffer in a registered shared-memory region."""
+
+    def allocate(kv_cache_config: Any, device: Any, layout: Any, kernel_block_sizes=None):
+        from torch.overrides import TorchFunctionMode
+
+        dtype = STATE.kv_dtype
+
+        class SharedZeros(TorchFunctionMode):
+            # The buffer is torch.zeros(size, dtype=int8): made from the shared array instead.
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if (func is torch.zeros and len(args) == 1 and isinstance(args[0], int)
+                        and kwargs.get("dtype") is torch.int8 and STATE.pool is None):
+                    itemsize = torch.tensor([], dtype=dtype).element_size()
+                    size = args[0]
+                    if size % itemsize == 0:
+                        try:
+                            STATE.pool = _client().shared_array((size // itemsize,),
+                                                                _shared_dtype(dtype))
+                        except Exception as e:  # laproxd down: a private buffer as usual
+                            STATE.warn(f"cannot share the KV cache with laproxd ({e})")
+                        else:
+                            buffer = torch.frombuffer(STATE.pool.array, dtype=torch.int8)
+                            STATE.pool_base = buffer.data_ptr()
+                            return buffer
+                return func(*args, **kwargs)
+
+        with SharedZeros():
+            return original(kv_cache_config, device, layout, kernel_block_sizes)
+
+    return allocate
+
+
+def _o_proj(model_path: str, num_layers: int) -> List[np.ndarray]:
+    """Each layer's o_proj.weight [D, H * d] as fp32, read from the checkpoint's safetensors
+    (vLLM's CPU backend may repack the loaded weight for its GEMM and drop the original)."""
+    import glob
+
+    from safetensors import safe_open
+
+    if not os.path.isdir(model_path):
+        from huggingface_hub import snapshot_download
+
+        model_path = snapshot_download(model_path, allow_patterns=["*.safetensors"])
+    found: Dict[int, np.ndarray] = {}
+    for path in sorted(glob.glob(os.path.join(model_path, "*.safetensors"))):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                match = re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", name)
+                if match:
+                    found[int(match.group(1))] = f.get_tensor(name).float().numpy()
+    missing = sorted(set(range(num_layers)) - set(found))
+    if missing:
+        raise ValueError(f"no o_proj.weight of layers {missing} in {model_path}")
+    return [found[l] for l in range(num_layers)]
+
+
+def _geometry(runner: Any) -> Tuple[Any, List[np.ndarray]]:
+    import laprox
+
+    layers = runner.model.model.layers
+    attn = layers[0].self_attn
+    o_proj = _o_proj(runner.model_config.model, len(layers))
+    geometry = laprox.ModelGeometry(num_layers=len(layers), num_heads=attn.num_heads,
+                                    num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+                                    hidden_size=o_proj[0].shape[0],
+                                    softmax_scale=float(attn.scaling))
+    return geometry, o_proj
+
+
+def _load_model(original: Any) -> Any:
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        STATE.kv_dtype = self.kv_cache_dtype if isinstance(
+            getattr(self, "kv_cache_dtype", None), torch.dtype) else self.dtype
+        try:
+            geometry, o_proj = _geometry(self)
+            name = STATE.config.model_name or str(self.model_config.served_model_name)
+            STATE.model_id = _client().register_model(
+                re.sub(r"[^A-Za-z0-9._/:-]", "_", name)[:128], geometry, o_proj)
+            STATE.geometry = geometry
+        except Exception as e:
+            STATE.warn(f"cannot register the model with laproxd ({e})")
+        return result
+
+    return load_model
+
+
+def _prepare_inputs(original: Any) -> Any:
+    def prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: np.ndarray):
+        result = original(self, scheduler_output, num_scheduled_tokens)
+        STATE.step = {}
+        STATE.decode_rows = {}
+        if STATE.model_id is None:
+            return result
+        batch = self.input_batch
+        # Requests no longer in the batch (finished, aborted, preempted) lose their captures.
+        for req_id in set(STATE.prefills) - set(batch.req_ids):
+            del STATE.prefills[req_id]
+        for req_id in set(STATE.compressed) - set(batch.req_ids):
+            del STATE.compressed[req_id]
+        STATE.decode_rows = {}
+        for i, req_id in enumerate(batch.req_ids):
+            start = int(batch.num_computed_tokens_cpu[i])
+            prompt_len = int(batch.num_prompt_tokens[i])
+            if start >= prompt_len:
+                if req_id in STATE.compressed and num_scheduled_tokens[i] > 0:
+                    STATE.decode_rows[i] = (req_id, start, int(num_scheduled_tokens[i]))
+                continue
+            STATE.step[i] = (req_id, start, int(num_scheduled_tokens[i]))
+            if req_id not in STATE.prefills:
+                g = STATE.geometry
+                w = min(STATE.config.window, prompt_len)
+                STATE.prefills[req_id] = _Prefill(prompt_len, np.zeros(
+                    (g.num_layers, g.num_heads, w, g.head_dim), np.float32))
+        return result
+
+    return prepare_inputs
+
+
+def _forward(original: Any) -> Any:
+    def forward(self: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any,
+                output: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if attn_metadata is not None and STATE.step:
+            started = time.perf_counter()
+            _capture(layer, query, attn_metadata)
+            STATE.metrics.capture_seconds += time.perf_counter() - started
+        result = original(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                          *args, **kwargs)
+        if attn_metadata is not None and STATE.decode_rows:
+            started = time.perf_counter()
+            _apply(self, layer, query, kv_cache, attn_metadata, output)
+            STATE.metrics.apply_seconds += time.perf_counter() - started
+        return result
+
+    return forward
+
+
+def _layer_index(layer: Any) -> int:
+    index = getattr(layer, "_laprox_index", None)
+    if index is None:
+        index = int(_LAYER.search(layer.layer_name).group(1))
+        layer._laprox_index = index
+    return index
+
+
+def _capture(layer: Any, query: torch.Tensor, attn_metadata: Any) -> None:
+    """Copies the rows of the last w prompt positions of every prefill row of this step."""
+    index = _layer_index(layer)
+    starts = attn_metadata.query_start_loc
+    for i, (req_id, start, count) in STATE.step.items():
+        prefill = STATE.prefills[req_id]
+        w = prefill.queries.shape[2]
+        first = max(start, prefill.prompt_len - w)  # first position to keep
+        end = min(start + count, prefill.prompt_len)
+        if first < end:
+            row = int(starts[i]) + first - start
+            rows = query[row:row + end - first].float()  # [rows, H, d]
+            slot = first - (prefill.prompt_len - w)
+            prefill.queries[index, :, slot:slot + end - first, :] = \
+                rows.transpose(0, 1).numpy()
+        if index == 0 and end == prefill.prompt_len:
+            # The whole row: _paged_layer takes the blocks the prompt covers.
+            prefill.block_ids = attn_metadata.block_table[i].numpy().copy()
+
+
+def _cache_views(layer: Any, kv_cache: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The keys as [blocks, Hkv, d, block_size] (the "vec" layout) and the values as
+    [blocks, Hkv, block_size, d] of one layer's cache."""
+    if getattr(layer, "isa", None) != "vec":
+        raise ValueError(f"CPU attention kernels \"{getattr(layer, 'isa', None)}\"")
+    blocks, heads, block_size, two_d = kv_cache.shape
+    d = two_d // 2
+    halves = kv_cache.view(blocks, heads, 2, block_size * d)
+    return (halves[:, :, 0].view(blocks, heads, d, block_size),
+            halves[:, :, 1].view(blocks, heads, block_size, d))
+
+
+def _gather(keys: torch.Tensor, values: torch.Tensor, block_ids: torch.Tensor,
+            positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [len(positions), Hkv, d] at a sequence's positions."""
+    block_size = keys.shape[3]
+    blocks = block_ids[positions // block_size]
+    slots = positions % block_size
+    return keys[blocks, :, :, slots], values[blocks, :, slots, :]
+
+
+def _kept_layer(comp: _Compressed, index: int, keys: torch.Tensor, values: torch.Tensor):
+    """The kept prompt keys, values [Hkv, c, d] and valid marks [Hkv, c] of layer `index`."""
+    cached = comp.layers.get(index)
+    if cached is not None:
+        return cached
+    kept = comp.kept[index]
+    heads, count = kept.shape[0], max(int(kept.sum(axis=1).max()), 1)
+    d = keys.shape[2]
+    k = torch.zeros(heads, count, d, dtype=keys.dtype)
+    v = torch.zeros(heads, count, d, dtype=values.dtype)
+    valid = torch.zeros(heads, count, dtype=torch.bool)
+    block_ids = torch.from_numpy(comp.block_ids.astype(np.int64))
+    for h in range(heads):
+        positions = torch.from_numpy(np.flatnonzero(kept[h]))
+        hk, hv = _gather(keys, values, block_ids, positions)
+        k[h, :len(positions)] = hk[:, h]
+        v[h, :len(positions)] = hv[:, h]
+        valid[h, :len(positions)] = True
+    comp.layers[index] = (k, v, valid)
+    return comp.layers[index]
+
+
+def _apply(impl: Any, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor,
+           attn_metadata: Any, output: torch.Tensor) -> None:
+    """Recomputes this step's decode rows of compressed sequences with the evicted prompt
+    entries left out of the softmax (as laprox.hf does), overwriting the kernel's output."""
+    index = _layer_index(layer)
+    keys, values = _cache_views(layer, kv_cache)
+    starts = attn_metadata.query_start_loc
+    heads = query.shape[1]
+    for i, (req_id, start, count) in STATE.decode_rows.items():
+        comp = STATE.compressed[req_id]
+        kept_k, kept_v, valid = _kept_layer(comp, index, keys, values)
+        # Tokens after the prompt are always visible, causally among this step's rows.
+        new = torch.arange(comp.prompt_len, start + count)
+        new_k, new_v = _gather(keys, values, attn_metadata.block_table[i].long(), new)
+        k = torch.cat([kept_k, new_k.transpose(0, 1)], dim=1)  # [Hkv, c + m, d]
+        v = torch.cat([kept_v, new_v.transpose(0, 1)], dim=1)
+        rows = torch.arange(start, start + count)
+        mask = torch.cat([valid[:, None, :].expand(-1, count, -1),
+                          (new[None, :] <= rows[:, None])[None].expand(k.shape[0], -1, -1)],
+                         dim=2)  # [Hkv, count, c + m]
+        group = heads // k.shape[0]
+        row = int(starts[i])
+        q = query[row:row + count].transpose(0, 1).to(k.dtype)  # [H, count, d]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=mask.repeat_interleave(group, dim=0)[None],
+            scale=impl.scale, enable_gqa=True)[0]  # [H, count, d]
+        target = output[row:row + count]
+        target.copy_(out.transpose(0, 1).reshape(target.shape).to(target.dtype))
+
+
+# How the CPU backend lays out a block's keys, by the ISA of its kernels (Attention.isa):
+# key (slot s, dim c) of a head at s * slot + c * dim elements. The "vec" kernels keep each
+# head's keys transposed, [d, block_size] (read off the cache against transformers' keys); the
+# values are [block_size, d] after them. Other ISAs ("amx" interleaves bf16 pairs) are not a
+# strided layout laproxd can read.
+_KEY_STRIDES = {"vec": lambda block_size, d: (1, block_size)}
+
+
+def _paged_layer(layer: Any, block_ids: np.ndarray, n: int):
+    """One layer's keys and values as laprox PagedTensors over the shared pool. The CPU
+    backend's cache is [blocks, Hkv, block_size, 2d]; cpu_attn.py views a (block, head) as
+    2 * block_size rows of d and splits them: the first half holds the keys (in the ISA's
+    layout, _KEY_STRIDES), the second the values, row by row."""
+    import laprox
+
+    kv_cache = layer.kv_cache
+    blocks, heads, block_size, two_d = kv_cache.shape
+    d = two_d // 2
+    s = kv_cache.stride()
+    if s[3] != 1 or s[2] != two_d:
+        raise ValueError(f"unexpected KV cache strides {tuple(s)} for shape "
+                         f"{tuple(kv_cache.shape)}")
+    key_strides = _KEY_STRIDES.get(getattr(layer, "isa", None))
+    if key_strides is None:
+        raise ValueError(f"the CPU attention kernels \"{getattr(layer, 'isa', None)}\" keep keys "
+                         f"in a layout laproxd cannot read (supported: {sorted(_KEY_STRIDES)}; "
+                         f"a float32 or float16 model uses \"vec\")")
+    key_slot, key_dim = key_strides(block_size, d)
+    offset = (kv_cache.data_ptr() - STATE.pool_base) // kv_cache.element_size()
+    nblocks = -(-n // block_size)
+    common = dict(num_kv_heads=heads, head_dim=d, block_stride=s[0], head_stride=s[1],
+                  block_size=block_size)
+    keys = laprox.PagedKV.tensor(STATE.pool, block_ids[:nblocks], n, offset=offset,
+                                 slot_stride=key_slot, dim_stride=key_dim, **common)
+    values = laprox.PagedKV.tensor(STATE.pool, block_ids[:nblocks], n,
+                                   offset=offset + block_size * d, slot_stride=d, dim_stride=1,
+                                   **common)
+    return keys, values
+
+
+def _execute_model(original: Any) -> Any:
+    def execute_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        done = [(req_id, STATE.prefills.pop(req_id)) for req_id, start, count
+                in STATE.step.values()
+                if start + count >= STATE.prefills[req_id].prompt_len]
+        STATE.step = {}
+        if done and STATE.pool is not None:
+            _plan(self, done)
+        return result
+
+    return execute_model
+
+
+def _plan(runner: Any, done: List[Tuple[str, _Prefill]]) -> None:
+    import laprox
+
+    started = time.perf_counter()
+    context = runner.compilation_config.static_forward_context
+    names = sorted((name for name in context if _LAYER.search(name)),
+                   key=lambda name: int(_LAYER.search(name).group(1)))
+    sequences = []
+    try:
+        for _, prefill in done:
+            keys, values = [], []
+            for name in names:
+                k, v = _paged_layer(context[name], prefill.block_ids, prefill.prompt_len)
+                keys.append(k)
+                values.append(v)
+            sequences.append(laprox.SequenceInputs(
+                keys, values, list(prefill.queries), budget=STATE.config.budget,
+                **STATE.config.policy))
+        plans = _client().compute_keep_plans(STATE.model_id, sequences)
+    except Exception as e:
+        STATE.warn(f"ComputeKeepPlans failed ({e})")
+        return
+    finally:
+        STATE.metrics.call_seconds += time.perf_counter() - started
+    for (req_id, prefill), plan in zip(done, plans):
+        STATE.plans[req_id] = plan
+        STATE.metrics.plans += 1
+        STATE.compressed[req_id] = _Compressed(prefill.prompt_len, plan.to_masks(),
+                                               prefill.block_ids)
+    while len(STATE.plans) > MAX_PLANS:
+        STATE.plans.popitem(last=False)
+
+
+_INSTALLED = False
+
+
+def install(config: Config) -> None:
+    """Wraps the runner and backend functions once per process."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _INSTALLED = True
+    STATE.config = config
+    from vllm.v1.attention.backends import cpu_attn
+    from vllm.v1.worker import cpu_model_runner, gpu_model_runner
+
+    gpu_model_runner.allocate_kv_cache = _allocate_kv_cache(gpu_model_runner.allocate_kv_cache)
+    runner = cpu_model_runner.CPUModelRunner
+    runner.load_model = _load_model(runner.load_model)
+    base = gpu_model_runner.GPUModelRunner
+    base._prepare_inputs = _prepare_inputs(base._prepare_inputs)
+    base.execute_model = _execute_model(base.execute_model)
+    impl = cpu_attn.CPUAttentionBackendImpl
+    impl.forward = _forward(impl.forward)

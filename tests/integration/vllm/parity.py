@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""Plan parity: the keep-plan laproxd computes from vLLM's paged KV cache (read in place through
+the laprox.vllm plugin) against the plan of the same tokens through the Hugging Face
+integration (laprox.hf.Compressor), same model, same policy.
+
+    parity.py --laproxd build/service/laproxd --model build/vllm-model/SmolLM2-135M-Instruct
+              [--prompts 8] [--budget 128] [--min-agreement 0.99]
+
+Both engines run in float32 on the CPU. Prompts are 1-3K tokens of seeded English-like text.
+For every prompt and (layer, KV head) the kept position sets are compared; the score is the
+fraction of kept entries both plans keep. Exact equality is not expected everywhere: the two
+engines compute K, V and the queries with different kernels (fp32 rounding), which can swap
+candidates whose scores tie to ~1e-6. Exits 1 when a prompt's agreement is below
+--min-agreement or the plugin made no plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+WORDS = ("the of and to in is was for that with as on by at from his her which an be this "
+         "are or had not but were they their one all there been has have more when who will "
+         "river city north winter market letter garden music island council bridge harbour "
+         "engine summer doctor village station forest mountain kingdom painter library").split()
+
+
+def prompt_text(rng: np.random.Generator, words: int) -> str:
+    sentences = []
+    while words > 0:
+        length = int(rng.integers(8, 20))
+        sentence = " ".join(rng.choice(WORDS, size=min(length, words)))
+        sentences.append(sentence[0].upper() + sentence[1:] + ".")
+        words -= length
+    return " ".join(sentences)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--laproxd", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--budget", type=int, default=128)
+    ap.add_argument("--min-agreement", type=float, default=0.99)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--continuation", type=int, default=32, help="greedy tokens under the plan")
+    ap.add_argument("--decode-prompts", type=int, default=4)
+    ap.add_argument("--logprob-tolerance", type=float, default=1e-3)
+    args = ap.parse_args()
+
+    tmp = tempfile.mkdtemp(prefix="laprox-vllm-")
+    socket = os.path.join(tmp, "laproxd.sock")
+    server = subprocess.Popen([args.laproxd, f"--socket={socket}", "--metrics_listen=",
+                               "--backend=cpu"], stdout=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            if os.path.exists(socket):
+                break
+            time.sleep(0.05)
+        target = f"unix:{socket}"
+        os.environ.update(LAPROX_VLLM_TARGET=target, LAPROX_VLLM_BUDGET=str(args.budget),
+                          VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                          VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        return compare(args, target)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def compare(args: argparse.Namespace, target: str) -> int:
+    import torch
+    import transformers
+    from vllm import LLM, SamplingParams
+
+    import laprox
+    import laprox.hf
+    import laprox.vllm
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
+    rng = np.random.default_rng(args.seed)
+    prompts = []
+    for i in range(args.prompts):
+        target_tokens = 1000 + (2000 * i) // max(args.prompts - 1, 1)
+        ids = tokenizer(prompt_text(rng, target_tokens))["input_ids"][:target_tokens]
+        prompts.append([int(x) for x in ids])
+
+    laprox.vllm.register()  # also when the entry point is not installed (PYTHONPATH)
+    started = time.perf_counter()
+    llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=4096,
+              seed=0)
+    print(f"vLLM loaded in {time.perf_counter() - started:.1f} s")
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(max_tokens=1, temperature=0.0))
+    vllm_plans = laprox.vllm.plans()
+    if len(vllm_plans) != len(prompts):
+        print(f"FAIL: the plugin made {len(vllm_plans)} plans for {len(prompts)} prompts")
+        return 1
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model.eval()
+    worst = 1.0
+    with laprox.Client(target) as client:
+        press = laprox.hf.Compressor(model, client, budget=args.budget)
+        for prompt, output in zip(prompts, outputs):
+            # vLLM's engine may suffix the request id it reports.
+            matches = [plan for key, plan in vllm_plans.items()
+                       if key == output.request_id or key.startswith(output.request_id + "-")]
+            if len(matches) != 1:
+                print(f"FAIL: request {output.request_id}: plans {sorted(vllm_plans)}")
+                return 1
+            plan_vllm = matches[0]
+            with press, torch.no_grad():
+                model(torch.tensor([prompt]), use_cache=True)
+            plan_hf = press.plan
+            both = kept = 0
+            for layer in range(plan_hf.num_layers):
+                for head in range(plan_hf.num_kv_heads):
+                    a = set(plan_hf.kept(layer, head).tolist())
+                    b = set(plan_vllm.kept(layer, head).tolist())
+                    both += len(a & b)
+                    kept += len(a)
+            agreement = both / kept
+            worst = min(worst, agreement)
+            print(f"n = {len(prompt)}: {both} of {kept} kept entries in both plans "
+                  f"({agreement:.5f}); vLLM plan n = {plan_vllm.n}")
+    print(f"worst agreement {worst:.5f} (required {args.min_agreement})")
+    ok = worst >= args.min_agreement
+
+    # Decoding under the plan: greedy continuations and their log-probs in both engines.
+    steps = args.continuation
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[:args.decode_prompts]],
+                           SamplingParams(max_tokens=steps, temperature=0.0, logprobs=1))
+    worst_logprob = 0.0
+    with laprox.Client(target) as client:
+        press = laprox.hf.Compressor(model, client, budget=args.budget)
+        for prompt, output in zip(prompts, outputs):
+            completion = output.outputs[0]
+            vllm_tokens = list(completion.token_ids)
+            vllm_logprobs = [step[token].logprob
+                             for step, token in zip(completion.logprobs, vllm_tokens)]
+            with press, torch.no_grad():
+                generated = model.generate(torch.tensor([prompt]), max_new_tokens=steps,
+                                           do_sample=False, output_logits=True,
+                                           return_dict_in_generate=True)
+            hf_tokens = generated.sequences[0, len(prompt):].tolist()
+            hf_logprobs = [float(torch.log_softmax(logits[0].double(), -1)[token])
+                           for logits, token in zip(generated.logits, hf_tokens)]
+            same = next((j for j, (a, b) in enumerate(zip(vllm_tokens, hf_tokens)) if a != b),
+                        min(len(vllm_tokens), len(hf_tokens)))
+            diff = max(abs(a - b) for a, b in zip(vllm_logprobs[:same], hf_logprobs[:same]))
+            worst_logprob = max(worst_logprob, diff)
+            print(f"n = {len(prompt)}: {same} of {steps} greedy tokens equal; largest "
+                  f"|log-prob difference| over them {diff:.2e}")
+            ok = ok and same == steps and diff <= args.logprob_tolerance
+    print(f"decode: largest |log-prob difference| {worst_logprob:.2e} "
+          f"(tolerance {args.logprob_tolerance})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
