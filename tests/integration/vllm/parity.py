@@ -6,7 +6,8 @@ integration (laprox.hf.Compressor), same model, same policy.
     parity.py --laproxd build/service/laproxd --model build/vllm-model/SmolLM2-135M-Instruct
               [--prompts 8] [--budget 128] [--min-agreement 0.99]
 
-Both engines run in float32 on the CPU. Prompts are 1-3K tokens of seeded English-like text.
+Both engines run in float32 on the CPU. Prompts are a needle question (a code in ~1.5K tokens
+of filler, through the chat template) and 1-3K tokens of seeded English-like text.
 For every prompt and (layer, KV head) the kept position sets are compared; the score is the
 fraction of kept entries both plans keep. Exact equality is not expected everywhere: the two
 engines compute K, V and the queries with different kernels (fp32 rounding), which can swap
@@ -45,13 +46,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--laproxd", required=True)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=8, help="1-3K token prompts, besides the "
+                    "needle prompt")
     ap.add_argument("--budget", type=int, default=128)
     ap.add_argument("--min-agreement", type=float, default=0.99)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--continuation", type=int, default=32, help="greedy tokens under the plan")
     ap.add_argument("--decode-prompts", type=int, default=4)
     ap.add_argument("--logprob-tolerance", type=float, default=1e-3)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=0,
+                    help="vLLM's step budget; small values chunk the prefill (0: vLLM's)")
     args = ap.parse_args()
 
     tmp = tempfile.mkdtemp(prefix="laprox-vllm-")
@@ -84,7 +88,14 @@ def compare(args: argparse.Namespace, target: str) -> int:
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
     rng = np.random.default_rng(args.seed)
-    prompts = []
+    # A needle in ~1.5K tokens of filler, asked for through the chat template: decoded first.
+    text = prompt_text(rng, 700) + " The secret code of the harbour is 4821. " + \
+        prompt_text(rng, 700) + " What is the secret code of the harbour?"
+    needle = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                           add_generation_prompt=True, tokenize=True)
+    if isinstance(needle, dict) or hasattr(needle, "input_ids"):
+        needle = needle["input_ids"]
+    prompts = [[int(x) for x in needle]]
     for i in range(args.prompts):
         target_tokens = 1000 + (2000 * i) // max(args.prompts - 1, 1)
         ids = tokenizer(prompt_text(rng, target_tokens))["input_ids"][:target_tokens]
@@ -92,12 +103,17 @@ def compare(args: argparse.Namespace, target: str) -> int:
 
     laprox.vllm.register()  # also when the entry point is not installed (PYTHONPATH)
     started = time.perf_counter()
+    extra = {}
+    if args.max_num_batched_tokens:  # small: long prompts are prefilled in several chunks
+        extra = dict(enable_chunked_prefill=True,
+                     max_num_batched_tokens=args.max_num_batched_tokens)
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=4096,
-              seed=0)
+              seed=0, **extra)
     print(f"vLLM loaded in {time.perf_counter() - started:.1f} s")
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(max_tokens=1, temperature=0.0))
     vllm_plans = laprox.vllm.plans()
+    print(f"plugin: {laprox.vllm.metrics()}")
     if len(vllm_plans) != len(prompts):
         print(f"FAIL: the plugin made {len(vllm_plans)} plans for {len(prompts)} prompts")
         return 1
@@ -157,6 +173,9 @@ def compare(args: argparse.Namespace, target: str) -> int:
             worst_logprob = max(worst_logprob, diff)
             print(f"n = {len(prompt)}: {same} of {steps} greedy tokens equal; largest "
                   f"|log-prob difference| over them {diff:.2e}")
+            if prompt is prompts[0]:
+                print(f"  needle: vLLM {tokenizer.decode(vllm_tokens)!r}\n"
+                      f"          HF   {tokenizer.decode(hf_tokens)!r}")
             ok = ok and same == steps and diff <= args.logprob_tolerance
     print(f"decode: largest |log-prob difference| {worst_logprob:.2e} "
           f"(tolerance {args.logprob_tolerance})")

@@ -53,3 +53,12 @@ def plans():
     from . import _runner
 
     return dict(_runner.STATE.plans)
+
+
+def metrics():
+    """The plugin's counters in this process: plans made, failures (the sequence kept its
+    full cache), prefill steps seen, and seconds spent capturing queries, calling laproxd and
+    applying plans in decode."""
+    from . import _runner
+
+    return _runner.STATE.metrics

@@ -82,6 +82,8 @@ class _Metrics:
     """Counts and seconds the plugin spends (exported by metrics() in laprox.vllm)."""
     plans: int = 0
     failures: int = 0
+    prefill_steps: int = 0  # (sequence, step) pairs of prefill: above plans when chunked
+    not_captured: int = 0   # prefills a prefix-cache hit started inside the query window
     capture_seconds: float = 0.0
     call_seconds: float = 0.0
     apply_seconds: float = 0.0
@@ -108,8 +110,10 @@ class _State:
         self.last_warning = 0.0
         self.lock = threading.Lock()
 
-    def warn(self, message: str) -> None:
-        self.metrics.failures += 1
+    def warn(self, message: str, sequences: int = 1) -> None:
+        """Counts a failure of `sequences` sequences (or of a set-up step: 1) and logs it at
+        most once per LOG_INTERVAL."""
+        self.metrics.failures += sequences
         now = time.monotonic()
         if now - self.last_warning >= LOG_INTERVAL:
             self.last_warning = now
@@ -242,12 +246,18 @@ def _prepare_inputs(original: Any) -> Any:
                 if req_id in STATE.compressed and num_scheduled_tokens[i] > 0:
                     STATE.decode_rows[i] = (req_id, start, int(num_scheduled_tokens[i]))
                 continue
-            STATE.step[i] = (req_id, start, int(num_scheduled_tokens[i]))
+            w = min(STATE.config.window, prompt_len)
             if req_id not in STATE.prefills:
+                if start > prompt_len - w:
+                    # A prefix-cache hit covers window positions whose queries were never
+                    # computed: no plan for this sequence (counted).
+                    STATE.metrics.not_captured += 1
+                    continue
                 g = STATE.geometry
-                w = min(STATE.config.window, prompt_len)
                 STATE.prefills[req_id] = _Prefill(prompt_len, np.zeros(
                     (g.num_layers, g.num_heads, w, g.head_dim), np.float32))
+            STATE.step[i] = (req_id, start, int(num_scheduled_tokens[i]))
+            STATE.metrics.prefill_steps += 1
         return result
 
     return prepare_inputs
@@ -447,7 +457,7 @@ def _plan(runner: Any, done: List[Tuple[str, _Prefill]]) -> None:
                 **STATE.config.policy))
         plans = _client().compute_keep_plans(STATE.model_id, sequences)
     except Exception as e:
-        STATE.warn(f"ComputeKeepPlans failed ({e})")
+        STATE.warn(f"ComputeKeepPlans failed ({e})", len(done))
         return
     finally:
         STATE.metrics.call_seconds += time.perf_counter() - started

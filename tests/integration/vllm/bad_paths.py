@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""The laprox.vllm plugin when things go wrong, and laproxd's budget-share metrics.
+
+    bad_paths.py --laproxd build/service/laproxd --model build/vllm-model/SmolLM2-135M-Instruct
+
+Three vLLM engines (one process each, the plugin reads its configuration once per process):
+  metrics   a working laproxd with metrics: every prompt gets a plan, and laproxd's /metrics
+            shows laprox_layer_budget_share for the model's name;
+  down      LAPROX_VLLM_TARGET names no server: vLLM serves every prompt with its full cache,
+            the plugin counts the failures and logs one warning (its interval is 60 s);
+  refused   laproxd refuses the plans (an invalid policy option): each request goes on
+            uncompressed, counted.
+Exits 1 on the first check that fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+PROMPTS = 3
+
+
+def child(mode: str, model: str) -> int:
+    """One engine: generates for PROMPTS prompts and prints the plugin's counters as JSON."""
+    import logging
+
+    from vllm import LLM, SamplingParams
+
+    import laprox.vllm
+
+    warnings = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+
+    logging.getLogger("laprox.vllm").addHandler(Collect())
+    laprox.vllm.register()
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0)
+    prompts = [{"prompt_token_ids": list(range(100 + i, 900 + i))} for i in range(PROMPTS)]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    metrics = laprox.vllm.metrics()
+    print("RESULT " + json.dumps({
+        "tokens": [len(o.outputs[0].token_ids) for o in outputs],
+        "plans": metrics.plans, "failures": metrics.failures,
+        "warnings": [w for w in warnings if w.startswith("laprox:")]}))
+    return 0
+
+
+def run_child(mode: str, args: argparse.Namespace, env: dict) -> dict:
+    result = subprocess.run([sys.executable, __file__, "--child", mode, "--model", args.model,
+                             "--laproxd", args.laproxd], env=env, capture_output=True,
+                            text=True, timeout=600)
+    line = next((l for l in result.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if result.returncode != 0 or line is None:
+        print(result.stdout[-3000:], result.stderr[-3000:])
+        raise SystemExit(f"FAIL {mode}: the vLLM engine exited {result.returncode}")
+    return json.loads(line[len("RESULT "):])
+
+
+def check(condition: bool, message: str) -> None:
+    print(("ok   " if condition else "FAIL ") + message)
+    if not condition:
+        raise SystemExit(1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--laproxd", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--child", default=None)
+    args = ap.parse_args()
+    if args.child:
+        return child(args.child, args.model)
+
+    base = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                LAPROX_VLLM_BUDGET="128", LAPROX_VLLM_MODEL="smollm2-vllm")
+    tmp = tempfile.mkdtemp(prefix="laprox-vllm-bad-")
+    socket = os.path.join(tmp, "laproxd.sock")
+    server = subprocess.Popen([args.laproxd, f"--socket={socket}", "--backend=cpu",
+                               "--metrics_listen=127.0.0.1:0"], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        banner = server.stdout.readline()
+        port = int(re.search(r"metrics on http port (\d+)", banner).group(1))
+
+        result = run_child("metrics", args, dict(base, LAPROX_VLLM_TARGET=f"unix:{socket}"))
+        check(result["plans"] == PROMPTS and result["failures"] == 0,
+              f"working laproxd: {result['plans']} plans for {PROMPTS} prompts, "
+              f"{result['failures']} failures")
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        shares = [l for l in text.decode().splitlines()
+                  if l.startswith("laprox_layer_budget_share") and "smollm2-vllm" in l]
+        check(len(shares) > 0, f"laproxd's metrics: {len(shares)} laprox_layer_budget_share "
+                               f"lines for model smollm2-vllm")
+
+        result = run_child("down", args, dict(base, LAPROX_VLLM_TARGET=f"unix:{tmp}/absent"))
+        check(result["tokens"] == [8] * PROMPTS,
+              f"laproxd down: vLLM served {result['tokens']} tokens (8 each expected)")
+        check(result["plans"] == 0 and result["failures"] >= 1 and len(result["warnings"]) == 1,
+              f"laproxd down: {result['plans']} plans, {result['failures']} failures counted, "
+              f"{len(result['warnings'])} warning(s): {result['warnings'][:1]}")
+
+        result = run_child("refused", args, dict(
+            base, LAPROX_VLLM_TARGET=f"unix:{socket}",
+            LAPROX_VLLM_POLICY=json.dumps({"pool_kernel": -3})))
+        check(result["tokens"] == [8] * PROMPTS and result["plans"] == 0
+              and result["failures"] >= 1,
+              f"refused plans: {result['tokens']} tokens, {result['plans']} plans, "
+              f"{result['failures']} failures counted, warnings {result['warnings'][:1]}")
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

