@@ -107,8 +107,10 @@ def compare(args: argparse.Namespace, target: str) -> int:
     if args.max_num_batched_tokens:  # small: long prompts are prefilled in several chunks
         extra = dict(enable_chunked_prefill=True,
                      max_num_batched_tokens=args.max_num_batched_tokens)
+    # No prefix caching: the decoding pass prefills the prompts again, and a cache hit inside
+    # the query window would leave a sequence without a plan (DESIGN.md, section 0).
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=4096,
-              seed=0, **extra)
+              seed=0, enable_prefix_caching=False, **extra)
     print(f"vLLM loaded in {time.perf_counter() - started:.1f} s")
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(max_tokens=1, temperature=0.0))
@@ -152,6 +154,10 @@ def compare(args: argparse.Namespace, target: str) -> int:
     steps = args.continuation
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[:args.decode_prompts]],
                            SamplingParams(max_tokens=steps, temperature=0.0, logprobs=1))
+    metrics = laprox.vllm.metrics()
+    if metrics.plans != len(prompts) + len(outputs) or metrics.not_captured:
+        print(f"FAIL: the decoding pass ran without plans: {metrics}")
+        return 1
     worst_logprob = 0.0
     with laprox.Client(target) as client:
         press = laprox.hf.Compressor(model, client, budget=args.budget)
