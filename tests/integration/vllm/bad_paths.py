@@ -3,11 +3,13 @@
 
     bad_paths.py --laproxd build/service/laproxd --model build/vllm-model/SmolLM2-135M-Instruct
 
-Three vLLM engines (one process each, the plugin reads its configuration once per process):
+Four vLLM engines (one process each, the plugin reads its configuration once per process):
   metrics   a working laproxd with metrics: every prompt gets a plan, and laproxd's /metrics
             shows laprox_layer_budget_share for the model's name;
   down      LAPROX_VLLM_TARGET names no server: vLLM serves every prompt with its full cache,
             the plugin counts the failures and logs one warning (its interval is 60 s);
+  late      laproxd starts only after the engine, and later restarts: the plugin registers the
+            KV pool and the model again each time and plans resume;
   refused   laproxd refuses the plans (an invalid policy option): each request goes on
             uncompressed, counted.
 Exits 1 on the first check that fails.
@@ -28,7 +30,7 @@ import urllib.request
 PROMPTS = 3
 
 
-def child(mode: str, model: str) -> int:
+def child(mode: str, model: str, laproxd: str) -> int:
     """One engine: generates for PROMPTS prompts and prints the plugin's counters as JSON."""
     import logging
 
@@ -45,14 +47,42 @@ def child(mode: str, model: str) -> int:
 
     logging.getLogger("laprox.vllm").addHandler(Collect())
     laprox.vllm.register()
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0)
-    prompts = [{"prompt_token_ids": list(range(100 + i, 900 + i))} for i in range(PROMPTS)]
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    from laprox.vllm import _runner
+
+    _runner.RETRY_INTERVAL = 0.5  # the test waits for the retry
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
+              enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+
+    def generate(offset: int) -> list:
+        prompts = [{"prompt_token_ids": list(range(100 + i + offset, 900 + i + offset))}
+                   for i in range(PROMPTS)]
+        return [len(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+
+    tokens = generate(0)
+    phases = []  # plans made by each later phase
+    if mode == "late":
+        # laproxd starts after the engine, then restarts: the plugin registers again each time.
+        socket = os.environ["LAPROX_VLLM_TARGET"][len("unix:"):]
+        for phase in range(2):
+            server = subprocess.Popen([laproxd, f"--socket={socket}", "--backend=cpu",
+                                       "--metrics_listen="], stdout=subprocess.DEVNULL)
+            while not os.path.exists(socket):
+                time.sleep(0.05)
+            time.sleep(1.0)
+            before = laprox.vllm.metrics().plans
+            tokens += generate(1000 * (phase + 1))  # may fail once: NOT_FOUND after a restart
+            time.sleep(1.0)
+            tokens += generate(1000 * (phase + 1) + 500)
+            phases.append(laprox.vllm.metrics().plans - before)
+            server.terminate()
+            server.wait(timeout=10)
+            if os.path.exists(socket):
+                os.unlink(socket)
     metrics = laprox.vllm.metrics()
     print("RESULT " + json.dumps({
-        "tokens": [len(o.outputs[0].token_ids) for o in outputs],
-        "plans": metrics.plans, "failures": metrics.failures,
-        "warnings": [w for w in warnings if w.startswith("laprox:")]}))
+        "tokens": tokens, "plans": metrics.plans, "failures": metrics.failures,
+        "phases": phases, "warnings": [w for w in warnings if w.startswith("laprox:")]}))
     return 0
 
 
@@ -80,7 +110,7 @@ def main() -> int:
     ap.add_argument("--child", default=None)
     args = ap.parse_args()
     if args.child:
-        return child(args.child, args.model)
+        return child(args.child, args.model, args.laproxd)
 
     base = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
                 VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
@@ -110,6 +140,14 @@ def main() -> int:
         check(result["plans"] == 0 and result["failures"] >= 1 and len(result["warnings"]) == 1,
               f"laproxd down: {result['plans']} plans, {result['failures']} failures counted, "
               f"{len(result['warnings'])} warning(s): {result['warnings'][:1]}")
+
+        late_socket = os.path.join(tmp, "late.sock")
+        result = run_child("late", args, dict(base, LAPROX_VLLM_TARGET=f"unix:{late_socket}"))
+        check(result["tokens"] == [8] * (5 * PROMPTS) and all(p >= PROMPTS for p in
+                                                               result["phases"]),
+              f"laproxd started after vLLM, then restarted: plans made per phase "
+              f"{result['phases']} (at least {PROMPTS} each: registered again), "
+              f"{result['failures']} sequences without a plan, every request served")
 
         result = run_child("refused", args, dict(
             base, LAPROX_VLLM_TARGET=f"unix:{socket}",

@@ -12,7 +12,8 @@
 #    equal, log-probs within 1e-3); again on 2 prompts with the prefill cut into chunks of 997
 #    tokens (the query window straddles two chunks);
 # 4. bad_paths.py: laproxd's budget-share metrics for the model; laproxd down and laproxd
-#    refusing the plans: vLLM serves every request with its full cache, the failures counted.
+#    refusing the plans: vLLM serves every request with its full cache, the failures counted;
+#    laproxd started after vLLM, then restarted: the plugin registers again, plans resume.
 # Exit status 0 when every check passes. About 6 minutes on 2 cores once set up.
 set -euo pipefail
 

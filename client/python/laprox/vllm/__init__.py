@@ -15,8 +15,9 @@ Configuration (environment, read once per process; see Config):
     LAPROX_VLLM_MODEL     the model's name in laproxd's metrics (default: vLLM's model name)
 
 What works now (vLLM 0.32, CPU attention backend; see DESIGN.md in this directory):
-  - the KV block pool lives in one POSIX shared-memory region registered with laproxd, so
-    laproxd reads every layer's keys and values in place through each sequence's block table;
+  - the KV block pool lives in one POSIX shared-memory object of the engine's, registered with
+    laproxd (again after laproxd starts late or restarts), so laproxd reads every layer's keys
+    and values in place through each sequence's block table;
   - the post-RoPE queries of the last w prompt positions are captured per layer during the
     prefill (chunked prefill included: each chunk adds its rows);
   - when a sequence's prefill completes, one ComputeKeepPlans call covers every sequence that

@@ -15,6 +15,7 @@ with its full cache, the failure is counted and logged at most once per LOG_INTE
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ import torch
 logger = logging.getLogger("laprox.vllm")
 
 LOG_INTERVAL = 60.0  # seconds between two warnings about laproxd
+RETRY_INTERVAL = 10.0  # seconds between two attempts to register with laproxd
 MAX_PLANS = 1024  # plans kept for plans(), newest last
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -93,9 +95,13 @@ class _State:
     def __init__(self) -> None:
         self.config: Optional[Config] = None
         self.client: Any = None
-        self.pool: Any = None                 # the SharedArray behind the KV cache
+        self.segment: Any = None              # the shared-memory object behind the KV cache
         self.pool_base: int = 0               # its data pointer
+        self.region_id: Optional[int] = None  # its region in laproxd, once registered
         self.model_id: Optional[int] = None
+        self.model_name = ""
+        self.model_path = ""
+        self.last_attempt = 0.0               # of _connect, monotonic seconds
         self.geometry: Any = None
         self.kv_dtype = torch.bfloat16
         # This step's prefill rows: batch index -> (request id, first position, count).
@@ -111,8 +117,9 @@ class _State:
         self.lock = threading.Lock()
 
     def warn(self, message: str, sequences: int = 1) -> None:
-        """Counts a failure of `sequences` sequences (or of a set-up step: 1) and logs it at
-        most once per LOG_INTERVAL."""
+        """Counts `sequences` sequences that keep their full cache (or a failed set-up step: 1;
+        a failed registration: 0, its sequences are counted when they miss their plan) and
+        logs the message at most once per LOG_INTERVAL."""
         self.metrics.failures += sequences
         now = time.monotonic()
         if now - self.last_warning >= LOG_INTERVAL:
@@ -132,40 +139,81 @@ def _client():
     return STATE.client
 
 
-def _shared_dtype(dtype: torch.dtype) -> str:
+def _wire_dtype(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}[dtype]
 
 
+def _connect() -> bool:
+    """Registers the KV pool and the model with laproxd unless they are registered; at most one
+    attempt per RETRY_INTERVAL after a failure, so that a laproxd that is down costs nothing per
+    step and one that comes back (or restarts) is picked up. True when both are registered."""
+    if STATE.region_id is not None and STATE.model_id is not None:
+        return True
+    now = time.monotonic()
+    if STATE.segment is None or now - STATE.last_attempt < RETRY_INTERVAL:
+        return False
+    STATE.last_attempt = now
+    try:
+        client = _client()
+        if STATE.region_id is None:
+            STATE.region_id = client.register_shm_region(STATE.segment.name, STATE.segment.size)
+        if STATE.model_id is None:
+            STATE.model_id = client.register_model(
+                STATE.model_name, STATE.geometry, _o_proj(STATE.model_path,
+                                                          STATE.geometry.num_layers))
+        return True
+    except Exception as e:
+        STATE.warn(f"cannot register the KV pool and the model with laproxd ({e})", 0)
+        return False
+
+
+# The codes after which the registrations may be gone (laproxd restarted, or reclaimed them):
+# the client (its channel and staging region too) is replaced and everything registered again.
+_RECONNECT_CODES = ("NOT_FOUND", "UNAVAILABLE", "FAILED_PRECONDITION")
+
+
+def _forget_registrations() -> None:
+    if STATE.client is not None:
+        try:
+            STATE.client.close()
+        except Exception:  # noqa: BLE001 - best effort on a server that may be gone
+            pass
+    STATE.client = None
+    STATE.region_id = None
+    STATE.model_id = None
+
+
 def _allocate_kv_cache(original: Any) -> Any:
-    """allocate_kv_cache with its backing buffer in a registered shared-memory region."""
+    """allocate_kv_cache with its backing buffer in a POSIX shared-memory object of ours, which
+    laproxd can read once it is registered (_connect)."""
 
     def allocate(kv_cache_config: Any, device: Any, layout: Any, kernel_block_sizes=None):
         from torch.overrides import TorchFunctionMode
 
-        dtype = STATE.kv_dtype
+        from laprox import _shm
 
         class SharedZeros(TorchFunctionMode):
-            # The buffer is torch.zeros(size, dtype=int8): made from the shared array instead.
+            # The buffer is torch.zeros(size, dtype=int8): made in the shared object instead.
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
                 if (func is torch.zeros and len(args) == 1 and isinstance(args[0], int)
-                        and kwargs.get("dtype") is torch.int8 and STATE.pool is None):
-                    itemsize = torch.tensor([], dtype=dtype).element_size()
-                    size = args[0]
-                    if size % itemsize == 0:
-                        try:
-                            STATE.pool = _client().shared_array((size // itemsize,),
-                                                                _shared_dtype(dtype))
-                        except Exception as e:  # laproxd down: a private buffer as usual
-                            STATE.warn(f"cannot share the KV cache with laproxd ({e})")
-                        else:
-                            buffer = torch.frombuffer(STATE.pool.array, dtype=torch.int8)
-                            STATE.pool_base = buffer.data_ptr()
-                            return buffer
+                        and kwargs.get("dtype") is torch.int8 and STATE.segment is None):
+                    try:
+                        STATE.segment = _shm._Segment(args[0])
+                    except Exception as e:  # /dev/shm too small: a private buffer as usual
+                        STATE.warn(f"cannot place the KV cache in shared memory ({e})")
+                    else:
+                        atexit.register(STATE.segment.release)
+                        buffer = torch.frombuffer(STATE.segment.shm.buf, dtype=torch.int8)
+                        STATE.pool_base = buffer.data_ptr()
+                        return buffer
                 return func(*args, **kwargs)
 
         with SharedZeros():
-            return original(kv_cache_config, device, layout, kernel_block_sizes)
+            caches = original(kv_cache_config, device, layout, kernel_block_sizes)
+        if STATE.geometry is not None:
+            _connect()  # early, so that the first plan does not wait for the registration
+        return caches
 
     return allocate
 
@@ -194,17 +242,15 @@ def _o_proj(model_path: str, num_layers: int) -> List[np.ndarray]:
     return [found[l] for l in range(num_layers)]
 
 
-def _geometry(runner: Any) -> Tuple[Any, List[np.ndarray]]:
+def _geometry(runner: Any) -> Any:
     import laprox
 
     layers = runner.model.model.layers
     attn = layers[0].self_attn
-    o_proj = _o_proj(runner.model_config.model, len(layers))
-    geometry = laprox.ModelGeometry(num_layers=len(layers), num_heads=attn.num_heads,
-                                    num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-                                    hidden_size=o_proj[0].shape[0],
-                                    softmax_scale=float(attn.scaling))
-    return geometry, o_proj
+    return laprox.ModelGeometry(num_layers=len(layers), num_heads=attn.num_heads,
+                                num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+                                hidden_size=runner.model_config.get_hidden_size(),
+                                softmax_scale=float(attn.scaling))
 
 
 def _load_model(original: Any) -> Any:
@@ -213,13 +259,12 @@ def _load_model(original: Any) -> Any:
         STATE.kv_dtype = self.kv_cache_dtype if isinstance(
             getattr(self, "kv_cache_dtype", None), torch.dtype) else self.dtype
         try:
-            geometry, o_proj = _geometry(self)
-            name = STATE.config.model_name or str(self.model_config.served_model_name)
-            STATE.model_id = _client().register_model(
-                re.sub(r"[^A-Za-z0-9._/:-]", "_", name)[:128], geometry, o_proj)
-            STATE.geometry = geometry
+            STATE.geometry = _geometry(self)
         except Exception as e:
-            STATE.warn(f"cannot register the model with laproxd ({e})")
+            STATE.warn(f"the model is not one laprox.vllm knows ({e})")
+        name = STATE.config.model_name or str(self.model_config.served_model_name)
+        STATE.model_name = re.sub(r"[^A-Za-z0-9._/:-]", "_", name)[:128]
+        STATE.model_path = self.model_config.model
         return result
 
     return load_model
@@ -230,7 +275,7 @@ def _prepare_inputs(original: Any) -> Any:
         result = original(self, scheduler_output, num_scheduled_tokens)
         STATE.step = {}
         STATE.decode_rows = {}
-        if STATE.model_id is None:
+        if STATE.geometry is None or STATE.segment is None:
             return result
         batch = self.input_batch
         # Requests no longer in the batch (finished, aborted, preempted) lose their captures.
@@ -415,9 +460,11 @@ def _paged_layer(layer: Any, block_ids: np.ndarray, n: int):
     nblocks = -(-n // block_size)
     common = dict(num_kv_heads=heads, head_dim=d, block_stride=s[0], head_stride=s[1],
                   block_size=block_size)
-    keys = laprox.PagedKV.tensor(STATE.pool, block_ids[:nblocks], n, offset=offset,
+    pool = laprox.RegionTensor(STATE.region_id, 0, _wire_dtype(kv_cache.dtype),
+                               (STATE.segment.size // kv_cache.element_size(),))
+    keys = laprox.PagedKV.tensor(pool, block_ids[:nblocks], n, offset=offset,
                                  slot_stride=key_slot, dim_stride=key_dim, **common)
-    values = laprox.PagedKV.tensor(STATE.pool, block_ids[:nblocks], n,
+    values = laprox.PagedKV.tensor(pool, block_ids[:nblocks], n,
                                    offset=offset + block_size * d, slot_stride=d, dim_stride=1,
                                    **common)
     return keys, values
@@ -430,7 +477,7 @@ def _execute_model(original: Any) -> Any:
                 in STATE.step.values()
                 if start + count >= STATE.prefills[req_id].prompt_len]
         STATE.step = {}
-        if done and STATE.pool is not None:
+        if done:
             _plan(self, done)
         return result
 
@@ -440,6 +487,9 @@ def _execute_model(original: Any) -> Any:
 def _plan(runner: Any, done: List[Tuple[str, _Prefill]]) -> None:
     import laprox
 
+    if not _connect():
+        STATE.metrics.failures += len(done)  # laproxd unreachable: logged by _connect
+        return
     started = time.perf_counter()
     context = runner.compilation_config.static_forward_context
     names = sorted((name for name in context if _LAYER.search(name)),
@@ -457,6 +507,8 @@ def _plan(runner: Any, done: List[Tuple[str, _Prefill]]) -> None:
                 **STATE.config.policy))
         plans = _client().compute_keep_plans(STATE.model_id, sequences)
     except Exception as e:
+        if getattr(getattr(e, "code", None), "name", "") in _RECONNECT_CODES:
+            _forget_registrations()
         STATE.warn(f"ComputeKeepPlans failed ({e})", len(done))
         return
     finally:
