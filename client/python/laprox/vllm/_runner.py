@@ -1,16 +1,18 @@
 """The hooks of laprox.vllm in vLLM 0.32's model runner and CPU attention backend.
 
-Four functions are wrapped, each calling the original first or last and adding only what the
-plugin needs:
+Five functions are wrapped, each calling the original and adding only what the plugin needs:
   vllm.v1.worker.gpu_model_runner.allocate_kv_cache   the one backing buffer of every layer's
-      KV cache is allocated in a laprox SharedArray (POSIX shm registered with laproxd);
-  CPUModelRunner.load_model                           registers the model (o_proj) once;
-  GPUModelRunner._prepare_inputs                      notes which batch rows are prefill;
-  CPUAttentionBackendImpl.forward                     captures the last w prompt queries;
+      KV cache is a POSIX shared-memory object of the plugin's (registered by _connect);
+  CPUModelRunner.load_model                           notes the model's geometry and path;
+  GPUModelRunner._prepare_inputs                      notes which batch rows are prefill and
+      which decode under a plan;
+  CPUAttentionBackendImpl.forward                     captures the last w prompt queries, and
+      recomputes the decode rows of compressed sequences with the evicted entries masked;
   GPUModelRunner.execute_model                        after the forward, one ComputeKeepPlans
       call for every sequence whose prefill completed in this step.
-A failure of laproxd (down, refusing a request) never stops the engine: the sequence goes on
-with its full cache, the failure is counted and logged at most once per LOG_INTERVAL seconds.
+A failure of laproxd (down, restarted, refusing a request) never stops the engine: the sequence
+goes on with its full cache, the failure is counted and logged at most once per LOG_INTERVAL
+seconds, and the registrations are made again when laproxd answers.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import json
 import logging
 import os
 import re
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -103,7 +104,6 @@ class _State:
         self.model_path = ""
         self.last_attempt = 0.0               # of _connect, monotonic seconds
         self.geometry: Any = None
-        self.kv_dtype = torch.bfloat16
         # This step's prefill rows: batch index -> (request id, first position, count).
         self.step: Dict[int, Tuple[str, int, int]] = {}
         self.prefills: Dict[str, _Prefill] = {}
@@ -114,7 +114,6 @@ class _State:
         self.plans: "OrderedDict[str, Any]" = OrderedDict()  # the last MAX_PLANS requests
         self.metrics = _Metrics()
         self.last_warning = 0.0
-        self.lock = threading.Lock()
 
     def warn(self, message: str, sequences: int = 1) -> None:
         """Counts `sequences` sequences that keep their full cache (or a failed set-up step: 1;
@@ -256,8 +255,6 @@ def _geometry(runner: Any) -> Any:
 def _load_model(original: Any) -> Any:
     def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        STATE.kv_dtype = self.kv_cache_dtype if isinstance(
-            getattr(self, "kv_cache_dtype", None), torch.dtype) else self.dtype
         try:
             STATE.geometry = _geometry(self)
         except Exception as e:
