@@ -313,8 +313,14 @@ def _forward(original: Any) -> Any:
             started = time.perf_counter()
             _capture(layer, query, attn_metadata)
             STATE.metrics.capture_seconds += time.perf_counter() - started
-        result = original(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                          *args, **kwargs)
+        # When every row of the step decodes under a plan, _apply writes all of them: the
+        # kernel's full attention would only be overwritten.
+        all_compressed = (attn_metadata is not None and not STATE.step
+                          and len(STATE.decode_rows) == len(attn_metadata.seq_lens)
+                          and sum(c for _, _, c in STATE.decode_rows.values())
+                          == attn_metadata.num_actual_tokens)
+        result = output if all_compressed else original(
+            self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         if attn_metadata is not None and STATE.decode_rows:
             started = time.perf_counter()
             _apply(self, layer, query, kv_cache, attn_metadata, output)
