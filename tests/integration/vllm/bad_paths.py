@@ -3,11 +3,13 @@
 
     bad_paths.py --laproxd build/service/laproxd --model build/vllm-model/SmolLM2-135M-Instruct
 
-Four vLLM engines (one process each, the plugin reads its configuration once per process):
+Five vLLM engines (one process each, the plugin reads its configuration once per process):
   metrics   a working laproxd with metrics: every prompt gets a plan, and laproxd's /metrics
             shows laprox_layer_budget_share for the model's name;
   down      LAPROX_VLLM_TARGET names no server: vLLM serves every prompt with its full cache,
             the plugin counts the failures and logs one warning (its interval is 60 s);
+  broken    the masked decode attention raises (a planted failure): the engine goes on with
+            the kernel's rows, the tokens of the full cache, the sequences counted;
   late      laproxd starts only after the engine, and later restarts: the plugin registers the
             KV pool and the model again each time and plans resume;
   refused   laproxd refuses the plans (an invalid policy option): each request goes on
@@ -50,14 +52,23 @@ def child(mode: str, model: str, laproxd: str) -> int:
     from laprox.vllm import _runner
 
     _runner.RETRY_INTERVAL = 0.5  # the test waits for the retry
+    if mode == "broken":
+        def broken(*args, **kwargs):
+            raise RuntimeError("planted failure of the masked decode attention")
+
+        _runner._apply = broken
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
               enable_prefix_caching=False)
     params = SamplingParams(max_tokens=8, temperature=0.0)
 
+    ids = []
+
     def generate(offset: int) -> list:
         prompts = [{"prompt_token_ids": list(range(100 + i + offset, 900 + i + offset))}
                    for i in range(PROMPTS)]
-        return [len(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+        outputs = llm.generate(prompts, params)
+        ids.append([list(o.outputs[0].token_ids) for o in outputs])
+        return [len(o.outputs[0].token_ids) for o in outputs]
 
     tokens = generate(0)
     phases = []  # plans made by each later phase
@@ -81,7 +92,7 @@ def child(mode: str, model: str, laproxd: str) -> int:
                 os.unlink(socket)
     metrics = laprox.vllm.metrics()
     print("RESULT " + json.dumps({
-        "tokens": tokens, "plans": metrics.plans, "failures": metrics.failures,
+        "tokens": tokens, "ids": ids[0], "plans": metrics.plans, "failures": metrics.failures,
         "phases": phases, "warnings": [w for w in warnings if w.startswith("laprox:")]}))
     return 0
 
@@ -140,6 +151,14 @@ def main() -> int:
         check(result["plans"] == 0 and result["failures"] >= 1 and len(result["warnings"]) == 1,
               f"laproxd down: {result['plans']} plans, {result['failures']} failures counted, "
               f"{len(result['warnings'])} warning(s): {result['warnings'][:1]}")
+
+        down_ids = result["ids"]
+        result = run_child("broken", args, dict(base, LAPROX_VLLM_TARGET=f"unix:{socket}"))
+        check(result["ids"] == down_ids and result["failures"] >= 1
+              and len(result["warnings"]) == 1,
+              f"masked decode failing in every step: the engine went on with the full cache "
+              f"(the same tokens as with laproxd down: {result['ids'] == down_ids}), "
+              f"{result['failures']} sequences counted, warning {result['warnings'][:1]}")
 
         late_socket = os.path.join(tmp, "late.sock")
         result = run_child("late", args, dict(base, LAPROX_VLLM_TARGET=f"unix:{late_socket}"))

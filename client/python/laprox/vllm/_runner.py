@@ -274,57 +274,82 @@ def _prepare_inputs(original: Any) -> Any:
         STATE.decode_rows = {}
         if STATE.geometry is None or STATE.segment is None:
             return result
-        batch = self.input_batch
-        # Requests no longer in the batch (finished, aborted, preempted) lose their captures.
-        for req_id in set(STATE.prefills) - set(batch.req_ids):
-            del STATE.prefills[req_id]
-        for req_id in set(STATE.compressed) - set(batch.req_ids):
-            del STATE.compressed[req_id]
-        STATE.decode_rows = {}
-        for i, req_id in enumerate(batch.req_ids):
-            start = int(batch.num_computed_tokens_cpu[i])
-            prompt_len = int(batch.num_prompt_tokens[i])
-            if start >= prompt_len:
-                if req_id in STATE.compressed and num_scheduled_tokens[i] > 0:
-                    STATE.decode_rows[i] = (req_id, start, int(num_scheduled_tokens[i]))
-                continue
-            w = min(STATE.config.window, prompt_len)
-            if req_id not in STATE.prefills:
-                if start > prompt_len - w:
-                    # A prefix-cache hit covers window positions whose queries were never
-                    # computed: no plan for this sequence (counted).
-                    STATE.metrics.not_captured += 1
-                    continue
-                g = STATE.geometry
-                STATE.prefills[req_id] = _Prefill(prompt_len, np.zeros(
-                    (g.num_layers, g.num_heads, w, g.head_dim), np.float32))
-            STATE.step[i] = (req_id, start, int(num_scheduled_tokens[i]))
-            STATE.metrics.prefill_steps += 1
+        try:
+            _note_rows(self.input_batch, num_scheduled_tokens)
+        except Exception as e:  # never the engine's failure: this step runs uncompressed
+            STATE.warn(f"reading the batch failed ({e!r})", len(STATE.compressed))
+            STATE.step, STATE.decode_rows = {}, {}
+            STATE.prefills.clear()
+            STATE.compressed.clear()
         return result
 
     return prepare_inputs
+
+
+def _note_rows(batch: Any, num_scheduled_tokens: np.ndarray) -> None:
+    """STATE.step and STATE.decode_rows of this step's batch (prepare_inputs)."""
+    # Requests no longer in the batch (finished, aborted, preempted) lose their captures.
+    for req_id in set(STATE.prefills) - set(batch.req_ids):
+        del STATE.prefills[req_id]
+    for req_id in set(STATE.compressed) - set(batch.req_ids):
+        del STATE.compressed[req_id]
+    for i, req_id in enumerate(batch.req_ids):
+        start = int(batch.num_computed_tokens_cpu[i])
+        prompt_len = int(batch.num_prompt_tokens[i])
+        if start >= prompt_len:
+            if req_id in STATE.compressed and num_scheduled_tokens[i] > 0:
+                STATE.decode_rows[i] = (req_id, start, int(num_scheduled_tokens[i]))
+            continue
+        w = min(STATE.config.window, prompt_len)
+        if req_id not in STATE.prefills:
+            if start > prompt_len - w:
+                # A prefix-cache hit covers window positions whose queries were never
+                # computed: no plan for this sequence (counted).
+                STATE.metrics.not_captured += 1
+                continue
+            g = STATE.geometry
+            STATE.prefills[req_id] = _Prefill(prompt_len, np.zeros(
+                (g.num_layers, g.num_heads, w, g.head_dim), np.float32))
+        STATE.step[i] = (req_id, start, int(num_scheduled_tokens[i]))
+        STATE.metrics.prefill_steps += 1
 
 
 def _forward(original: Any) -> Any:
     def forward(self: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any,
                 output: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        def kernel() -> torch.Tensor:
+            return original(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                            *args, **kwargs)
+
         if attn_metadata is not None and STATE.step:
             started = time.perf_counter()
-            _capture(layer, query, attn_metadata)
+            try:
+                _capture(layer, query, attn_metadata)
+            except Exception as e:  # never the engine's failure: these prefills get no plan
+                STATE.warn(f"capturing the window queries failed ({e!r})", len(STATE.step))
+                for req_id, _, _ in STATE.step.values():
+                    STATE.prefills.pop(req_id, None)
+                STATE.step = {}
             STATE.metrics.capture_seconds += time.perf_counter() - started
+        if attn_metadata is None or not STATE.decode_rows:
+            return kernel()
         # When every row of the step decodes under a plan, _apply writes all of them: the
         # kernel's full attention would only be overwritten.
-        all_compressed = (attn_metadata is not None and not STATE.step
+        all_compressed = (not STATE.step
                           and len(STATE.decode_rows) == len(attn_metadata.seq_lens)
                           and sum(c for _, _, c in STATE.decode_rows.values())
                           == attn_metadata.num_actual_tokens)
-        result = output if all_compressed else original(
-            self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        if attn_metadata is not None and STATE.decode_rows:
-            started = time.perf_counter()
+        result = output if all_compressed else kernel()
+        started = time.perf_counter()
+        try:
             _apply(self, layer, query, kv_cache, attn_metadata, output)
-            STATE.metrics.apply_seconds += time.perf_counter() - started
+        except Exception as e:  # the sequences go on uncompressed, with the kernel's rows
+            STATE.warn(f"masked decode attention failed ({e!r})", len(STATE.compressed))
+            STATE.compressed.clear()
+            STATE.decode_rows = {}
+            result = kernel()
+        STATE.metrics.apply_seconds += time.perf_counter() - started
         return result
 
     return forward
