@@ -501,12 +501,14 @@ def _paged_layer(layer: Any, block_ids: np.ndarray, n: int):
 def _execute_model(original: Any) -> Any:
     def execute_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        done = [(req_id, STATE.prefills.pop(req_id)) for req_id, start, count
-                in STATE.step.values()
-                if start + count >= STATE.prefills[req_id].prompt_len]
-        STATE.step = {}
+        step, STATE.step = STATE.step, {}
+        done = [(req_id, STATE.prefills.pop(req_id)) for req_id, start, count in step.values()
+                if req_id in STATE.prefills and start + count >= STATE.prefills[req_id].prompt_len]
         if done:
-            _plan(self, done)
+            try:
+                _plan(self, done)
+            except Exception as e:  # never the engine's failure: no plans this step
+                STATE.warn(f"planning failed ({e!r})", len(done))
         return result
 
     return execute_model
