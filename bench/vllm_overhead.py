@@ -20,7 +20,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 
@@ -74,10 +73,12 @@ def main() -> int:
     if args.child:
         return child(args)
 
-    tmp = tempfile.mkdtemp(prefix="laprox-vllm-bench-")
-    socket = os.path.join(tmp, "laproxd.sock")
-    server = subprocess.Popen([args.laproxd, f"--socket={socket}", "--backend=cpu",
-                               "--metrics_listen="], stdout=subprocess.DEVNULL)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
+                                    "integration", "vllm"))
+    from laproxd_support import Laproxd, use_laproxd
+
+    use_laproxd(args.laproxd)
+    server = Laproxd()
     base = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
                 VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
                 LAPROX_VLLM_BUDGET=str(args.budget))
@@ -86,12 +87,11 @@ def main() -> int:
                "--decode-tokens", str(args.decode_tokens)]
     runs = {"off": [], "on": []}
     try:
-        time.sleep(0.5)
         for _ in range(args.rounds):
             for mode in ("off", "on"):
                 env = dict(base)
                 if mode == "on":
-                    env["LAPROX_VLLM_TARGET"] = f"unix:{socket}"
+                    env["LAPROX_VLLM_TARGET"] = server.target
                 else:
                     env.pop("LAPROX_VLLM_TARGET", None)
                 out = subprocess.run(command, env=env, capture_output=True, text=True,
@@ -103,8 +103,7 @@ def main() -> int:
                     return 1
                 runs[mode].append(json.loads(line[len("RESULT "):]))
     finally:
-        server.terminate()
-        server.wait(timeout=10)
+        server.stop()
 
     print(f"{args.rounds} rounds x {args.repeats} requests per size, budget {args.budget} "
           f"tokens per KV head, {args.decode_tokens} decode tokens; medians in ms")

@@ -58,11 +58,12 @@ def laproxd_path():
 
 
 class Laproxd:
-    """The real laproxd binary on a temporary Unix socket, metrics off."""
+    """The real laproxd binary on a temporary Unix socket (or `socket`), metrics off unless a
+    flag says otherwise (a later flag wins)."""
 
-    def __init__(self, *flags):
+    def __init__(self, *flags, socket=None):
         self.dir = tempfile.mkdtemp(prefix="laproxd-py-")
-        self.socket = os.path.join(self.dir, "laproxd.sock")
+        self.socket = socket or os.path.join(self.dir, "laproxd.sock")
         self.target = "unix:" + self.socket
         self.log_path = os.path.join(self.dir, "log")
         with open(self.log_path, "w") as log:

@@ -29,10 +29,12 @@ import tempfile
 import time
 import urllib.request
 
+from laproxd_support import Laproxd, use_laproxd
+
 PROMPTS = 3
 
 
-def child(mode: str, model: str, laproxd: str) -> int:
+def child(mode: str, model: str) -> int:
     """One engine: generates for PROMPTS prompts and prints the plugin's counters as JSON."""
     import logging
 
@@ -76,18 +78,14 @@ def child(mode: str, model: str, laproxd: str) -> int:
         # laproxd starts after the engine, then restarts: the plugin registers again each time.
         socket = os.environ["LAPROX_VLLM_TARGET"][len("unix:"):]
         for phase in range(2):
-            server = subprocess.Popen([laproxd, f"--socket={socket}", "--backend=cpu",
-                                       "--metrics_listen="], stdout=subprocess.DEVNULL)
-            while not os.path.exists(socket):
-                time.sleep(0.05)
-            time.sleep(1.0)
+            server = Laproxd(socket=socket)
+            time.sleep(1.0)  # past the plugin's RETRY_INTERVAL since its last attempt
             before = laprox.vllm.metrics().plans
             tokens += generate(1000 * (phase + 1))  # may fail once: NOT_FOUND after a restart
             time.sleep(1.0)
             tokens += generate(1000 * (phase + 1) + 500)
             phases.append(laprox.vllm.metrics().plans - before)
-            server.terminate()
-            server.wait(timeout=10)
+            server.stop()
             if os.path.exists(socket):
                 os.unlink(socket)
     metrics = laprox.vllm.metrics()
@@ -121,19 +119,17 @@ def main() -> int:
     ap.add_argument("--child", default=None)
     args = ap.parse_args()
     if args.child:
-        return child(args.child, args.model, args.laproxd)
+        return child(args.child, args.model)
 
+    use_laproxd(args.laproxd)
     base = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
                 VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                 LAPROX_VLLM_BUDGET="128", LAPROX_VLLM_MODEL="smollm2-vllm")
     tmp = tempfile.mkdtemp(prefix="laprox-vllm-bad-")
-    socket = os.path.join(tmp, "laproxd.sock")
-    server = subprocess.Popen([args.laproxd, f"--socket={socket}", "--backend=cpu",
-                               "--metrics_listen=127.0.0.1:0"], stdout=subprocess.PIPE,
-                              text=True)
+    server = Laproxd("--metrics_listen=127.0.0.1:0")
+    socket = server.socket
     try:
-        banner = server.stdout.readline()
-        port = int(re.search(r"metrics on http port (\d+)", banner).group(1))
+        port = int(re.search(r"metrics on http port (\d+)", server.log()).group(1))
 
         result = run_child("metrics", args, dict(base, LAPROX_VLLM_TARGET=f"unix:{socket}"))
         check(result["plans"] == PROMPTS and result["failures"] == 0,
@@ -176,8 +172,7 @@ def main() -> int:
               f"refused plans: {result['tokens']} tokens, {result['plans']} plans, "
               f"{result['failures']} failures counted, warnings {result['warnings'][:1]}")
     finally:
-        server.terminate()
-        server.wait(timeout=10)
+        server.stop()
     return 0
 
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
+
+from laproxd_support import Laproxd, use_laproxd
 
 WORDS = ("the of and to in is was for that with as on by at from his her which an be this "
          "are or had not but were they their one all there been has have more when who will "
@@ -58,23 +58,16 @@ def main() -> int:
                     help="vLLM's step budget; small values chunk the prefill (0: vLLM's)")
     args = ap.parse_args()
 
-    tmp = tempfile.mkdtemp(prefix="laprox-vllm-")
-    socket = os.path.join(tmp, "laproxd.sock")
-    server = subprocess.Popen([args.laproxd, f"--socket={socket}", "--metrics_listen=",
-                               "--backend=cpu"], stdout=subprocess.DEVNULL)
+    use_laproxd(args.laproxd)
+    server = Laproxd()
     try:
-        for _ in range(100):
-            if os.path.exists(socket):
-                break
-            time.sleep(0.05)
-        target = f"unix:{socket}"
+        target = server.target
         os.environ.update(LAPROX_VLLM_TARGET=target, LAPROX_VLLM_BUDGET=str(args.budget),
                           VLLM_ENABLE_V1_MULTIPROCESSING="0",
                           VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
         return compare(args, target)
     finally:
-        server.terminate()
-        server.wait(timeout=10)
+        server.stop()
 
 
 def compare(args: argparse.Namespace, target: str) -> int:
