@@ -82,8 +82,9 @@ struct WindowRows {
 // ws.row_scale[r] is A^h[t, :] for query head h = kv_head * G + hi, valid in columns [0, n - we);
 // every entry is at most 1 (softmax rows; with the engine's window_lse, exp(logit - lse) capped at
 // 1; given rows are checked to sum to at most 1.01). A row's values do not depend on the range it
-// is computed in. Checks every input element it reads (the group's keys, queries and LSE, or the
-// attention rows of the range, and those before the window with the first range) and answers
+// is computed in. Checks every input element it reads (the group's keys, queries and LSE; or the
+// attention rows of the range, with the first range also those before the window and the keys)
+// and answers
 // INVALID_ARGUMENT naming the tensor and element on bad data, and naming the keys when the logits
 // could overflow (policy::CheckLogitMagnitude) or, in KVPRESS_COMPAT, overflow the model dtype.
 absl::Status WindowAttention(const RequestShape& shape, const HeadTask& task, WindowRows rows,

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
@@ -127,6 +128,32 @@ TEST(WindowRangesTest, ABadQueryInALaterRangeIsRefusedAlike) {
   const absl::StatusOr<KeepPlan> ranged = Plan(c, v, 1, &unused);
   ASSERT_FALSE(one.ok());
   EXPECT_EQ(one.status(), ranged.status());
+}
+
+TEST(WindowRangesTest, ABadKeyWithTheEnginesAttentionIsRefusedAlike) {
+  // With the engine's attention rows the keys are only checked, once, with the first range.
+  TinyCase c(L, H, Hkv, d, D, kN, kRows);
+  c.Randomize(7);
+  std::vector<float> attention(H * kRows * kN, 1.f / kN);
+  std::vector<float> unused;
+  for (const int64_t bytes : {int64_t{1} << 40, int64_t{1}}) {
+    auto backend = CreateBackend("cpu", {.threads = 2, .cpu_window_bytes = bytes});
+    ASSERT_TRUE(backend.ok());
+    auto model = (*backend)->PrepareModel(c.geometry, c.OProjViews());
+    ASSERT_TRUE(model.ok());
+    c.policy = Variants().front().policy;
+    KeepPlanRequest request = c.Request();
+    for (auto& layer : request.layers) {
+      layer.window_queries = TensorView();
+      layer.window_attention = TensorView(attention.data(), DType::kF32, {H, kRows, kN});
+    }
+    EXPECT_TRUE((*backend)->ComputeKeepPlan(**model, request).ok()) << bytes;
+    c.keys[1][(1 * kN + 99) * d + 2] = std::nanf("");
+    EXPECT_THAT((*backend)->ComputeKeepPlan(**model, request).status().message(),
+                ::testing::HasSubstr("layers[1].keys"))
+        << bytes;
+    c.keys[1][(1 * kN + 99) * d + 2] = 0.5f;
+  }
 }
 
 }  // namespace
