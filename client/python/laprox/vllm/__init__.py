@@ -14,15 +14,19 @@ Configuration (environment, read once per process; see Config):
     LAPROX_VLLM_WINDOW    post-RoPE query rows captured per layer (default 32)
     LAPROX_VLLM_MODEL     the model's name in laproxd's metrics (default: vLLM's model name)
 
-What works now (vLLM 0.32, CPU attention backend; see DESIGN.md in this directory):
+What it does (vLLM 0.32, CPU attention backend; see DESIGN.md in this directory):
   - the KV block pool lives in one POSIX shared-memory object of the engine's, registered with
     laproxd (again after laproxd starts late or restarts), so laproxd reads every layer's keys
     and values in place through each sequence's block table;
   - the post-RoPE queries of the last w prompt positions are captured per layer during the
     prefill (chunked prefill included: each chunk adds its rows);
   - when a sequence's prefill completes, one ComputeKeepPlans call covers every sequence that
-    completed in that step, and the plans are kept per request (`plans()`).
-Not yet: applying the plan in decode (masking evicted entries) and freeing blocks.
+    completed in that step, and the plans are kept per request (`plans()`);
+  - in decode, the evicted prompt entries of a compressed sequence take no part in attention
+    (its rows are recomputed with them masked, as laprox.hf does);
+  - its counters and stage times are on vLLM's /metrics (`laprox_vllm_*`, see _metrics.py) and
+    in `metrics()`.
+Not yet: freeing the evicted blocks (DESIGN.md says what vLLM would need).
 """
 
 from __future__ import annotations
@@ -40,12 +44,16 @@ def register() -> None:
         return
     import vllm
 
+    from . import _metrics
+
     if vllm.__version__ not in SUPPORTED_VLLM_VERSIONS:
         raise RuntimeError(
             f"laprox.vllm supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}; this is vLLM "
             f"{vllm.__version__}. Unset LAPROX_VLLM_TARGET to run without laprox.")
     from . import _runner
 
+    _metrics.ensure_directory()
+    _metrics.export()
     _runner.install(_runner.Config.from_env())
 
 
@@ -57,9 +65,16 @@ def plans():
 
 
 def metrics():
-    """The plugin's counters in this process: plans made, failures (the sequence kept its
-    full cache), prefill steps seen, and seconds spent capturing queries, calling laproxd and
-    applying plans in decode."""
-    from . import _runner
+    """The plugin's counters summed over every process of this vLLM engine (the engine core may
+    run in a process of its own): plans made, failures (the sequence kept its full cache),
+    prefill steps seen, prefills not captured, and the seconds spent capturing queries, calling
+    laproxd and applying plans in decode (`capture_seconds`, `call_seconds`, `apply_seconds`;
+    `stage(name)` gives a stage's histogram)."""
+    from . import _metrics, _runner
 
-    return _runner.STATE.metrics
+    total = _metrics.Metrics()
+    for counted in _metrics.read_all().values():
+        total.values += counted.values
+    if not _runner.STATE.metrics.in_directory:
+        total.values += _runner.STATE.metrics.values  # this process's, not in the directory
+    return total

@@ -30,6 +30,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from . import _metrics
+
 logger = logging.getLogger("laprox.vllm")
 
 LOG_INTERVAL = 60.0  # seconds between two warnings about laproxd
@@ -80,18 +82,6 @@ class _Compressed:
         default_factory=dict)
 
 
-@dataclass
-class _Metrics:
-    """Counts and seconds the plugin spends (exported by metrics() in laprox.vllm)."""
-    plans: int = 0
-    failures: int = 0
-    prefill_steps: int = 0  # (sequence, step) pairs of prefill: above plans when chunked
-    not_captured: int = 0   # prefills a prefix-cache hit started inside the query window
-    capture_seconds: float = 0.0
-    call_seconds: float = 0.0
-    apply_seconds: float = 0.0
-
-
 class _State:
     def __init__(self) -> None:
         self.config: Optional[Config] = None
@@ -112,7 +102,9 @@ class _State:
         self.compressed: Dict[str, "_Compressed"] = {}
         self.decode_rows: Dict[int, Tuple[str, int, int]] = {}
         self.plans: "OrderedDict[str, Any]" = OrderedDict()  # the last MAX_PLANS requests
-        self.metrics = _Metrics()
+        self.metrics = _metrics.Metrics()
+        # Seconds of this step's capture and masked decode, observed at its end (_execute_model).
+        self.step_seconds: Dict[str, float] = {"capture": 0.0, "apply": 0.0}
         self.last_warning = 0.0
 
     def warn(self, message: str, sequences: int = 1) -> None:
@@ -262,6 +254,7 @@ def _load_model(original: Any) -> Any:
         name = STATE.config.model_name or str(self.model_config.served_model_name)
         STATE.model_name = re.sub(r"[^A-Za-z0-9._/:-]", "_", name)[:128]
         STATE.model_path = self.model_config.model
+        STATE.metrics = _metrics.attach(STATE.metrics, STATE.model_name)
         return result
 
     return load_model
@@ -331,7 +324,7 @@ def _forward(original: Any) -> Any:
                 for req_id, _, _ in STATE.step.values():
                     STATE.prefills.pop(req_id, None)
                 STATE.step = {}
-            STATE.metrics.capture_seconds += time.perf_counter() - started
+            STATE.step_seconds["capture"] += time.perf_counter() - started
         if attn_metadata is None or not STATE.decode_rows:
             return kernel()
         # When every row of the step decodes under a plan, _apply writes all of them: the
@@ -349,7 +342,7 @@ def _forward(original: Any) -> Any:
             STATE.compressed.clear()
             STATE.decode_rows = {}
             result = kernel()
-        STATE.metrics.apply_seconds += time.perf_counter() - started
+        STATE.step_seconds["apply"] += time.perf_counter() - started
         return result
 
     return forward
@@ -501,6 +494,10 @@ def _paged_layer(layer: Any, block_ids: np.ndarray, n: int):
 def _execute_model(original: Any) -> Any:
     def execute_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
+        for stage, seconds in STATE.step_seconds.items():
+            if seconds:
+                STATE.metrics.observe(stage, seconds)
+                STATE.step_seconds[stage] = 0.0
         step, STATE.step = STATE.step, {}
         done = [(req_id, STATE.prefills.pop(req_id)) for req_id, start, count in step.values()
                 if req_id in STATE.prefills and start + count >= STATE.prefills[req_id].prompt_len]
@@ -542,7 +539,7 @@ def _plan(runner: Any, done: List[Tuple[str, _Prefill]]) -> None:
         STATE.warn(f"ComputeKeepPlans failed ({e})", len(done))
         return
     finally:
-        STATE.metrics.call_seconds += time.perf_counter() - started
+        STATE.metrics.observe("call", time.perf_counter() - started)
     for (req_id, prefill), plan in zip(done, plans):
         STATE.plans[req_id] = plan
         STATE.metrics.plans += 1

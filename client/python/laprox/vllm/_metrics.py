@@ -1,0 +1,219 @@
+"""The plugin's counters and stage times, and their export on vLLM's own /metrics endpoint.
+
+vLLM runs the model, and so the plugin's hooks, in its engine-core process (or in worker
+processes), and serves /metrics from the API-server process. The counters therefore live in a
+small file per process that runs hooks, mapped into memory and updated in place (no system call
+per update): `<dir>/<pid>.f64`, float64 values in the order of LAYOUT, with `<dir>/<pid>.json`
+naming the model and the layout. `<dir>` is $LAPROX_VLLM_METRICS_DIR; register() makes a
+temporary one in the first process that loads the plugin (vLLM's front end, before it starts the
+engine, whose processes inherit the variable) and removes it when that process exits. Every
+process that loaded the plugin adds a collector to prometheus_client's default registry, which
+sums the files by model at scrape time:
+
+  laprox_vllm_plans_total{model_name}          sequences that got a keep-plan
+  laprox_vllm_failures_total{model_name}       sequences that kept their full cache because
+                                               something failed (and failed set-up steps)
+  laprox_vllm_prefill_steps_total{model_name}  (sequence, step) pairs of prefill seen
+  laprox_vllm_not_captured_total{model_name}   prefills a prefix-cache hit started inside the
+                                               query window (no plan)
+  laprox_vllm_stage_seconds{model_name,stage}  histogram per engine step of the time spent
+      capturing window queries (stage="capture"), calling laproxd (stage="call", one per
+      ComputeKeepPlans call) and recomputing masked decode rows (stage="apply")
+
+A process that died keeps its file, so its counts stay in the sums (counters do not go back).
+With vLLM's --api-server-count > 1 (PROMETHEUS_MULTIPROC_DIR set) vLLM's /metrics reads only
+prometheus_client's multiprocess files, and these metrics are not on it: metrics() has them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import bisect
+import json
+import logging
+import os
+import shutil
+import tempfile
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+logger = logging.getLogger("laprox.vllm")
+
+DIR_VARIABLE = "LAPROX_VLLM_METRICS_DIR"
+COUNTERS = ("plans", "failures", "prefill_steps", "not_captured")
+STAGES = ("capture", "call", "apply")
+# Upper bounds of the stage histograms' buckets, seconds (the last bucket, +Inf, is the count).
+BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_STAGE_SIZE = 2 + len(BUCKETS)  # count, sum, then the observations per bucket (not cumulative)
+SIZE = len(COUNTERS) + len(STAGES) * _STAGE_SIZE
+LAYOUT = {"counters": list(COUNTERS), "stages": list(STAGES), "buckets": list(BUCKETS)}
+
+
+class Metrics:
+    """The plugin's counts and stage times in one process, over a float64 array (in memory, or
+    mapped from this process's file once attach() found a directory)."""
+
+    def __init__(self, values: Optional[np.ndarray] = None) -> None:
+        self.values = np.zeros(SIZE) if values is None else values
+
+    @property
+    def in_directory(self) -> bool:
+        """Whether the values are this process's file in the metrics directory."""
+        return isinstance(self.values, np.memmap)
+
+    def _stage(self, stage: str) -> int:
+        return len(COUNTERS) + STAGES.index(stage) * _STAGE_SIZE
+
+    def observe(self, stage: str, seconds: float) -> None:
+        base = self._stage(stage)
+        self.values[base] += 1
+        self.values[base + 1] += seconds
+        bucket = bisect.bisect_left(BUCKETS, seconds)
+        if bucket < len(BUCKETS):
+            self.values[base + 2 + bucket] += 1
+
+    def stage(self, stage: str) -> Tuple[int, float, List[int]]:
+        """(observations, seconds in all, cumulative counts per bucket of BUCKETS)."""
+        base = self._stage(stage)
+        block = self.values[base:base + _STAGE_SIZE]
+        return int(block[0]), float(block[1]), [int(c) for c in np.cumsum(block[2:])]
+
+    @property
+    def capture_seconds(self) -> float:
+        return self.stage("capture")[1]
+
+    @property
+    def call_seconds(self) -> float:
+        return self.stage("call")[1]
+
+    @property
+    def apply_seconds(self) -> float:
+        return self.stage("apply")[1]
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{name}={getattr(self, name)}" for name in COUNTERS)
+        times = ", ".join(f"{s}_seconds={self.stage(s)[1]:.4f}" for s in STAGES)
+        return f"Metrics({counts}, {times})"
+
+
+def _counter_property(index: int) -> property:
+    def get(self: Metrics) -> int:
+        return int(self.values[index])
+
+    def set_(self: Metrics, value: int) -> None:
+        self.values[index] = value
+
+    return property(get, set_)
+
+
+for _index, _name in enumerate(COUNTERS):
+    setattr(Metrics, _name, _counter_property(_index))
+
+
+def ensure_directory() -> str:
+    """$LAPROX_VLLM_METRICS_DIR, made (and removed at exit) by the first process that needs it;
+    the processes it starts inherit the variable."""
+    path = os.environ.get(DIR_VARIABLE)
+    if not path:
+        path = tempfile.mkdtemp(prefix="laprox-vllm-metrics-")
+        os.environ[DIR_VARIABLE] = path
+        atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+def attach(metrics: Metrics, model_name: str) -> Metrics:
+    """A Metrics over this process's file in the metrics directory, holding what `metrics`
+    counted so far; `metrics` itself when there is no directory or it cannot be written."""
+    path = os.environ.get(DIR_VARIABLE)
+    if not path:
+        return metrics
+    base = os.path.join(path, str(os.getpid()))
+    try:
+        values = np.memmap(base + ".f64", dtype=np.float64, mode="w+", shape=(SIZE,))
+        values[:] = metrics.values
+        with open(base + ".json.tmp", "w") as f:
+            json.dump({"model_name": model_name, "layout": LAYOUT}, f)
+        os.replace(base + ".json.tmp", base + ".json")
+    except OSError as e:
+        logger.warning("laprox: cannot write the plugin's metrics under %s (%s); they stay in "
+                       "this process (laprox.vllm.metrics())", path, e)
+        return metrics
+    return Metrics(values)
+
+
+def read_all(path: Optional[str] = None) -> Dict[str, Metrics]:
+    """The sums of every process's file in the metrics directory, by model name. Files of
+    another layout (another laprox version) or torn by a process still writing them are
+    skipped."""
+    path = path or os.environ.get(DIR_VARIABLE)
+    sums: Dict[str, Metrics] = {}
+    if not path or not os.path.isdir(path):
+        return sums
+    for name in sorted(os.listdir(path)):
+        if not name.endswith(".json"):
+            continue
+        base = os.path.join(path, name[:-len(".json")])
+        try:
+            with open(base + ".json") as f:
+                meta = json.load(f)
+            values = np.fromfile(base + ".f64", dtype=np.float64)
+        except (OSError, ValueError):
+            continue
+        if meta.get("layout") != LAYOUT or values.shape != (SIZE,):
+            continue
+        model = str(meta.get("model_name", ""))
+        sums.setdefault(model, Metrics()).values += values
+    return sums
+
+
+class _Collector:
+    """prometheus_client collector of the sums of read_all()."""
+
+    def collect(self) -> Iterator[object]:
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+        sums = read_all()
+        help_text = {
+            "plans": "Sequences that got a laprox keep-plan",
+            "failures": "Sequences that kept their full KV cache because the laprox plugin or "
+                        "laproxd failed (and failed set-up steps)",
+            "prefill_steps": "(sequence, step) pairs of prefill the laprox plugin saw",
+            "not_captured": "Prefills a prefix-cache hit started inside the query window "
+                            "(no plan)",
+        }
+        for counter in COUNTERS:
+            family = CounterMetricFamily(f"laprox_vllm_{counter}", help_text[counter],
+                                         labels=["model_name"])
+            for model, metrics in sums.items():
+                family.add_metric([model], getattr(metrics, counter))
+            yield family
+        family = HistogramMetricFamily(
+            "laprox_vllm_stage_seconds",
+            "Seconds per engine step the laprox plugin spent capturing window queries "
+            "(capture), calling laproxd (call, per call) and masking decode rows (apply)",
+            labels=["model_name", "stage"])
+        for model, metrics in sums.items():
+            for stage in STAGES:
+                count, total, cumulative = metrics.stage(stage)
+                buckets = [(repr(le), c) for le, c in zip(BUCKETS, cumulative)]
+                buckets.append(("+Inf", count))
+                family.add_metric([model, stage], buckets, total)
+        yield family
+
+
+_REGISTERED = False
+
+
+def export() -> None:
+    """Adds the collector to prometheus_client's default registry, once per process (vLLM's
+    single API server serves that registry on /metrics); nothing without prometheus_client."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:
+        return
+    REGISTRY.register(_Collector())
+    _REGISTERED = True
