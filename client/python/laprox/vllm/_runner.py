@@ -558,6 +558,15 @@ def install(config: Config) -> None:
     if _INSTALLED:
         return
     _INSTALLED = True
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        # The hooks are those of the CPU model runner and attention backend; on another platform
+        # they would never run, and the engine would serve uncompressed without a word.
+        logger.warning("laprox: laprox.vllm supports vLLM's CPU backend only; this engine runs "
+                       "on %s, so the plugin stays off and every sequence keeps its full KV "
+                       "cache", type(current_platform).__name__)
+        return
     STATE.config = config
     from vllm.v1.attention.backends import cpu_attn
     from vllm.v1.worker import cpu_model_runner, gpu_model_runner
