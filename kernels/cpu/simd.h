@@ -1,7 +1,7 @@
-// What the CPU backend's AVX2+FMA kernels (cpu/vector_ops.cc, cpu/triangular.cc) share: whether
-// this is an x86-64 build, the target attribute that compiles one function for AVX2+FMA (not the
-// whole file, so nothing compiled for AVX2 runs on a CPU without it: callers check UseAvx2()
-// first), and the horizontal reductions of a register.
+// What the CPU backend's AVX2+FMA and AVX-512 kernels (cpu/vector_ops.cc, cpu/triangular.cc)
+// share: whether this is an x86-64 build, the target attributes that compile one function for
+// AVX2+FMA or AVX-512F (not the whole file, so nothing compiled for them runs on a CPU without
+// them: callers check UseAvx2() / UseAvx512() first), and the horizontal reductions of a register.
 #ifndef LAPROX_KERNELS_CPU_SIMD_H_
 #define LAPROX_KERNELS_CPU_SIMD_H_
 
@@ -9,6 +9,8 @@
 #include <immintrin.h>
 #define LAPROX_HAVE_X86 1
 #define LAPROX_AVX2 __attribute__((target("avx2,fma")))
+// One function for AVX-512F (callers check UseAvx512() first, as for AVX2).
+#define LAPROX_AVX512 __attribute__((target("avx512f,avx2,fma")))
 
 namespace laprox::kernels::cpu {
 
@@ -17,6 +19,16 @@ LAPROX_AVX2 inline float HorizontalSum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// (Not _mm512_reduce_add_ps nor _mm512_castps512_ps256: GCC 12 warns inside them,
+// -Wuninitialized on the _mm256_undefined_pd they pass to an extract; the masked extracts have no
+// undefined operand.)
+LAPROX_AVX512 inline float HorizontalSum(__m512 v) {
+  const __m512d x = _mm512_castps_pd(v);
+  const __m256 low = _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(0xff, x, 0));
+  const __m256 high = _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(0xff, x, 1));
+  return HorizontalSum(_mm256_add_ps(low, high));
 }
 
 LAPROX_AVX2 inline float HorizontalMax(__m256 v) {

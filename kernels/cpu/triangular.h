@@ -42,8 +42,9 @@ int64_t PackedTriangleSize(int64_t d);
 void PackTriangles(const float* t, int64_t ldt, int64_t d, int64_t count, float* packed);
 
 // out[f * out_stride + r] = ||v_r T_f||^2 in fp32 for r < rows and f < count, where
-// v_r = v + r * ldv (d floats) and T_f is the f-th factor in `packed` (PackTriangles). AVX2+FMA
-// where the CPU has it (cpu/vector_ops.h's choice, ForcePortableVectorOps included).
+// v_r = v + r * ldv (d floats) and T_f is the f-th factor in `packed` (PackTriangles). AVX-512F
+// or AVX2+FMA where the CPU has them (cpu/vector_ops.h's choice: UseAvx512(), UseAvx2()); the
+// versions add in different orders, so their results differ in the last bits.
 void TriangularSquaredNorms(const float* v, int64_t ldv, int64_t rows, int64_t d,
                             const float* packed, int64_t count, float* out, int64_t out_stride);
 

@@ -295,6 +295,7 @@ __attribute__((target("avx2,fma,f16c"))) void RoundToF16F16c(float* x, int64_t c
 #endif  // LAPROX_HAVE_X86
 
 std::atomic<bool> force_portable{false};
+std::atomic<bool> limit_to_avx2{false};
 
 }  // namespace
 
@@ -302,6 +303,24 @@ bool UseAvx2() {
 #if LAPROX_HAVE_X86
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return avx2 && !force_portable.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
+
+bool UseAvx512() {
+#if LAPROX_HAVE_X86
+  // __builtin_cpu_supports reads CPUID only; the OS must also save the zmm state (XCR0 bits 5-7
+  // with the AVX bits 1-2).
+  static const bool avx512 = [] {
+    if (!__builtin_cpu_supports("avx512f")) return false;
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0 || (ecx & bit_OSXSAVE) == 0) return false;
+    unsigned xcr0 = 0, xcr0_high = 0;
+    __asm__("xgetbv" : "=a"(xcr0), "=d"(xcr0_high) : "c"(0));
+    return (xcr0 & 0xe6) == 0xe6;
+  }();
+  return avx512 && UseAvx2() && !limit_to_avx2.load(std::memory_order_relaxed);
 #else
   return false;
 #endif
@@ -323,6 +342,8 @@ bool UseF16c() {
 }  // namespace
 
 void ForcePortableVectorOps(bool portable) { force_portable.store(portable); }
+
+void LimitVectorOpsToAvx2(bool limit) { limit_to_avx2.store(limit); }
 
 #if LAPROX_HAVE_X86
 #define LAPROX_DISPATCH(avx2_call, scalar_call) return UseAvx2() ? (avx2_call) : (scalar_call)

@@ -51,8 +51,15 @@ void RoundToF16(float* x, int64_t count);
 // Other files with AVX2 kernels (cpu/triangular.cc) choose by it too.
 bool UseAvx2();
 
+// Whether AVX-512F kernels run (cpu/triangular.cc has one): UseAvx2(), the CPU (and the OS) have
+// AVX-512F, and LimitVectorOps did not cap them at AVX2.
+bool UseAvx512();
+
 // Tests: true forces the portable versions on every thread (false restores the choice).
 void ForcePortableVectorOps(bool portable);
+
+// Tests: true runs the AVX2 kernels where there is an AVX-512 one too (false restores the choice).
+void LimitVectorOpsToAvx2(bool limit);
 
 }  // namespace laprox::kernels::cpu
 

@@ -16,16 +16,36 @@
 namespace laprox::kernels::cpu {
 namespace {
 
-// Runs the test body with the AVX2 kernel (where the CPU has it) and the portable one.
-class TriangularTest : public ::testing::TestWithParam<bool> {
+enum class Kernel { kPortable, kAvx2, kAvx512 };
+
+// Runs the test body with each kernel the CPU can run: the AVX-512 one, the AVX2 one and the
+// portable one.
+class TriangularTest : public ::testing::TestWithParam<Kernel> {
  protected:
-  void SetUp() override { ForcePortableVectorOps(GetParam()); }
-  void TearDown() override { ForcePortableVectorOps(false); }
+  void SetUp() override {
+    ForcePortableVectorOps(GetParam() == Kernel::kPortable);
+    LimitVectorOpsToAvx2(GetParam() == Kernel::kAvx2);
+    if (GetParam() == Kernel::kAvx2 && !UseAvx2()) GTEST_SKIP() << "no AVX2+FMA on this CPU";
+    if (GetParam() == Kernel::kAvx512 && !UseAvx512()) GTEST_SKIP() << "no AVX-512F on this CPU";
+  }
+  void TearDown() override {
+    ForcePortableVectorOps(false);
+    LimitVectorOpsToAvx2(false);
+  }
 };
 
-INSTANTIATE_TEST_SUITE_P(Kernels, TriangularTest, ::testing::Values(false, true),
-                         [](const ::testing::TestParamInfo<bool>& param) {
-                           return param.param ? "Portable" : "Dispatched";
+INSTANTIATE_TEST_SUITE_P(Kernels, TriangularTest,
+                         ::testing::Values(Kernel::kPortable, Kernel::kAvx2, Kernel::kAvx512),
+                         [](const ::testing::TestParamInfo<Kernel>& param) {
+                           switch (param.param) {
+                             case Kernel::kPortable:
+                               return "Portable";
+                             case Kernel::kAvx2:
+                               return "Avx2";
+                             case Kernel::kAvx512:
+                               break;
+                           }
+                           return "Avx512";
                          });
 
 // ||v T||^2 in fp64 from the fp32 inputs, reading only the lower triangle.
@@ -43,7 +63,7 @@ TEST_P(TriangularTest, SquaredNormsMatchFp64AtEveryShape) {
   std::mt19937 rng(7);
   std::normal_distribution<float> normal;
   for (int64_t d : {1, 3, 8, 15, 16, 17, 31, 48, 64, 80, 128}) {
-    for (int64_t rows : {1, 5, 6, 7, 13}) {
+    for (int64_t rows : {1, 5, 6, 7, 11, 12, 13, 25}) {
       for (int64_t count : {1, 3}) {
         const int64_t ldv = d + 3, ldt = count * d + 5, out_stride = rows + 2;
         std::vector<float> v(rows * ldv), t(d * ldt, 0.f);
