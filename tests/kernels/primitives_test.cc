@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -154,6 +155,45 @@ TEST_P(VectorOpsTest, ExpShiftedMatchesLibm) {
     }
   }
   EXPECT_NEAR(sum, want_sum, 1e-6 * want_sum);
+}
+
+// The AVX-512 versions compute lane by lane what the AVX2 ones do and add in the same order: the
+// same bits, at every length (full blocks of 256, vectors of 16 and of 8, scalar tails).
+TEST(VectorOpsIsaTest, Avx512GivesTheAvx2Bits) {
+  if (!cpu::UseAvx512()) GTEST_SKIP() << "no AVX-512F on this CPU";
+  std::mt19937 rng(17);
+  // Exps of similar size, so that adding in another order changes the sum's last bits.
+  std::uniform_real_distribution<float> u(-4.f, 4.f);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  const auto both = [](auto&& run) {
+    cpu::LimitVectorOpsToAvx2(true);
+    const auto avx2 = run();
+    cpu::LimitVectorOpsToAvx2(false);
+    return std::make_pair(avx2, run());
+  };
+  for (int64_t len : {1, 7, 8, 9, 15, 16, 17, 24, 31, 255, 256, 257, 264, 272, 1000, 4099}) {
+    std::vector<float> x(len);
+    for (float& v : x) v = u(rng);
+    const auto [exp2, exp512] = both([&] {
+      std::vector<float> y = x;
+      const double sum = cpu::ExpShiftedInPlace(y.data(), len);
+      return std::make_pair(y, sum);
+    });
+    EXPECT_EQ(exp2.first, exp512.first) << len;
+    EXPECT_EQ(exp2.second, exp512.second) << len;
+
+    std::vector<float> rows(3 * len), acc(len);
+    for (float& v : rows) v = normal(rng);
+    for (float& v : acc) v = normal(rng);
+    const float* row_ptrs[3] = {rows.data(), rows.data() + len, rows.data() + 2 * len};
+    const float scales[3] = {0.3f, -1.7f, 2.9f};
+    const auto [acc2, acc512] = both([&] {
+      std::vector<float> out = acc;
+      cpu::AccumulateSquaredSum(row_ptrs, scales, 3, len, out.data());
+      return out;
+    });
+    EXPECT_EQ(acc2, acc512) << len;
+  }
 }
 
 TEST_P(VectorOpsTest, SumsAndDotsMatchDouble) {
