@@ -89,25 +89,25 @@ LAPROX_AVX2 void RowTile(const float* v, int64_t ldv, int64_t d, const float* pa
   for (int r = 0; r < R; ++r) out[r] = HorizontalSum(sq[r]);
 }
 
-LAPROX_AVX2 void TriangularSquaredNormsAvx2(const float* v, int64_t ldv, int64_t rows, int64_t d,
-                                            const float* packed, int64_t count, float* out,
-                                            int64_t out_stride) {
-  // Tiles of 6 rows, and one of the 1..5 rows left.
-  using Tile = void (*)(const float*, int64_t, int64_t, const float*, float*);
-  constexpr int kTile = 6;
-  constexpr Tile kTiles[kTile + 1] = {nullptr,    RowTile<1>, RowTile<2>, RowTile<3>,
-                                      RowTile<4>, RowTile<5>, RowTile<6>};
+// ||v_r T_f||^2 of every row and factor through a kernel's row tiles: tiles[R] does R rows,
+// R = 1 .. tile. One factor at a time over all rows: T_f (10 KiB packed at d = 64) stays in L1
+// while the rows stream.
+using Tile = void (*)(const float*, int64_t, int64_t, const float*, float*);
+void RunTiles(const Tile* tiles, int64_t tile, const float* v, int64_t ldv, int64_t rows, int64_t d,
+              const float* packed, int64_t count, float* out, int64_t out_stride) {
   const int64_t size = PackedTriangleSize(d);
-  // One factor at a time over all rows: T_f (10 KiB packed at d = 64) stays in L1 while rows
-  // stream.
   for (int64_t f = 0; f < count; ++f) {
     const float* tf = packed + f * size;
     float* of = out + f * out_stride;
-    for (int64_t r = 0; r < rows; r += kTile) {
-      kTiles[std::min<int64_t>(kTile, rows - r)](v + r * ldv, ldv, d, tf, of + r);
+    for (int64_t r = 0; r < rows; r += tile) {
+      tiles[std::min<int64_t>(tile, rows - r)](v + r * ldv, ldv, d, tf, of + r);
     }
   }
 }
+
+// Tiles of 6 rows, and one of the 1..5 rows left.
+constexpr Tile kTilesAvx2[] = {nullptr,    RowTile<1>, RowTile<2>, RowTile<3>,
+                               RowTile<4>, RowTile<5>, RowTile<6>};
 
 // The same with AVX-512F: a panel's 16 columns are one zmm register, so a tile of 12 rows holds
 // 12 accumulators and 12 sums of squares, with the panel row and a broadcast: 26 of the 32
@@ -136,24 +136,11 @@ LAPROX_AVX512 void RowTile512(const float* v, int64_t ldv, int64_t d, const floa
   for (int r = 0; r < R; ++r) out[r] = HorizontalSum(sq[r]);
 }
 
-LAPROX_AVX512 void TriangularSquaredNormsAvx512(const float* v, int64_t ldv, int64_t rows,
-                                                int64_t d, const float* packed, int64_t count,
-                                                float* out, int64_t out_stride) {
-  using Tile = void (*)(const float*, int64_t, int64_t, const float*, float*);
-  constexpr int kTile = 12;
-  constexpr Tile kTiles[kTile + 1] = {nullptr,       RowTile512<1>, RowTile512<2>,  RowTile512<3>,
-                                      RowTile512<4>, RowTile512<5>, RowTile512<6>,  RowTile512<7>,
-                                      RowTile512<8>, RowTile512<9>, RowTile512<10>, RowTile512<11>,
-                                      RowTile512<12>};
-  const int64_t size = PackedTriangleSize(d);
-  for (int64_t f = 0; f < count; ++f) {
-    const float* tf = packed + f * size;
-    float* of = out + f * out_stride;
-    for (int64_t r = 0; r < rows; r += kTile) {
-      kTiles[std::min<int64_t>(kTile, rows - r)](v + r * ldv, ldv, d, tf, of + r);
-    }
-  }
-}
+// Tiles of 12 rows, and one of the 1..11 rows left.
+constexpr Tile kTilesAvx512[] = {nullptr,       RowTile512<1>, RowTile512<2>,  RowTile512<3>,
+                                 RowTile512<4>, RowTile512<5>, RowTile512<6>,  RowTile512<7>,
+                                 RowTile512<8>, RowTile512<9>, RowTile512<10>, RowTile512<11>,
+                                 RowTile512<12>};
 
 #undef LAPROX_UNROLL
 #endif  // LAPROX_HAVE_X86
@@ -220,12 +207,10 @@ void PackTriangles(const float* t, int64_t ldt, int64_t d, int64_t count, float*
 void TriangularSquaredNorms(const float* v, int64_t ldv, int64_t rows, int64_t d,
                             const float* packed, int64_t count, float* out, int64_t out_stride) {
 #if LAPROX_HAVE_X86
-  if (UseAvx512()) {
-    TriangularSquaredNormsAvx512(v, ldv, rows, d, packed, count, out, out_stride);
-    return;
-  }
   if (UseAvx2()) {
-    TriangularSquaredNormsAvx2(v, ldv, rows, d, packed, count, out, out_stride);
+    const bool avx512 = UseAvx512();
+    RunTiles(avx512 ? kTilesAvx512 : kTilesAvx2, avx512 ? 12 : 6, v, ldv, rows, d, packed, count,
+             out, out_stride);
     return;
   }
 #endif

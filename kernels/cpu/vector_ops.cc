@@ -23,23 +23,31 @@ namespace {
 
 // ---- Portable versions ------------------------------------------------------------------------
 
+// The exp of every version (ExpScalar, Exp8, Exp16): x = n ln2 + r with ln 2 split in a high
+// part exact in few bits and a low part, exp(r) by a polynomial, 2^n by the exponent bits.
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2High = 0.693359375f;
+constexpr float kLn2Low = -2.12194440e-4f;
+constexpr float kExpP0 = 1.9875691500e-4f, kExpP1 = 1.3981999507e-3f, kExpP2 = 8.3334519073e-3f,
+                kExpP3 = 4.1665795894e-2f, kExpP4 = 1.6666665459e-1f, kExpP5 = 5.0000001201e-1f;
+
 // Cephes-style expf: range reduction by ln 2, degree-6 polynomial, exponent by bit shift.
 // Inputs below -87 give ~2^-126 (far below fp32 precision of a softmax row sum); inputs here are
 // never above 0 (shifted by the row maximum).
 inline float ExpScalar(float x) {
   x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  float fx = x * 1.44269504088896341f + 0.5f;
+  float fx = x * kLog2e + 0.5f;
   const float t = static_cast<float>(static_cast<int32_t>(fx));
   fx = t > fx ? t - 1.0f : t;  // floor
-  x -= fx * 0.693359375f;
-  x -= fx * -2.12194440e-4f;
+  x -= fx * kLn2High;
+  x -= fx * kLn2Low;
   const float z = x * x;
-  float y = 1.9875691500e-4f;
-  y = y * x + 1.3981999507e-3f;
-  y = y * x + 8.3334519073e-3f;
-  y = y * x + 4.1665795894e-2f;
-  y = y * x + 1.6666665459e-1f;
-  y = y * x + 5.0000001201e-1f;
+  float y = kExpP0;
+  y = y * x + kExpP1;
+  y = y * x + kExpP2;
+  y = y * x + kExpP3;
+  y = y * x + kExpP4;
+  y = y * x + kExpP5;
   y = y * z + x + 1.0f;
   const int32_t e = (static_cast<int32_t>(fx) + 127) << 23;
   return y * std::bit_cast<float>(e);
@@ -134,17 +142,16 @@ void RoundToF16Scalar(float* x, int64_t begin, int64_t count) {
 // The same polynomial as ExpScalar, eight lanes at a time.
 LAPROX_AVX2 inline __m256 Exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  __m256 fx = _mm256_floor_ps(
-      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(kLog2e), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kLn2High), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kLn2Low), x);
   const __m256 z = _mm256_mul_ps(x, x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 y = _mm256_set1_ps(kExpP0);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kExpP1));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kExpP2));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kExpP3));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kExpP4));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kExpP5));
   y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
   const __m256i e =
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
@@ -317,18 +324,17 @@ __attribute__((target("avx2,fma,f16c"))) void RoundToF16F16c(float* x, int64_t c
 // Exp8, sixteen lanes (the same operations on every lane).
 LAPROX_AVX512 inline __m512 Exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  __m512 fx = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
+                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kLn2High), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kLn2Low), x);
   const __m512 z = _mm512_mul_ps(x, x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 y = _mm512_set1_ps(kExpP0);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpP1));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpP2));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpP3));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpP4));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpP5));
   y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.0f));
   const __m512i e =
       _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
