@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "cpu/logits.h"
 #include "cpu/rows.h"
 #include "cpu/vector_ops.h"
 #include "policy/magnitude.h"
@@ -130,14 +131,17 @@ absl::Status ComputeAttention(const RequestShape& shape, const HeadTask& task, W
   const int64_t key_end = use_lse ? prefix : n;
   float* probs = Sized(ws.probs, rows * n);
   for (int64_t j0 = 0; j0 < key_end; j0 += kKeyChunk) {
-    const int64_t count = std::min(kKeyChunk, key_end - j0);
+    const int64_t chunk = std::min(kKeyChunk, key_end - j0);
     RowBlock keys;
-    LAPROX_RETURN_IF_ERROR(LoadRows(in.keys, task.kv_head, j0, count, {task.layer, "keys"}, ws.rows,
+    LAPROX_RETURN_IF_ERROR(LoadRows(in.keys, task.kv_head, j0, chunk, {task.layer, "keys"}, ws.rows,
                                     &keys, &max_keys));
     if (rows == 0) continue;  // no window (STREAMING_LLM): the keys are only checked
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows),
-                static_cast<int>(count), static_cast<int>(d), 1.f, queries, static_cast<int>(d),
-                keys.data, static_cast<int>(keys.ld), 0.f, probs + j0, static_cast<int>(n));
+    if (!QueryKeyLogits(queries, d, rows, keys.data, keys.ld, chunk, d, probs + j0, n,
+                        ws.packed_keys)) {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows),
+                  static_cast<int>(chunk), static_cast<int>(d), 1.f, queries, static_cast<int>(d),
+                  keys.data, static_cast<int>(keys.ld), 0.f, probs + j0, static_cast<int>(n));
+    }
   }
   if (key_end < n) {
     LAPROX_RETURN_IF_ERROR(CheckRowsFinite(in.keys, task.kv_head, key_end, n - key_end,

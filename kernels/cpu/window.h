@@ -13,12 +13,13 @@ namespace laprox::kernels::cpu {
 
 // Scratch memory of one worker thread, reused across (layer, head) tasks and requests.
 struct ScoreWorkspace {
-  std::vector<float> queries;    // [G * we, d], scaled
-  std::vector<float> probs;      // [G * rows, n], logits, then unnormalised probabilities
-  std::vector<float> row_scale;  // [G * rows], 1 / row sum
-  std::vector<float> rows;       // converted key / value / attention rows
-  std::vector<float> projected;  // [chunk, F * d] V times factor blocks, or [chunk, D] V W_O^h
-  std::vector<float> triangles;  // the task's triangular factors, packed (cpu/triangular.h)
+  std::vector<float> queries;      // [G * we, d], scaled
+  std::vector<float> probs;        // [G * rows, n], logits, then unnormalised probabilities
+  std::vector<float> row_scale;    // [G * rows], 1 / row sum
+  std::vector<float> rows;         // converted key / value / attention rows
+  std::vector<float> packed_keys;  // a chunk of keys in panels for the logits (cpu/logits.h)
+  std::vector<float> projected;    // [chunk, F * d] V times factor blocks, or [chunk, D] V W_O^h
+  std::vector<float> triangles;    // the task's triangular factors, packed (cpu/triangular.h)
   std::vector<float> scaled_row_scale;  // [G * we], row_scale times 2^k (score.cc)
   std::vector<float> attention;    // attention statistics [S, n - we], scaled by 2^(2k) (score.cc)
   std::vector<float> value;        // value statistics [F, n - we]
