@@ -54,15 +54,53 @@ LAPROX_AVX512 void Tile(const float* q, int64_t ldq, const float* panel, int64_t
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(c + r * ldc, store, a[r]);
 }
 
+// Two full panels at once: 24 accumulators, two panel rows and a broadcast used twice (27
+// registers), so each query value loaded serves 32 keys.
+template <int R>
+LAPROX_AVX512 void TilePair(const float* q, int64_t ldq, const float* panel, int64_t d, float* c,
+                            int64_t ldc) {
+  __m512 a[R], b[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) a[r] = b[r] = _mm512_setzero_ps();
+  const float* second = panel + d * kPanel;
+  for (int64_t k = 0; k < d; ++k, panel += kPanel, second += kPanel) {
+    const __m512 t0 = _mm512_loadu_ps(panel);
+    const __m512 t1 = _mm512_loadu_ps(second);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 x = _mm512_set1_ps(q[r * ldq + k]);
+      a[r] = _mm512_fmadd_ps(x, t0, a[r]);
+      b[r] = _mm512_fmadd_ps(x, t1, b[r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(c + r * ldc, a[r]);
+    _mm512_storeu_ps(c + r * ldc + kPanel, b[r]);
+  }
+}
+
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, __mmask16);
 constexpr TileFn kTiles[] = {nullptr, Tile<1>, Tile<2>, Tile<3>,  Tile<4>,  Tile<5>, Tile<6>,
                              Tile<7>, Tile<8>, Tile<9>, Tile<10>, Tile<11>, Tile<12>};
+using PairFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t);
+constexpr PairFn kPairs[] = {nullptr,      TilePair<1>,  TilePair<2>, TilePair<3>, TilePair<4>,
+                             TilePair<5>,  TilePair<6>,  TilePair<7>, TilePair<8>, TilePair<9>,
+                             TilePair<10>, TilePair<11>, TilePair<12>};
 
 LAPROX_AVX512 void Logits(const float* q, int64_t ldq, int64_t rows, const float* keys, int64_t ldk,
                           int64_t count, int64_t d, float* c, int64_t ldc, float* packed) {
   PackKeys(keys, ldk, count, d, packed);
-  // Panel by panel (d * 64 bytes, in L1) over every row tile: the queries stay in L1 / L2 too.
-  for (int64_t j0 = 0; j0 < count; j0 += kPanel, packed += d * kPanel) {
+  // Two panels at a time (d * 128 bytes, in L1) over every row tile: the queries stay in L1 / L2
+  // too; then the last panel, if any, alone.
+  int64_t j0 = 0;
+  for (; j0 + 2 * kPanel <= count; j0 += 2 * kPanel, packed += 2 * d * kPanel) {
+    for (int64_t r = 0; r < rows; r += kRows) {
+      kPairs[std::min<int64_t>(kRows, rows - r)](q + r * ldq, ldq, packed, d, c + r * ldc + j0,
+                                                 ldc);
+    }
+  }
+  for (; j0 < count; j0 += kPanel, packed += d * kPanel) {
     const int64_t n = std::min(kPanel, count - j0);
     const __mmask16 store = static_cast<__mmask16>((1u << n) - 1u);
     for (int64_t r = 0; r < rows; r += kRows) {
