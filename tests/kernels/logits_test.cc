@@ -1,4 +1,5 @@
-// The window logits kernel (cpu/logits.h) against fp64 dots, with canaries around every tile.
+// The window logits kernel (cpu/logits.h) against fp64 dots, with canaries around every tile: key
+// counts with only pairs of panels (32), a pair and a panel (48), a partial panel alone (1-17).
 #include "cpu/logits.h"
 
 #include <cmath>
@@ -19,7 +20,7 @@ TEST(LogitsTest, MatchFp64DotsAtEveryShape) {
   std::vector<float> packed;
   for (int64_t d : {1, 3, 16, 64, 80, 128}) {
     for (int64_t rows : {1, 11, 12, 13, 96}) {
-      for (int64_t count : {1, 15, 16, 17, 1000}) {
+      for (int64_t count : {1, 15, 16, 17, 32, 48, 1000}) {
         const int64_t ldq = d + 1, ldk = d + 3, ldc = count + 5;
         std::vector<float> q(rows * ldq), keys(count * ldk);
         for (float& x : q) x = normal(rng);
