@@ -14,11 +14,7 @@ constexpr int64_t kPanel = 16;
 constexpr int kRows = 12;
 
 #if LAPROX_HAVE_X86
-// GCC 12's AVX-512 intrinsics pass _mm512_undefined_ps() to their masked builtins (see
-// cpu/vector_ops.cc).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+LAPROX_AVX512_BEGIN
 
 // Panel p of `packed` holds keys [16p, 16p + 16) transposed: element (k, j) at k * 16 + j, keys
 // past `count` as 0. One gather per (panel, k) reads the 16 keys' k-th values.
@@ -110,7 +106,7 @@ LAPROX_AVX512 void Logits(const float* q, int64_t ldq, int64_t rows, const float
   }
 }
 
-#pragma GCC diagnostic pop
+LAPROX_AVX512_END
 #endif  // LAPROX_HAVE_X86
 
 }  // namespace

@@ -12,6 +12,19 @@
 // One function for AVX-512F (callers check UseAvx512() first, as for AVX2).
 #define LAPROX_AVX512 __attribute__((target("avx512f,avx2,fma")))
 
+// Around AVX-512 code: GCC 12's intrinsics pass _mm512_undefined_ps() as the unused merge source
+// of their masked builtins, and GCC's -W(maybe-)uninitialized reports it inside every function
+// that inlines one. (Clang knows no -Wmaybe-uninitialized and does not warn there.)
+#if defined(__clang__)
+#define LAPROX_AVX512_BEGIN
+#define LAPROX_AVX512_END
+#else
+#define LAPROX_AVX512_BEGIN                                                            \
+  _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wuninitialized\"") \
+      _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"")
+#define LAPROX_AVX512_END _Pragma("GCC diagnostic pop")
+#endif
+
 namespace laprox::kernels::cpu {
 
 LAPROX_AVX2 inline float HorizontalSum(__m256 v) {

@@ -314,12 +314,7 @@ __attribute__((target("avx2,fma,f16c"))) void RoundToF16F16c(float* x, int64_t c
 // Sixteen lanes doing, lane by lane, what the AVX2 versions do in eight, and adding in the same
 // order, so their results are the same bits (primitives_test checks it): which kernel ran does
 // not change a score.
-//
-// GCC 12's AVX-512 intrinsics pass _mm512_undefined_ps() as the unused merge source of their
-// masked builtins, and -W(maybe-)uninitialized reports it inside every function that inlines one.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+LAPROX_AVX512_BEGIN
 
 // Exp8, sixteen lanes (the same operations on every lane).
 LAPROX_AVX512 inline __m512 Exp16(__m512 x) {
@@ -389,7 +384,7 @@ LAPROX_AVX512 void AccumulateSquaredSumAvx512(const float* const* rows, const fl
   AccumulateSquaredSumAvx2(rows, scales, num_rows, i, count, acc);  // the last 0-15
 }
 
-#pragma GCC diagnostic pop
+LAPROX_AVX512_END
 
 #endif  // LAPROX_HAVE_X86
 
