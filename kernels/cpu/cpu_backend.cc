@@ -387,7 +387,6 @@ int64_t CpuBackend::KeepPlanWorkspaceBytes(const ModelGeometry& geometry, const 
       SatMul({4, blocks, PackedTriangleSize(d)}),                  // packed triangular factors
       SatMul(4, std::max({SatMul(1024, d), SatMul(rows, d), n})),  // rows converted to fp32
       SatMul({4, 1024, d}),                                        // keys packed for the logits
-      SatMul({64, rows}),                                          // the logits' row maxima
       SatMul({12, rows, d}),                          // scaled queries, row scales, LSE
       SatMul(40, n), SatMul(24, policy.pool_kernel),  // pooling and per-token temporaries
       SatMul(4, rows),                                // scaled row scales

@@ -18,15 +18,8 @@ namespace laprox::kernels::cpu {
 // j < count, the products added in increasing k. Returns false, writing nothing, where the CPU
 // backend would not use this kernel (no AVX-512F, cpu/vector_ops.h's UseAvx512()): the caller then
 // calls sgemm. `packed` is scratch (resized as needed).
-//
-// With `maxima` (rows x kLogitMaxLanes floats), also the row maxima while the logits are in
-// registers: maxima[r * 16 + j % 16] = max(itself, c[r * ldc + j]) for j < min(max_end, count),
-// so that the largest of a row's 16 lanes, over the chunks of a row, is the row's maximum without
-// reading it again (the window softmax's shift).
-inline constexpr int64_t kLogitMaxLanes = 16;
 bool QueryKeyLogits(const float* q, int64_t ldq, int64_t rows, const float* keys, int64_t ldk,
-                    int64_t count, int64_t d, float* c, int64_t ldc, std::vector<float>& packed,
-                    float* maxima = nullptr, int64_t max_end = 0);
+                    int64_t count, int64_t d, float* c, int64_t ldc, std::vector<float>& packed);
 
 }  // namespace laprox::kernels::cpu
 

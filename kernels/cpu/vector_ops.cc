@@ -454,19 +454,18 @@ float MaxAbs(const float* values, int64_t count) {
                   std::bit_cast<float>(MaxAbsBitsScalar(values, 0, count)));
 }
 
-float Max(const float* x, int64_t count) {
+static float Max(const float* x, int64_t count) {
   LAPROX_DISPATCH(MaxAvx2(x, count), MaxScalar(x, count));
 }
 
-double ExpSumInPlace(float* x, int64_t count, float shift) {
+double ExpShiftedInPlace(float* x, int64_t count) {
+  const float max = Max(x, count);
 #if LAPROX_HAVE_X86
-  if (UseAvx512()) return ExpSumInPlaceAvx512(x, count, shift);
+  if (UseAvx512()) return ExpSumInPlaceAvx512(x, count, max);
 #endif
-  LAPROX_DISPATCH(ExpSumInPlaceAvx2(x, count, shift),
-                  (ExpInPlaceScalar(x, count, shift), SumScalar(x, count)));
+  LAPROX_DISPATCH(ExpSumInPlaceAvx2(x, count, max),
+                  (ExpInPlaceScalar(x, count, max), SumScalar(x, count)));
 }
-
-double ExpShiftedInPlace(float* x, int64_t count) { return ExpSumInPlace(x, count, Max(x, count)); }
 
 void ExpInPlace(float* x, int64_t count, float shift) {
   LAPROX_DISPATCH(ExpInPlaceAvx2(x, count, shift), ExpInPlaceScalar(x, count, shift));

@@ -17,16 +17,9 @@ bool AllFinite(const float* values, int64_t count);
 // exactly when every value is.
 float MaxAbs(const float* values, int64_t count);
 
-// max_i x[i] for i < count (count >= 1; no NaN).
-float Max(const float* x, int64_t count);
-
 // x[i] = exp(x[i] - max(x)) in place for i < count; returns the sum of the new values (float64
 // accumulation). Relative error of each exp below 2e-7.
 double ExpShiftedInPlace(float* x, int64_t count);
-
-// ExpShiftedInPlace with the maximum given (a caller that has it already): exp(min(x[i] - shift,
-// 0)) in place and their sum, the same bits as ExpShiftedInPlace when shift == max(x).
-double ExpSumInPlace(float* x, int64_t count, float shift);
 
 // x[i] = exp(min(x[i] - shift, 0)) in place: at most 1, so a shift below some x[i] (an engine's
 // window LSE that does not match the logits) cannot overflow what is computed from it.

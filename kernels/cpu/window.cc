@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 
 #include <cblas.h>
 
@@ -131,14 +130,6 @@ absl::Status ComputeAttention(const RequestShape& shape, const HeadTask& task, W
   const bool use_lse = shape.lse_given && !task.kvpress_compat;
   const int64_t key_end = use_lse ? prefix : n;
   float* probs = Sized(ws.probs, rows * n);
-  // The logits kernel takes the rows' maxima over the prefix (visible to every window row) while
-  // it writes them; the softmax then reads only the window keys again for the maximum.
-  const bool kernel_maxima = !use_lse && !task.kvpress_compat && prefix > 0 && rows > 0;
-  float* maxima = kernel_maxima ? Sized(ws.row_maxima, rows * kLogitMaxLanes) : nullptr;
-  if (kernel_maxima) {
-    std::fill(maxima, maxima + rows * kLogitMaxLanes, -std::numeric_limits<float>::infinity());
-  }
-  bool kernel_used = true;
   for (int64_t j0 = 0; j0 < key_end; j0 += kKeyChunk) {
     const int64_t chunk = std::min(kKeyChunk, key_end - j0);
     RowBlock keys;
@@ -146,8 +137,7 @@ absl::Status ComputeAttention(const RequestShape& shape, const HeadTask& task, W
                                     &keys, &max_keys));
     if (rows == 0) continue;  // no window (STREAMING_LLM): the keys are only checked
     if (!QueryKeyLogits(queries, d, rows, keys.data, keys.ld, chunk, d, probs + j0, n,
-                        ws.packed_keys, maxima, prefix - j0)) {
-      kernel_used = false;
+                        ws.packed_keys)) {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows),
                   static_cast<int>(chunk), static_cast<int>(d), 1.f, queries, static_cast<int>(d),
                   keys.data, static_cast<int>(keys.ld), 0.f, probs + j0, static_cast<int>(n));
@@ -184,15 +174,7 @@ absl::Status ComputeAttention(const RequestShape& shape, const HeadTask& task, W
         for (int64_t j = 0; j < visible; ++j) row[j] /= sqrt_d;
         RoundTo(task.compat_dtype, row, visible);
       }
-      double sum;
-      if (kernel_maxima && kernel_used) {
-        const float* lanes = maxima + r * kLogitMaxLanes;
-        const float shift = std::max(*std::max_element(lanes, lanes + kLogitMaxLanes),
-                                     Max(row + prefix, visible - prefix));
-        sum = ExpSumInPlace(row, visible, shift);
-      } else {
-        sum = ExpShiftedInPlace(row, visible);
-      }
+      const double sum = ExpShiftedInPlace(row, visible);
       row_scale[r] = static_cast<float>(1.0 / sum);
     }
   }

@@ -18,7 +18,6 @@ struct ScoreWorkspace {
   std::vector<float> row_scale;    // [G * rows], 1 / row sum
   std::vector<float> rows;         // converted key / value / attention rows
   std::vector<float> packed_keys;  // a chunk of keys in panels for the logits (cpu/logits.h)
-  std::vector<float> row_maxima;   // [G * rows, 16] lane maxima of the logits (cpu/logits.h)
   std::vector<float> projected;    // [chunk, F * d] V times factor blocks, or [chunk, D] V W_O^h
   std::vector<float> triangles;    // the task's triangular factors, packed (cpu/triangular.h)
   std::vector<float> scaled_row_scale;  // [G * we], row_scale times 2^k (score.cc)
