@@ -93,6 +93,20 @@ class Laproxd:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def module_laproxd(namespace):
+    """setUpModule and tearDownModule of a test module whose tests share one laproxd, as its
+    global SERVER: `setUpModule, tearDownModule = support.module_laproxd(globals())`."""
+
+    def set_up():
+        namespace["SERVER"] = Laproxd()
+
+    def tear_down():
+        if namespace.get("SERVER") is not None:
+            namespace["SERVER"].stop()
+
+    return set_up, tear_down
+
+
 def shm_names(prefix):
     """Names in /dev/shm starting with `prefix`."""
     return sorted(f for f in os.listdir("/dev/shm") if f.startswith(prefix))

@@ -28,17 +28,8 @@ import grpc  # noqa: E402
 import laprox  # noqa: E402
 from laprox import _proto  # noqa: E402
 
-SERVER = None
-
-
-def setUpModule():
-    global SERVER
-    SERVER = support.Laproxd()
-
-
-def tearDownModule():
-    if SERVER is not None:
-        SERVER.stop()
+SERVER = None  # the module's laproxd, started by setUpModule
+setUpModule, tearDownModule = support.module_laproxd(globals())
 
 
 LAPROX_POLICY = dict(window=16)  # the case has 16 window rows; the rest are the defaults

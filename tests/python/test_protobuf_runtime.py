@@ -20,17 +20,8 @@ from google.protobuf import descriptor_pb2  # noqa: E402
 import laprox  # noqa: E402
 from laprox import _proto  # noqa: E402
 
-SERVER = None
-
-
-def setUpModule():
-    global SERVER
-    SERVER = support.Laproxd()
-
-
-def tearDownModule():
-    if SERVER is not None:
-        SERVER.stop()
+SERVER = None  # the module's laproxd, started by setUpModule
+setUpModule, tearDownModule = support.module_laproxd(globals())
 
 
 def installed(module):
