@@ -69,20 +69,9 @@ if (( lock )); then
 fi
 
 # --- 1. the venv -------------------------------------------------------------------------------
-stamp="$venv/.laprox-vllm-stamp"
-stamp_text="python $pyversion"$'\n'"$(cat "$reqs")"
-if [[ -f "$stamp" && "$(cat "$stamp")" == "$stamp_text" ]] &&
-   "$venv/bin/python" -c "import vllm, transformers, gguf" 2>/dev/null; then
-  echo "== reusing $venv"
-else
-  echo "== creating $venv with Python $pyversion (downloads ~2.7 GB from PyPI)"
-  rm -rf "$venv"
-  "$python" -m venv "$venv"
-  start=$(date +%s)
-  "$venv/bin/pip" install --no-deps --progress-bar off -r "$reqs"
-  echo "== venv installed in $(( $(date +%s) - start )) s, $(du -sh "$venv" | cut -f1)"
-  printf '%s' "$stamp_text" > "$stamp"
-fi
+source "$root/scripts/lib/venv.sh"
+ensure_venv "$venv" "$venv/.laprox-vllm-stamp" "python $pyversion"$'\n'"$(cat "$reqs")" \
+  "$python" "vllm, transformers, gguf" "$reqs"  # ~2.7 GB of downloads when it is made
 # The laprox client: reinstalled every run (cheap) so that it matches the checkout.
 "$venv/bin/pip" install --no-deps --progress-bar off --quiet "$root/client/python"
 "$venv/bin/python" -c "import laprox, torch, vllm; print('== torch', torch.__version__,
