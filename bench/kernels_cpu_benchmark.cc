@@ -72,6 +72,7 @@
 #include "absl/strings/str_format.h"
 #include "cpu/triangular.h"
 #include "laprox/kernels/backend.h"
+#include "laprox/kernels/openblas_core.h"
 #include "laprox/kernels/registry.h"
 
 namespace laprox::kernels {
@@ -585,6 +586,8 @@ void BM_KeepPlan(benchmark::State& state, const Case& c) {
 }
 
 int Run(int argc, char** argv) {
+  // The floor is OpenBLAS's sgemm: with the kernels this CPU's vectors call for.
+  RestartWithOpenBlasCore("kernels_cpu_benchmark", argv);
   // --laprox_long_context: the long-context series instead of the standard cases.
   bool long_context = false;
   for (int i = 1; i < argc; ++i) {
@@ -637,6 +640,7 @@ int Run(int argc, char** argv) {
   std::printf("  backend:          %s\n\n", s.backend->Describe().c_str());
   std::fflush(stdout);
   benchmark::AddCustomContext("laprox_backend", s.backend->Describe());
+  benchmark::AddCustomContext("laprox_openblas_core", openblas_get_corename());
   benchmark::AddCustomContext("laprox_sgemm_gflops", absl::StrCat(s.rates.sgemm_flops * 1e-9));
   benchmark::AddCustomContext("laprox_read_gbs", absl::StrCat(s.rates.read_bytes * 1e-9));
 

@@ -46,7 +46,12 @@ LAPROX_BENCH_DUMP=$work/inputs "$binary" --benchmark_counters_tabular=true \
   --benchmark_out="$work/cpp.json" --benchmark_out_format=json ${BENCH_FLAGS:-}
 echo
 echo "== numpy (bench/numpy_laprox.py)"
-"$python" "$here/numpy_laprox.py" --inputs "$work/inputs" --cpp-json "$work/cpp.json" \
+# The benchmark may have restarted itself with OPENBLAS_CORETYPE (laprox/kernels/openblas_core.h:
+# a CPU model this OpenBLAS does not know gets its SSE3 kernels): numpy, on the same library,
+# gets the kernels the C++ side ran with.
+core=$("$python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["context"]["laprox_openblas_core"])' "$work/cpp.json")
+echo "OPENBLAS_CORETYPE=$core for numpy (the C++ side's kernels)"
+OPENBLAS_CORETYPE=$core "$python" "$here/numpy_laprox.py" --inputs "$work/inputs" --cpp-json "$work/cpp.json" \
   --json "$work/numpy.json"
 echo
 echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -43,6 +43,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "laprox/kernels/openblas_core.h"
 #include "laprox/kernels/registry.h"
 #include "service/core/core.h"
 #include "service/core/fault_guard.h"
@@ -197,6 +198,7 @@ int WaitForStopSignal(const sigset_t& signals) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  laprox::kernels::RestartWithOpenBlasCore("laproxd", argv);
   absl::SetProgramUsageMessage(
       "laprox sidecar: KV-cache keep-plans over gRPC. Every flag can also come from the "
       "environment as LAPROXD_<FLAG IN UPPER CASE>; the command line wins.");

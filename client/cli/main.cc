@@ -57,6 +57,7 @@
 #include "common/half.h"
 #include "common/status_macros.h"
 #include "laprox/client/client.h"
+#include "laprox/kernels/openblas_core.h"
 #include "laprox/kernels/registry.h"
 #include "laprox/v1/laprox.pb.h"
 #include "laprox/v1/policy_wire.h"
@@ -576,6 +577,8 @@ int Main(int argc, char** argv) {
 }  // namespace laprox::cli
 
 int main(int argc, char** argv) {
+  // --local computes here: with the OpenBLAS kernels laproxd runs (the same bits).
+  laprox::kernels::RestartWithOpenBlasCore("laprox-cli", argv);
   try {
     return laprox::cli::Main(argc, argv);
   } catch (const std::exception& e) {  // nlohmann::json reports malformed dumps by throwing

@@ -393,31 +393,33 @@ std::atomic<bool> limit_to_avx2{false};
 
 }  // namespace
 
-bool UseAvx2() {
+CpuVectors DetectCpuVectors() {
+  CpuVectors cpu;
 #if LAPROX_HAVE_X86
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return avx2 && !force_portable.load(std::memory_order_relaxed);
-#else
-  return false;
+  cpu.avx2_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  // __builtin_cpu_supports reads CPUID only; the OS must also save the zmm state (XCR0 bits 5-7
+  // with the AVX bits 1-2).
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__builtin_cpu_supports("avx512f") && __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 &&
+      (ecx & bit_OSXSAVE) != 0) {
+    unsigned xcr0 = 0, xcr0_high = 0;
+    __asm__("xgetbv" : "=a"(xcr0), "=d"(xcr0_high) : "c"(0));
+    cpu.avx512f = (xcr0 & 0xe6) == 0xe6;
+  }
+  cpu.avx512_bw_dq_vl = cpu.avx512f && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
 #endif
+  return cpu;
+}
+
+bool UseAvx2() {
+  static const bool avx2 = DetectCpuVectors().avx2_fma;
+  return avx2 && !force_portable.load(std::memory_order_relaxed);
 }
 
 bool UseAvx512() {
-#if LAPROX_HAVE_X86
-  // __builtin_cpu_supports reads CPUID only; the OS must also save the zmm state (XCR0 bits 5-7
-  // with the AVX bits 1-2).
-  static const bool avx512 = [] {
-    if (!__builtin_cpu_supports("avx512f")) return false;
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0 || (ecx & bit_OSXSAVE) == 0) return false;
-    unsigned xcr0 = 0, xcr0_high = 0;
-    __asm__("xgetbv" : "=a"(xcr0), "=d"(xcr0_high) : "c"(0));
-    return (xcr0 & 0xe6) == 0xe6;
-  }();
+  static const bool avx512 = DetectCpuVectors().avx512f;
   return avx512 && UseAvx2() && !limit_to_avx2.load(std::memory_order_relaxed);
-#else
-  return false;
-#endif
 }
 
 namespace {

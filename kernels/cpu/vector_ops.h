@@ -47,6 +47,14 @@ float AbsSum(const float* x, int64_t count);
 void RoundToBf16(float* x, int64_t count);
 void RoundToF16(float* x, int64_t count);
 
+// What this CPU's vector units offer (CPUID, and XCR0 for the OS's zmm state); all false off x86.
+struct CpuVectors {
+  bool avx2_fma = false;
+  bool avx512f = false;
+  bool avx512_bw_dq_vl = false;  // with AVX-512F: what OpenBLAS's SkylakeX kernels use
+};
+CpuVectors DetectCpuVectors();
+
 // Whether the AVX2+FMA versions run: the CPU has AVX2 and FMA and ForcePortableVectorOps is off.
 // Other files with AVX2 kernels (cpu/triangular.cc) choose by it too.
 bool UseAvx2();
