@@ -20,7 +20,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(BackendKind kind,
   }
   switch (kind) {
     case BackendKind::kCpu:
-      return std::make_unique<cpu::CpuBackend>(options.threads, options.cpu_window_bytes);
+      return std::make_unique<cpu::CpuBackend>(options.threads, options.cpu_window_bytes,
+                                               options.cpu_l2_bytes);
     case BackendKind::kCuda:
 #if LAPROX_HAVE_CUDA
     {

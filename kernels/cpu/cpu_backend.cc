@@ -119,11 +119,12 @@ class SequenceJob {
 class LaproxJob final : public SequenceJob {
  public:
   LaproxJob(const CpuPreparedModel& model, const KeepPlanRequest& request,
-            const RequestShape& shape, int64_t window_bytes)
+            const RequestShape& shape, int64_t window_bytes, int64_t l2_bytes)
       : model_(model),
         request_(request),
         shape_(shape),
         window_bytes_(window_bytes),
+        l2_bytes_(l2_bytes),
         raw_(int64_t{shape.num_layers} * shape.num_kv_heads * shape.n, 0.f) {}
 
   absl::Status Score(int64_t item, ScoreWorkspace& ws) override {
@@ -137,6 +138,7 @@ class LaproxJob final : public SequenceJob {
     task.max_o_proj = model_.max_o_proj(task.layer);
     task.scale = model_.geometry().EffectiveScale();
     task.window_bytes = window_bytes_;
+    task.l2_bytes = l2_bytes_;
     return ScoreHead(shape_, request_.policy, task, ws, raw_.data() + item * shape_.n);
   }
 
@@ -149,14 +151,15 @@ class LaproxJob final : public SequenceJob {
   const KeepPlanRequest& request_;
   const RequestShape& shape_;
   int64_t window_bytes_;
+  int64_t l2_bytes_;
   std::vector<float> raw_;
 };
 
 class BaselineJob final : public SequenceJob {
  public:
   BaselineJob(const CpuPreparedModel& model, const KeepPlanRequest& request,
-              const RequestShape& shape)
-      : model_(model), request_(request), shape_(shape) {
+              const RequestShape& shape, int64_t l2_bytes)
+      : model_(model), request_(request), shape_(shape), l2_bytes_(l2_bytes) {
     const PolicySpec& policy = request.policy;
     const int64_t L = shape.num_layers, Hkv = shape.num_kv_heads, n = shape.n;
     critical_ = policy.kind == PolicyKind::kCriticalKv || policy.kind == PolicyKind::kCriticalAdaKv;
@@ -190,6 +193,7 @@ class BaselineJob final : public SequenceJob {
     task.max_o_proj = model_.max_o_proj(task.layer);
     task.scale = model_.geometry().EffectiveScale();
     task.kvpress_compat = compat_arithmetic_;
+    task.l2_bytes = l2_bytes_;
     task.compat_dtype = compat ? compat_dtype_[task.layer] : DType::kF32;
     // Only attention computed here is rounded; the engine's attention rows are used as given.
     const DType rounding =
@@ -215,6 +219,7 @@ class BaselineJob final : public SequenceJob {
   const CpuPreparedModel& model_;
   const KeepPlanRequest& request_;
   const RequestShape& shape_;
+  int64_t l2_bytes_;
   bool critical_ = false, compat_arithmetic_ = false;
   std::vector<float> scores_, norms_;
   std::vector<double> entropy_, variance_;
@@ -233,15 +238,19 @@ CpuPreparedModel::CpuPreparedModel(const ModelGeometry& geometry, const PrepareO
   max_o_proj_.assign(geometry.num_layers, 0.f);
 }
 
-CpuBackend::CpuBackend(int threads, int64_t window_bytes)
-    : threads_(std::max(threads, 1)), window_bytes_(std::max<int64_t>(window_bytes, 1)) {
+CpuBackend::CpuBackend(int threads, int64_t window_bytes, int64_t l2_bytes)
+    : threads_(std::max(threads, 1)),
+      window_bytes_(std::max<int64_t>(window_bytes, 1)),
+      l2_bytes_(l2_bytes > 0 ? l2_bytes : L2CacheBytes()) {
   // Parallelism comes from our workers over (layer, head) pairs; nested BLAS threads would
   // oversubscribe the cores.
   openblas_set_num_threads(1);
 }
 
 std::string CpuBackend::Describe() const {
-  return absl::StrCat("cpu: ", threads_, " threads, ", openblas_get_config());
+  return absl::StrCat("cpu: ", threads_, " threads, L2 ", l2_bytes_ >> 10,
+                      " KiB per core (chunks at d = 128: ", KeyChunk(l2_bytes_, 128), " keys, ",
+                      ValueChunk(l2_bytes_, 128), " values), ", openblas_get_config());
 }
 
 absl::StatusOr<std::shared_ptr<const PreparedModel>> CpuBackend::PrepareModelImpl(
@@ -314,9 +323,10 @@ absl::StatusOr<std::vector<KeepPlan>> CpuBackend::RunSequences(
   std::vector<int64_t> first_item = {0};
   for (size_t i = 0; i < requests.size(); ++i) {
     if (requests[i].policy.kind == PolicyKind::kLaprox) {
-      jobs.push_back(std::make_unique<LaproxJob>(prepared, requests[i], shapes[i], window_bytes_));
+      jobs.push_back(
+          std::make_unique<LaproxJob>(prepared, requests[i], shapes[i], window_bytes_, l2_bytes_));
     } else {
-      jobs.push_back(std::make_unique<BaselineJob>(prepared, requests[i], shapes[i]));
+      jobs.push_back(std::make_unique<BaselineJob>(prepared, requests[i], shapes[i], l2_bytes_));
     }
     first_item.push_back(first_item.back() +
                          int64_t{shapes[i].num_layers} * shapes[i].num_kv_heads);
@@ -379,14 +389,18 @@ int64_t CpuBackend::KeepPlanWorkspaceBytes(const ModelGeometry& geometry, const 
   const int64_t probability_rows = policy.kind == PolicyKind::kLaprox
                                        ? SatMul(G, WindowRowsPerRange(shape, window_bytes_))
                                        : rows;
+  // Chunks of rows (KeyChunk, ValueChunk; a value chunk is largest with the fewest floats).
+  const int64_t key_chunk = KeyChunk(l2_bytes_, d), value_chunk = ValueChunk(l2_bytes_, d);
   const int64_t per_worker = SatAdd({
-      SatMul({4, probability_rows, n}),                            // window probabilities
-      SatMul({8, statistics, n}),                                  // attention statistics
-      SatMul({4, blocks, n}),                                      // value statistics
-      SatMul({4, 256, SatAdd(SatMul(blocks, d), D)}),              // one value chunk's products
-      SatMul({4, blocks, PackedTriangleSize(d)}),                  // packed triangular factors
-      SatMul(4, std::max({SatMul(1024, d), SatMul(rows, d), n})),  // rows converted to fp32
-      SatMul({4, 1024, d}),                                        // keys packed for the logits
+      SatMul({4, probability_rows, n}),  // window probabilities
+      SatMul({8, statistics, n}),        // attention statistics
+      SatMul({4, blocks, n}),            // value statistics
+      // One value chunk's products (EXACT_BLOCK's cross forms: at most ValueChunk(d) rows), or
+      // a baseline's V W_O^h chunk (baseline_stats.cc: at most 256 rows).
+      SatAdd(SatMul({4, value_chunk, blocks, d}), SatMul({4, 256, D})),
+      SatMul({4, blocks, PackedTriangleSize(d)}),  // packed triangles
+      SatMul(4, std::max({SatMul(std::max(key_chunk, value_chunk), d), SatMul(rows, d), n})),
+      SatMul({4, key_chunk, d}),                      // packed keys
       SatMul({12, rows, d}),                          // scaled queries, row scales, LSE
       SatMul(40, n), SatMul(24, policy.pool_kernel),  // pooling and per-token temporaries
       SatMul(4, rows),                                // scaled row scales

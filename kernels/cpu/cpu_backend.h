@@ -18,9 +18,10 @@ class CpuPreparedModel;
 class CpuBackend final : public Backend {
  public:
   // `threads` >= 1 workers over (layer, KV head) pairs, each holding at most `window_bytes` of
-  // LAPROX's window probabilities (BackendOptions::cpu_window_bytes). Sets OpenBLAS to one
-  // thread per call (a process-wide OpenBLAS setting).
-  explicit CpuBackend(int threads, int64_t window_bytes = int64_t{64} << 20);
+  // LAPROX's window probabilities (BackendOptions::cpu_window_bytes), reading keys and values
+  // in chunks sized for an L2 of `l2_bytes` per core (cpu/window.h's KeyChunk and ValueChunk;
+  // 0: this CPU's). Sets OpenBLAS to one thread per call (a process-wide OpenBLAS setting).
+  explicit CpuBackend(int threads, int64_t window_bytes = int64_t{64} << 20, int64_t l2_bytes = 0);
 
   BackendKind kind() const override { return BackendKind::kCpu; }
   std::string Describe() const override;
@@ -54,6 +55,7 @@ class CpuBackend final : public Backend {
 
   int threads_;
   int64_t window_bytes_;
+  int64_t l2_bytes_;
 };
 
 }  // namespace laprox::kernels::cpu

@@ -15,9 +15,11 @@
 namespace laprox::kernels::cpu {
 namespace {
 
-// Values per V.M sgemm chunk: the [chunk, G*d] product should stay in L2 (Llama: 256 x 512
-// fp32 = 512 KiB; 1024 was ~8% slower there).
-constexpr int64_t kValueChunk = 256;
+// fp32 values a value chunk holds per row (ValueChunk): the row, and EXACT_BLOCK's products v C_hh'
+// with the cross-Grams.
+int64_t ValueFloats(const ScoreModes& modes, int64_t d, int64_t G) {
+  return modes.value == ValueStat::kExact ? (1 + modes.factor_blocks - G) * d : d;
+}
 
 // The exponent k of the scale 2^k that AttentionStatistics multiplies the probabilities by.
 // Unscaled, a window row's attention below ~1e-19 has a square below fp32's smallest normal
@@ -113,8 +115,9 @@ absl::Status ValueStatistics(const RequestShape& shape, const PolicySpec& policy
   float max_values = 0.f;
   float* out = Sized(ws.value, std::max<int64_t>(F, 1) * prefix);
   // EXACT_BLOCK's cross forms v C_hh' (the other modes need no product buffer).
+  const int64_t chunk = ValueChunk(task.l2_bytes, ValueFloats(modes, d, G));
   float* projected =
-      modes.value == ValueStat::kExact ? Sized(ws.projected, kValueChunk * F * d) : nullptr;
+      modes.value == ValueStat::kExact ? Sized(ws.projected, chunk * F * d) : nullptr;
   // ||v T_f||^2 of the triangular blocks (factors.h): all F of them, or EXACT_BLOCK's G diagonal
   // forms v M_h v^T, packed once per task for the kernel.
   const int64_t triangles = modes.value == ValueStat::kExact ? G : F;
@@ -123,8 +126,8 @@ absl::Status ValueStatistics(const RequestShape& shape, const PolicySpec& policy
     packed = Sized(ws.triangles, triangles * PackedTriangleSize(d));
     PackTriangles(task.factors + modes.first_block * d, task.factor_ld, d, triangles, packed);
   }
-  for (int64_t i0 = 0; i0 < prefix; i0 += kValueChunk) {
-    const int64_t count = std::min(kValueChunk, prefix - i0);
+  for (int64_t i0 = 0; i0 < prefix; i0 += chunk) {
+    const int64_t count = std::min(chunk, prefix - i0);
     RowBlock v;
     LAPROX_RETURN_IF_ERROR(
         LoadRows(values, task.kv_head, i0, count, name, ws.rows, &v, &max_values));

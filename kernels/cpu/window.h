@@ -40,6 +40,8 @@ struct HeadTask {
   int64_t hidden_size = 0;         // D
   float max_o_proj = 0.f;          // CpuPreparedModel::max_o_proj(layer): largest |o_proj[l]|
   float scale = 0.f;               // softmax scale
+  // The L2 cache per core that key and value chunks are sized for (KeyChunk, ValueChunk).
+  int64_t l2_bytes = int64_t{1} << 20;
   // LAPROX: the most bytes of window probabilities to hold at once (WindowRowsPerRange).
   int64_t window_bytes = int64_t{1} << 62;
   // KVPRESS_COMPAT arithmetic of the SnapKV kinds (kvpress's SnapKVPress in the model dtype T =
@@ -93,6 +95,20 @@ absl::Status WindowAttention(const RequestShape& shape, const HeadTask& task, Wi
 
 // All the window rows of a request: [0, we).
 inline WindowRows AllWindowRows(const RequestShape& shape) { return {0, shape.window}; }
+
+// The L2 cache of one core of this CPU (sysconf), or 1 MiB where the C library cannot tell.
+int64_t L2CacheBytes();
+
+// Rows per chunk of keys (the window logits) and of values (the value statistics) for head dim
+// d and an L2 of `l2_bytes` per core: a chunk's fp32 rows (keys: d floats a row; values: d and
+// the row's products, `value_floats`) fill at most 1/16 of L2, so that they, the keys' packed
+// copy (cpu/logits.h) and the probabilities being written share it: 512 rows at d = 64 and 256 at
+// d = 128 on a 2 MiB L2. Powers of two. Measured (bench/RESULTS.md, "Chunk sizes"): flat up to
+// 1/8 of L2 for values and 1/4 for keys, slower beyond (values at 1/4: 17-28% at d = 64; keys at
+// 1/2: 5-9% at d = 128). The sgemm path (no AVX-512F) takes at least 1024 keys: sgemm packs the
+// queries again for every chunk.
+int64_t KeyChunk(int64_t l2_bytes, int64_t d);
+int64_t ValueChunk(int64_t l2_bytes, int64_t value_floats);
 
 // The window rows per range when a worker may hold `window_bytes` of probabilities
 // ([G * rows, n] fp32): the we rows in as few ranges as fit (one row per range at least), the

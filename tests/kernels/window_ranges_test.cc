@@ -1,7 +1,7 @@
-// BackendOptions::cpu_window_bytes: LAPROX on the CPU computes the window rows in ranges when a
-// worker may hold fewer bytes of probabilities than [G * w, n]. Every score must be the same
-// float as with one range, for every GQA value mode, pool target and attention source (queries
-// and keys, the engine's LSE, KVPRESS_COMPAT), and bad inputs must be refused alike.
+// BackendOptions::cpu_window_bytes and cpu_l2_bytes. LAPROX on the CPU computes the window rows in
+// ranges when a worker may hold fewer bytes of probabilities than [G * w, n]. Every score must be
+// the same float as with one range, for every GQA value mode, pool target and attention source
+// (queries and keys, the engine's LSE, KVPRESS_COMPAT), and bad inputs must be refused alike.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -58,8 +58,9 @@ std::vector<Variant> Variants() {
 
 // The plan's scores with workers holding `window_bytes` of window probabilities.
 absl::StatusOr<KeepPlan> Plan(TinyCase& c, const Variant& v, int64_t window_bytes,
-                              std::vector<float>* lse_storage) {
-  auto backend = CreateBackend("cpu", {.threads = 2, .cpu_window_bytes = window_bytes});
+                              std::vector<float>* lse_storage, int64_t l2_bytes = 0) {
+  auto backend = CreateBackend(
+      "cpu", {.threads = 2, .cpu_window_bytes = window_bytes, .cpu_l2_bytes = l2_bytes});
   if (!backend.ok()) return backend.status();
   PrepareOptions prepare;
   prepare.cross_grams = true;
@@ -115,6 +116,34 @@ TEST(WindowRangesTest, RangesGiveTheSameScoresAsOnePass) {
       }
       EXPECT_EQ(one->positions, ranged->positions) << v.name;
     }
+  }
+}
+
+// BackendOptions::cpu_l2_bytes sizes the chunks of keys and values (cpu/window.h): 1 byte gives
+// the smallest chunks (128 or 1024 keys, 32 values: several over 150 tokens), 2^40 one chunk.
+// Chunks only split the work; every score is the same float.
+TEST(WindowRangesTest, ChunkSizesGiveTheSameScores) {
+  std::vector<Variant> variants = Variants();
+  Variant baseline = variants.front();
+  baseline.name = "critical_adakv";
+  baseline.policy = PolicySpec();
+  baseline.policy.kind = PolicyKind::kCriticalAdaKv;
+  baseline.policy.window = 10;
+  baseline.policy.budget = Budget::TokensPerHead(40);
+  variants.push_back(baseline);
+  for (const Variant& v : variants) {
+    TinyCase c(L, H, Hkv, d, D, kN, kRows);
+    c.Randomize(8);
+    std::vector<float> lse_one, lse_chunked;
+    const absl::StatusOr<KeepPlan> one = Plan(c, v, int64_t{1} << 40, &lse_one, int64_t{1} << 40);
+    ASSERT_TRUE(one.ok()) << v.name << ": " << one.status();
+    const absl::StatusOr<KeepPlan> chunked = Plan(c, v, int64_t{1} << 40, &lse_chunked, 1);
+    ASSERT_TRUE(chunked.ok()) << v.name << ": " << chunked.status();
+    ASSERT_EQ(one->scores.size(), chunked->scores.size());
+    for (size_t i = 0; i < one->scores.size(); ++i) {
+      ASSERT_EQ(one->scores[i], chunked->scores[i]) << v.name << ", entry " << i;
+    }
+    EXPECT_EQ(one->positions, chunked->positions) << v.name;
   }
 }
 

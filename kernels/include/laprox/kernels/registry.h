@@ -18,6 +18,9 @@ struct BackendOptions {
   // longer contexts compute the window rows in several passes over the keys (at 64 MiB: one
   // pass up to n = 174K at G = 3, w = 32).
   int64_t cpu_window_bytes = int64_t{64} << 20;
+  // CPU: the L2 cache per core that chunks of keys and values are sized for; 0: this CPU's
+  // (sysconf). The plans are the same at every value; only the time and the memory move.
+  int64_t cpu_l2_bytes = 0;
   int device = 0;  // CUDA device ordinal
   // CUDA kernels: "v0" (cuBLAS GEMMs + simple kernels, radix-sort select) or "v1" (fused
   // kernel, histogram select; requests it cannot take run on v0).
