@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
+#include "bench/bench_stats.h"
 #include "laprox/client/client.h"
 #include "laprox/kernels/registry.h"
 #include "service/core/core.h"
@@ -34,13 +35,9 @@ namespace laprox {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using bench::Median;
 constexpr int kL = 30, kH = 9, kHkv = 3, kD = 64, kHidden = 576, kWindow = 32;
 constexpr int kRounds = 7;
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 double MillisSince(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();

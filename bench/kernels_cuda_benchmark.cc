@@ -37,11 +37,13 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "bench/bench_stats.h"
 #include "cuda/random_fill.h"
 #include "laprox/kernels/registry.h"
 
 namespace {
 
+using laprox::bench::Median;
 using laprox::kernels::Backend;
 using laprox::kernels::Dims;
 using laprox::kernels::DType;
@@ -56,11 +58,6 @@ bool Check(cudaError_t error, const char* what) {
   if (error == cudaSuccess) return true;
   std::fprintf(stderr, "kernels_cuda_benchmark: %s: %s\n", what, cudaGetErrorString(error));
   return false;
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
 }
 
 // Device-to-device copy bandwidth (read + written bytes per second), best of 10.

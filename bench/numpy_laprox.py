@@ -266,9 +266,10 @@ def cpp_results(path):
 
 def print_table(cpp, numpy_results):
     print("| geometry | n | ours ms | floor ms | ours/floor | least-work floor ms | ours/least "
+          "| ours/floor, paired | ours/least, paired "
           "| numpy naive ms | numpy gram ms | vs naive | vs gram "
           "| numpy keeps of our set (naive / gram) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     notes = []
     for res in numpy_results:
         bench = cpp.get(res["case"])
@@ -281,8 +282,11 @@ def print_table(cpp, numpy_results):
         agree_naive = ("n/a" if res["naive_agreement"] is None
                        else f"{100 * res['naive_agreement']:.2f}%")
         least = bench.get("least_ms", float("nan"))
+        paired_floor = bench.get("x_floor_paired", float("nan"))
+        paired_least = bench.get("x_least_paired", float("nan"))
         print(f"| {res['model']} | {res['n'] // 1024}K | {ours:.0f} | {bench['floor_ms']:.0f} "
               f"| {ours / bench['floor_ms']:.2f}x | {least:.0f} | {ours / least:.2f}x "
+              f"| {paired_floor:.2f}x | {paired_least:.2f}x "
               f"| {naive} | {res['gram_ms']:.0f} "
               f"| {res['naive_ms'] / ours:.1f}x | {res['gram_ms'] / ours:.1f}x "
               f"| {agree_naive} / {100 * res['gram_agreement']:.2f}% |")
@@ -322,7 +326,9 @@ def main():
         print(f"Floor rates at the start of the C++ run: sgemm "
               f"{float(context.get('laprox_sgemm_gflops', 'nan')):.1f} GFLOP/s, read "
               f"{float(context.get('laprox_read_gbs', 'nan')):.1f} GB/s (each case's floor uses "
-              f"the best rates measured up to that case: its sgemm_GFLOPs and read_GBs counters)")
+              f"the best rates measured up to that case: its sgemm_GFLOPs and read_GBs counters; "
+              f"'paired' is the median over the timed calls of each call against the floor of the "
+              f"sgemm rate measured just before it)")
         print()
         print_table(cpp, results)
     return 0
