@@ -29,8 +29,10 @@
 //
 // Counters per case (--benchmark_counters_tabular=true prints them as columns): GFLOP, KV_MB,
 // flop_ms, byte_ms, floor_ms, x_floor (time / floor), least_GFLOP, least_ms, x_least (time /
-// least-work floor), ours_GFLOPs (achieved, in the first floor's FLOPs), sgemm_GFLOPs, read_GBs,
-// qk_GFLOPs, vm_GFLOPs, tri_GFLOPs. The Time column is the mean of the timed calls.
+// least-work floor), x_floor_paired and x_least_paired (the median over the calls of each call
+// against the floors of the sgemm rate measured just before it), ours_GFLOPs (achieved, in the
+// first floor's FLOPs), sgemm_GFLOPs, read_GBs, qk_GFLOPs, vm_GFLOPs, tri_GFLOPs. The Time column
+// is the mean of the timed calls.
 //
 // Memory: peak_extra_MB is the peak resident size during the timed calls beyond the resident
 // size before them (Linux VmHWM after a clear_refs reset), estimate_MB the backend's
