@@ -560,6 +560,8 @@ void BM_KeepPlan(benchmark::State& state, const Case& c) {
   // (x_floor), which so remain comparable with runs before them.
   SgemmProbe probe(1024, 1024, 1024, /*transpose_b=*/false);
   std::vector<double> paired_floor, paired_least;
+  const MachineRates& rates = Global().rates;
+  const double byte_s = c.KvBytes() / rates.read_bytes;
   for (auto _ : state) {  // NOLINT(clang-analyzer-deadcode.DeadStores): Google Benchmark idiom
     const double rate = probe.Rate(/*trials=*/1);
     const Clock::time_point begin = Clock::now();
@@ -573,7 +575,6 @@ void BM_KeepPlan(benchmark::State& state, const Case& c) {
     state.SetIterationTime(seconds);
     total += seconds;
     best = std::min(best, seconds);
-    const double byte_s = c.KvBytes() / Global().rates.read_bytes;
     paired_floor.push_back(seconds / std::max(c.Flops() / rate, byte_s));
     paired_least.push_back(seconds / std::max(c.LeastFlops() / rate, byte_s));
   }
@@ -587,10 +588,8 @@ void BM_KeepPlan(benchmark::State& state, const Case& c) {
     state.counters["estimate_MB"] = static_cast<double>(estimate->total()) * 1e-6;
   }
 
-  const MachineRates& rates = Global().rates;
   const double mean = total / static_cast<double>(state.iterations());
   const double flop_s = c.Flops() / rates.sgemm_flops;
-  const double byte_s = c.KvBytes() / rates.read_bytes;
   const double floor_s = std::max(flop_s, byte_s);
   const double least_s = std::max(c.LeastFlops() / rates.sgemm_flops, byte_s);
   state.counters["GFLOP"] = c.Flops() * 1e-9;

@@ -20,7 +20,6 @@
 // n = 256 (compute a few ms) and n = 4096 (~100-180 ms on 2 cores).
 //
 //   build/bench/service_benchmark [--benchmark_filter=...]
-#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <random>
@@ -32,6 +31,7 @@
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
+#include "bench/bench_stats.h"
 #include "laprox/client/client.h"
 #include "laprox/kernels/registry.h"
 #include "service/core/core.h"
@@ -43,13 +43,9 @@ namespace laprox {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using bench::Percentile;
 constexpr int kL = 30, kH = 9, kHkv = 3, kD = 64, kHidden = 576, kWindow = 32;
 constexpr int kRounds = 30;
-
-double Percentile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  return v[static_cast<size_t>(p * static_cast<double>(v.size() - 1))];
-}
 
 void BM_ServiceOverhead(benchmark::State& state) {
   const int64_t n = state.range(0);
