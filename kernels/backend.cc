@@ -187,7 +187,7 @@ absl::string_view BackendKindName(BackendKind kind) {
 
 absl::StatusOr<std::shared_ptr<const PreparedModel>> Backend::PrepareModel(
     const ModelGeometry& geometry, absl::Span<const TensorView> o_proj,
-    const PrepareOptions& options) {
+    const PrepareOptions& options, const StopSignal* stop) {
   LAPROX_RETURN_IF_ERROR(geometry.Validate());
   if (static_cast<int64_t>(o_proj.size()) != geometry.num_layers) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -202,7 +202,8 @@ absl::StatusOr<std::shared_ptr<const PreparedModel>> Backend::PrepareModel(
           name, " is in a memory space the ", BackendKindName(kind()), " backend cannot read"));
     }
   }
-  return PrepareModelImpl(geometry, o_proj, options);
+  LAPROX_RETURN_IF_ERROR(CheckStop(stop, "preparing the model"));
+  return PrepareModelImpl(geometry, o_proj, options, stop);
 }
 
 absl::StatusOr<RequestShape> Backend::CheckKeepPlanRequest(const PreparedModel& model,
@@ -341,6 +342,21 @@ absl::StatusOr<MemoryEstimate> Backend::EstimateKeepPlanMemory(
         SatAdd(estimate.workspace_bytes, SatMul({shape.num_layers, shape.num_blocks, 32}));
   }
   return estimate;
+}
+
+absl::StatusOr<WorkEstimate> Backend::EstimateKeepPlanWork(const PreparedModel& model,
+                                                           const KeepPlanRequest& request) const {
+  LAPROX_ASSIGN_OR_RETURN(RequestShape shape, CheckKeepPlanRequest(model, request));
+  const LayerInputs& first = request.layers[0];
+  const TensorView& window = shape.attention_given ? first.window_attention : first.window_queries;
+  return KeepPlanWork(model.geometry(), request.policy,
+                      {.n = shape.n,
+                       .window = shape.window,
+                       .window_rows = shape.window_rows,
+                       .attention_given = shape.attention_given,
+                       .key_bytes = static_cast<int64_t>(DTypeSize(first.keys.dtype())),
+                       .value_bytes = static_cast<int64_t>(DTypeSize(first.values.dtype())),
+                       .window_bytes = static_cast<int64_t>(DTypeSize(window.dtype()))});
 }
 
 absl::StatusOr<MemoryEstimate> Backend::EstimatePrepareMemory(const ModelGeometry& geometry,

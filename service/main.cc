@@ -107,7 +107,18 @@ ABSL_FLAG(int, device, 0, "CUDA device ordinal (cuda backend)");
 ABSL_FLAG(std::string, cuda_kernels, "v0",
           "cuda backend kernels: v0 (cuBLAS GEMMs, radix-sort select) or v1 (fused kernel, "
           "histogram select; requests it cannot take run on v0)");
-ABSL_FLAG(int, workers, 2, "requests computed concurrently");
+ABSL_FLAG(int, workers, 2, "keep-plan requests computed concurrently (heavy ones aside)");
+ABSL_FLAG(int, heavy_workers, 1,
+          "keep-plan requests of more work than --heavy_request_work computed concurrently, on "
+          "workers of their own (so that small plans never wait behind them); their backlog is "
+          "--max_pending too");
+ABSL_FLAG(int64_t, max_request_work, 0,
+          "work units (flops plus bytes read, estimated from shapes) one keep-plan call or model "
+          "preparation may do; more is RESOURCE_EXHAUSTED before anything runs. 0: the "
+          "backend's default (cpu 2^42, about 30 s on 2 cores; cuda 2^50)");
+ABSL_FLAG(int64_t, heavy_request_work, 0,
+          "keep-plan calls of more work units than this run on the --heavy_workers; 0: "
+          "--max_request_work / 256");
 ABSL_FLAG(int64_t, max_pending, 64,
           "requests waiting beyond those running (then RESOURCE_EXHAUSTED)");
 ABSL_FLAG(int64_t, max_regions, 1024, "registered regions at most");
@@ -133,6 +144,8 @@ ABSL_FLAG(int64_t, max_model_memory, 0,
 namespace {
 
 constexpr char kVersion[] = "0.1.0";
+// How long past --shutdown_timeout the watchdog waits for in-flight work to end.
+constexpr absl::Duration kWatchdogSlack = absl::Seconds(3);
 // The health service name that reports readiness (a model is registered).
 constexpr char kReadinessService[] = "laprox.v1.Laprox";
 
@@ -245,9 +258,18 @@ int main(int argc, char** argv) {
     return 1;
   }
   for (const auto& [name, value] : {std::pair{"max_request_memory", &FLAGS_max_request_memory},
-                                    std::pair{"max_model_memory", &FLAGS_max_model_memory}}) {
+                                    std::pair{"max_model_memory", &FLAGS_max_model_memory},
+                                    std::pair{"max_request_work", &FLAGS_max_request_work},
+                                    std::pair{"heavy_request_work", &FLAGS_heavy_request_work}}) {
     if (absl::GetFlag(*value) < 0) {
-      std::fprintf(stderr, "laproxd: --%s must be >= 0 (0: derived from the memory limit)\n", name);
+      std::fprintf(stderr, "laproxd: --%s must be >= 0 (0: derived)\n", name);
+      return 1;
+    }
+  }
+  for (const auto& [name, value] :
+       {std::pair{"workers", &FLAGS_workers}, std::pair{"heavy_workers", &FLAGS_heavy_workers}}) {
+    if (absl::GetFlag(*value) < 1 || absl::GetFlag(*value) > 1024) {
+      std::fprintf(stderr, "laproxd: --%s=%d is outside [1, 1024]\n", name, absl::GetFlag(*value));
       return 1;
     }
   }
@@ -276,10 +298,14 @@ int main(int argc, char** argv) {
        .max_tokens = absl::GetFlag(FLAGS_max_tokens),
        .max_batch_sequences = absl::GetFlag(FLAGS_max_batch_sequences),
        .max_request_memory = absl::GetFlag(FLAGS_max_request_memory),
-       .max_model_memory = absl::GetFlag(FLAGS_max_model_memory)},
+       .max_model_memory = absl::GetFlag(FLAGS_max_model_memory),
+       .max_request_work = absl::GetFlag(FLAGS_max_request_work),
+       .heavy_request_work = absl::GetFlag(FLAGS_heavy_request_work)},
       {.shared_models = absl::GetFlag(FLAGS_shared_models), .first_id = RandomFirstId()});
   auto work = std::make_unique<laprox::service::WorkQueue>(absl::GetFlag(FLAGS_workers),
                                                            absl::GetFlag(FLAGS_max_pending));
+  auto heavy = std::make_unique<laprox::service::WorkQueue>(absl::GetFlag(FLAGS_heavy_workers),
+                                                            absl::GetFlag(FLAGS_max_pending));
 
   const laprox::kernels::Backend& compute = core.backend();
   std::string active_device;
@@ -370,7 +396,8 @@ int main(int argc, char** argv) {
            [&listener, &access](const grpc::ServerContextBase& context) {
              return laprox::service::IdentifyCaller(context, listener.get(), access);
            },
-       .leases = leases ? &*leases : nullptr});
+       .leases = leases ? &*leases : nullptr,
+       .heavy = heavy.get()});
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -482,17 +509,21 @@ int main(int argc, char** argv) {
   std::printf("laproxd: signal %d, finishing in-flight calls\n", signal);
   std::fflush(stdout);
   serving.ShutDown();
-  // In-flight calls get shutdown_timeout, then are cancelled (a computation stops at its next
-  // cancellation check). Should the work still not end, a watchdog exits the process.
+  // In-flight calls get shutdown_timeout, then are cancelled: a computation stops at its next
+  // check (kernels/include/laprox/kernels/stop.h), within milliseconds. Should the work still
+  // not end (a stage that does not check, such as a device kernel), a watchdog removes the
+  // socket and its lock file and exits 0 all the same: the shutdown deadline is kept.
   const absl::Duration grace = absl::GetFlag(FLAGS_shutdown_timeout);
   absl::Notification stopped;
-  std::thread watchdog([&stopped, grace] {
-    if (stopped.WaitForNotificationWithTimeout(grace + absl::Seconds(10))) return;
+  std::thread watchdog([&stopped, &claim, grace] {
+    if (stopped.WaitForNotificationWithTimeout(grace + kWatchdogSlack)) return;
     std::fprintf(stderr,
-                 "laproxd: in-flight work did not stop within %s of the shutdown "
-                 "deadline; exiting\n",
-                 absl::FormatDuration(absl::Seconds(10)).c_str());
-    std::_Exit(1);
+                 "laproxd: in-flight work did not stop within %s of the shutdown deadline; "
+                 "exiting without it\n",
+                 absl::FormatDuration(kWatchdogSlack).c_str());
+    if (claim) claim->RemoveFiles();  // main() touches `claim` only after joining this thread
+    std::fflush(stdout);
+    std::_Exit(0);
   });
   stop_reclaiming.Notify();
   if (reclaimer.joinable()) reclaimer.join();
@@ -500,6 +531,7 @@ int main(int argc, char** argv) {
   server->Shutdown(absl::ToChronoTime(absl::Now() + grace));
   if (health_server) health_server->Shutdown();
   work.reset();  // runs what was accepted: jobs of cancelled calls end at once
+  heavy.reset();
   stopped.Notify();
   watchdog.join();
   claim.reset();  // removes the socket this process created, then releases the lock

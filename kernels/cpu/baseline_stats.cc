@@ -20,18 +20,21 @@ constexpr int64_t kProjectionChunkBytes = 256 * 1024;
 constexpr float kEntropyEpsilon = 1e-10f;
 
 // Mean and, unless `var` is null, unbiased variance (0 with one row) over `we` rows (row
-// stride n) of columns [0, prefix).
-void RowMoments(const float* rows, int64_t we, int64_t n, int64_t prefix, float* mean, float* var) {
+// stride n) of columns [0, prefix). Checks `stop` once per row.
+absl::Status RowMoments(const float* rows, int64_t we, int64_t n, int64_t prefix, float* mean,
+                        float* var, const StopSignal* stop) {
   std::fill(mean, mean + prefix, 0.f);
   for (int64_t t = 0; t < we; ++t) {
+    LAPROX_RETURN_IF_ERROR(CheckStop(stop));
     for (int64_t i = 0; i < prefix; ++i) mean[i] += rows[t * n + i];
   }
   const float inv_rows = 1.f / static_cast<float>(we);
   for (int64_t i = 0; i < prefix; ++i) mean[i] *= inv_rows;
-  if (var == nullptr) return;
+  if (var == nullptr) return absl::OkStatus();
   std::fill(var, var + prefix, 0.f);
-  if (we < 2) return;
+  if (we < 2) return absl::OkStatus();
   for (int64_t t = 0; t < we; ++t) {
+    LAPROX_RETURN_IF_ERROR(CheckStop(stop));
     for (int64_t i = 0; i < prefix; ++i) {
       const float dev = rows[t * n + i] - mean[i];
       var[i] += dev * dev;
@@ -39,6 +42,7 @@ void RowMoments(const float* rows, int64_t we, int64_t n, int64_t prefix, float*
   }
   const float inv_dof = 1.f / static_cast<float>(we - 1);
   for (int64_t i = 0; i < prefix; ++i) var[i] *= inv_dof;
+  return absl::OkStatus();
 }
 
 // u_i = (1/G) sum_{h in g} ||v_i W_O^h||_1 for every token i < n. An L1 norm has no d x d
@@ -55,6 +59,7 @@ absl::Status ProjectedValueL1(const RequestShape& shape, const HeadTask& task, S
   const bool compat = task.kvpress_compat;
   const DType T = task.compat_dtype;
   for (int64_t i0 = 0; i0 < n; i0 += chunk) {
+    LAPROX_RETURN_IF_ERROR(CheckStop(task.stop));
     const int64_t count = std::min(chunk, n - i0);
     RowBlock v;
     LAPROX_RETURN_IF_ERROR(LoadRows(task.inputs->values, task.kv_head, i0, count,
@@ -88,22 +93,29 @@ absl::Status ProjectedValueL1(const RequestShape& shape, const HeadTask& task, S
 }
 
 // The SnapKV kinds' mean over the `we` window rows (row stride n) of columns [0, prefix) in
-// KVPRESS_COMPAT: fp32 sums divided by we (not times 1/we), rounded to T.
-void CompatRowMean(DType T, const float* rows, int64_t we, int64_t n, int64_t prefix, float* mean) {
+// KVPRESS_COMPAT: fp32 sums divided by we (not times 1/we), rounded to T. Checks `stop` once per
+// row.
+absl::Status CompatRowMean(DType T, const float* rows, int64_t we, int64_t n, int64_t prefix,
+                           float* mean, const StopSignal* stop) {
   std::fill(mean, mean + prefix, 0.f);
   for (int64_t t = 0; t < we; ++t) {
+    LAPROX_RETURN_IF_ERROR(CheckStop(stop));
     for (int64_t i = 0; i < prefix; ++i) mean[i] += rows[t * n + i];
   }
   for (int64_t i = 0; i < prefix; ++i) mean[i] /= static_cast<float>(we);
   RoundTo(T, mean, prefix);
+  return absl::OkStatus();
 }
 
 // The pooled group score over the prefix (and CAKE's sums) from the window attention in ws.
 // Each query head's score is pooled before the group mean (they commute only for AVG).
 // KVPRESS_COMPAT (task.kvpress_compat) rounds the row mean, the pooled score and the group mean
-// to T as kvpress's bf16 tensor ops do (mean = fp32 sum / count, rounded once).
-void WindowStatistics(const RequestShape& shape, const PolicySpec& policy, const HeadTask& task,
-                      DType attention_dtype, ScoreWorkspace& ws, const BaselineHeadOutput& out) {
+// to T as kvpress's bf16 tensor ops do (mean = fp32 sum / count, rounded once). Checks
+// task.stop once per window row of each pass.
+absl::Status WindowStatistics(const RequestShape& shape, const PolicySpec& policy,
+                              const HeadTask& task, DType attention_dtype, ScoreWorkspace& ws,
+                              const BaselineHeadOutput& out) {
+  const StopSignal* stop = task.stop;
   const int64_t n = shape.n, we = shape.window, G = shape.group_size, prefix = n - we;
   const bool cake = policy.kind == PolicyKind::kCake;
   const bool compat = task.kvpress_compat && !cake;
@@ -117,14 +129,16 @@ void WindowStatistics(const RequestShape& shape, const PolicySpec& policy, const
   for (int64_t hi = 0; hi < G; ++hi) {
     float* rows = ws.probs.data() + hi * we * n;
     for (int64_t t = 0; t < we; ++t) {
+      LAPROX_RETURN_IF_ERROR(CheckStop(stop));
       float* row = rows + t * n;
       const float scale = ws.row_scale[hi * we + t];
       for (int64_t i = 0; i < prefix; ++i) row[i] *= scale;
     }
     if (cake) {
       // The layer preference uses the attention before any rounding (SEMANTICS.md, CAKE).
-      RowMoments(rows, we, n, prefix, mean, var);
+      LAPROX_RETURN_IF_ERROR(RowMoments(rows, we, n, prefix, mean, var, stop));
       for (int64_t t = 0; t < we; ++t) {
+        LAPROX_RETURN_IF_ERROR(CheckStop(stop));
         const float* row = rows + t * n;
         float row_entropy = 0.f;
         for (int64_t i = 0; i < prefix; ++i) {
@@ -135,8 +149,11 @@ void WindowStatistics(const RequestShape& shape, const PolicySpec& policy, const
       for (int64_t i = 0; i < prefix; ++i) variance += var[i];
     }
     if (attention_dtype != DType::kF32) {
-      for (int64_t t = 0; t < we; ++t) RoundTo(attention_dtype, rows + t * n, prefix);
-      if (cake) RowMoments(rows, we, n, prefix, mean, var);
+      for (int64_t t = 0; t < we; ++t) {
+        LAPROX_RETURN_IF_ERROR(CheckStop(stop));
+        RoundTo(attention_dtype, rows + t * n, prefix);
+      }
+      if (cake) LAPROX_RETURN_IF_ERROR(RowMoments(rows, we, n, prefix, mean, var, stop));
     }
     if (cake) {
       // In fp64: a huge gamma gives +inf (beyond fp32), never inf * 0 = NaN.
@@ -144,9 +161,10 @@ void WindowStatistics(const RequestShape& shape, const PolicySpec& policy, const
         head_score[i] = policy::SaturatedFloat(mean[i] + gamma * var[i]);
       }
     } else if (compat) {
-      CompatRowMean(task.compat_dtype, rows, we, n, prefix, head_score);
+      LAPROX_RETURN_IF_ERROR(
+          CompatRowMean(task.compat_dtype, rows, we, n, prefix, head_score, stop));
     } else {
-      RowMoments(rows, we, n, prefix, head_score, nullptr);
+      LAPROX_RETURN_IF_ERROR(RowMoments(rows, we, n, prefix, head_score, nullptr, stop));
     }
     Pool(policy.pooling, policy.pool_kernel, head_score, prefix, 0, pooled, ws.pool_sums);
     if (compat) RoundTo(task.compat_dtype, pooled, prefix);
@@ -163,6 +181,7 @@ void WindowStatistics(const RequestShape& shape, const PolicySpec& policy, const
     *out.entropy = entropy;
     *out.variance = variance;
   }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -178,13 +197,12 @@ absl::Status BaselineHead(const RequestShape& shape, const PolicySpec& policy, c
                                                        task.kv_head, max_values, task.max_o_proj));
   } else {
     LAPROX_RETURN_IF_ERROR(CheckRowsFinite(task.inputs->values, task.kv_head, 0, shape.n,
-                                           {task.layer, "values"}, ws.rows));
+                                           {task.layer, "values"}, ws.rows, nullptr, task.stop));
   }
   if (policy.kind == PolicyKind::kStreamingLlm || shape.window == shape.n) {
     return absl::OkStatus();
   }
-  WindowStatistics(shape, policy, task, attention_dtype, ws, out);
-  return absl::OkStatus();
+  return WindowStatistics(shape, policy, task, attention_dtype, ws, out);
 }
 
 }  // namespace laprox::kernels::cpu

@@ -66,14 +66,17 @@ struct PrepareScratch {
 };
 
 // Fills the factor blocks of one layer from its o_proj [D, H*d] (converted to fp32 `w`): the
-// triangular factors of blocks 0..G (factors.h, cpu/triangular.h) and the cross-Grams.
-void LayerFactors(const ModelGeometry& g, const float* w, bool cross, int64_t layer,
-                  CpuPreparedModel& model, PrepareScratch& scratch) {
+// triangular factors of blocks 0..G (factors.h, cpu/triangular.h) and the cross-Grams. Checks
+// `stop` once per KV head.
+absl::Status LayerFactors(const ModelGeometry& g, const float* w, bool cross, int64_t layer,
+                          CpuPreparedModel& model, PrepareScratch& scratch,
+                          const StopSignal* stop) {
   const int64_t D = g.hidden_size, d = g.head_dim, G = g.group_size(),
                 Hd = int64_t{g.num_heads} * d;
   const int ld = static_cast<int>(model.row_stride());
   double* columns = Sized(scratch.columns, D * d);
   for (int64_t kv = 0; kv < g.num_kv_heads; ++kv) {
+    LAPROX_RETURN_IF_ERROR(CheckStop(stop, "preparing the model"));
     float* f = model.mutable_factors(layer, kv);
     const float* group = w + kv * G * d;  // columns of head kv*G
     // Block 0: T with T T^T = S^T S, S = sum_h W[:, h-block] (D x d), summed in fp64.
@@ -104,6 +107,7 @@ void LayerFactors(const ModelGeometry& g, const float* w, bool cross, int64_t la
       }
     }
   }
+  return absl::OkStatus();
 }
 
 // One sequence's plan: a scoring item per (layer, KV head), then the selection over them.
@@ -139,11 +143,13 @@ class LaproxJob final : public SequenceJob {
     task.scale = model_.geometry().EffectiveScale();
     task.window_bytes = window_bytes_;
     task.l2_bytes = l2_bytes_;
+    task.stop = request_.stop;
     return ScoreHead(shape_, request_.policy, task, ws, raw_.data() + item * shape_.n);
   }
 
   absl::StatusOr<KeepPlan> Select() override {
-    return policy::SelectKeepPlan(shape_, request_.policy, std::move(raw_), request_.outputs);
+    return policy::SelectKeepPlan(shape_, request_.policy, std::move(raw_), request_.outputs,
+                                  request_.stop);
   }
 
  private:
@@ -195,6 +201,7 @@ class BaselineJob final : public SequenceJob {
     task.kvpress_compat = compat_arithmetic_;
     task.l2_bytes = l2_bytes_;
     task.compat_dtype = compat ? compat_dtype_[task.layer] : DType::kF32;
+    task.stop = request_.stop;
     // Only attention computed here is rounded; the engine's attention rows are used as given.
     const DType rounding =
         compat && !shape_.attention_given ? task.inputs->keys.dtype() : DType::kF32;
@@ -212,7 +219,8 @@ class BaselineJob final : public SequenceJob {
                                                    .variance = variance_,
                                                    .safeguard = safeguard_,
                                                    .compat_dtype = compat_dtype_};
-    return policy::SelectBaselinePlan(shape_, request_.policy, statistics, request_.outputs);
+    return policy::SelectBaselinePlan(shape_, request_.policy, statistics, request_.outputs,
+                                      request_.stop);
   }
 
  private:
@@ -255,11 +263,12 @@ std::string CpuBackend::Describe() const {
 
 absl::StatusOr<std::shared_ptr<const PreparedModel>> CpuBackend::PrepareModelImpl(
     const ModelGeometry& geometry, absl::Span<const TensorView> o_proj,
-    const PrepareOptions& options) {
+    const PrepareOptions& options, const StopSignal* stop) {
   auto model = std::make_shared<CpuPreparedModel>(geometry, options);
   const int64_t D = geometry.hidden_size, Hd = int64_t{geometry.num_heads} * geometry.head_dim;
   std::vector<PrepareScratch> scratch(threads_);
   LAPROX_RETURN_IF_ERROR(RunAll(geometry.num_layers, threads_, [&](int64_t l, int worker) {
+    LAPROX_RETURN_IF_ERROR(CheckStop(stop, "preparing the model"));
     // View the [D, H*d] weight as one "head" of D rows so that LoadRows converts and checks it.
     const TensorView& w = o_proj[l];
     const TensorView rows(w.data(), w.dtype(), {1, D, Hd}, {0, w.stride(0), w.stride(1)});
@@ -277,7 +286,8 @@ absl::StatusOr<std::shared_ptr<const PreparedModel>> CpuBackend::PrepareModelImp
       }
       block.data = buffer.data();
     }
-    LayerFactors(geometry, block.data, options.cross_grams, l, *model, scratch[worker]);
+    LAPROX_RETURN_IF_ERROR(
+        LayerFactors(geometry, block.data, options.cross_grams, l, *model, scratch[worker], stop));
     // The bound above keeps every factor finite; a non-finite one would poison every request.
     const float* f = model->factors(l, 0);
     if (!std::isfinite(MaxAbs(f, geometry.num_kv_heads * model->matrix_size()))) {
@@ -341,6 +351,7 @@ absl::StatusOr<std::vector<KeepPlan>> CpuBackend::RunSequences(
       first_item.back(), threads_,
       [&](int64_t item, int worker) {
         const int64_t j = job_of(item);
+        LAPROX_RETURN_IF_ERROR(CheckStop(requests[j].stop));
         return jobs[j]->Score(item - first_item[j], workspaces[worker]);
       },
       &failed_item);
@@ -354,6 +365,7 @@ absl::StatusOr<std::vector<KeepPlan>> CpuBackend::RunSequences(
   LAPROX_RETURN_IF_ERROR(RunAll(
       static_cast<int64_t>(jobs.size()), threads_,
       [&](int64_t j, int) {
+        LAPROX_RETURN_IF_ERROR(CheckStop(requests[j].stop));
         LAPROX_ASSIGN_OR_RETURN(plans[j], jobs[j]->Select());
         return absl::OkStatus();
       },

@@ -25,6 +25,8 @@ class CpuBackend final : public Backend {
 
   BackendKind kind() const override { return BackendKind::kCpu; }
   std::string Describe() const override;
+  // 2^42 work units: ~30 s of this backend on the 2 vCPUs of bench/RESULTS.md ("Work budget").
+  int64_t DefaultMaxRequestWork() const override { return int64_t{1} << 42; }
   // Every policy kind: LAPROX and the baselines.
   bool Supports(PolicyKind) const override { return true; }
 
@@ -33,7 +35,7 @@ class CpuBackend final : public Backend {
   bool CanReadPaged() const override { return true; }  // cpu/rows.cc reads through the table
   absl::StatusOr<std::shared_ptr<const PreparedModel>> PrepareModelImpl(
       const ModelGeometry& geometry, absl::Span<const TensorView> o_proj,
-      const PrepareOptions& options) override;
+      const PrepareOptions& options, const StopSignal* stop) override;
   absl::StatusOr<KeepPlan> ComputeKeepPlanImpl(const PreparedModel& model,
                                                const KeepPlanRequest& request,
                                                const RequestShape& shape) override;

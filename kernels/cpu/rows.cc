@@ -126,10 +126,12 @@ absl::Status LoadRows(const TensorView& view, int64_t head, int64_t row0, int64_
 }
 
 absl::Status CheckRowsFinite(const TensorView& view, int64_t head, int64_t row0, int64_t count,
-                             TensorName name, std::vector<float>& scratch, float* max_abs) {
+                             TensorName name, std::vector<float>& scratch, float* max_abs,
+                             const StopSignal* stop) {
   constexpr int64_t kChunk = 512;
   RowBlock block;
   for (int64_t r = row0; r < row0 + count; r += kChunk) {
+    if (auto s = CheckStop(stop); !s.ok()) return s;
     const int64_t rows = std::min(kChunk, row0 + count - r);
     if (auto s = LoadRows(view, head, r, rows, name, scratch, &block, max_abs); !s.ok()) return s;
   }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "laprox/kernels/stop.h"
 #include "laprox/kernels/tensor_view.h"
 
 namespace laprox::kernels::cpu {
@@ -34,10 +35,10 @@ absl::Status LoadRows(const TensorView& view, int64_t head, int64_t row0, int64_
                       float* max_abs = nullptr);
 
 // Checks that rows [row0, row0 + count) of `head` are finite without keeping them (and updates
-// `max_abs` as LoadRows does).
+// `max_abs` as LoadRows does); checks `stop` (may be null) once per 512 rows.
 absl::Status CheckRowsFinite(const TensorView& view, int64_t head, int64_t row0, int64_t count,
-                             TensorName name, std::vector<float>& scratch,
-                             float* max_abs = nullptr);
+                             TensorName name, std::vector<float>& scratch, float* max_abs = nullptr,
+                             const StopSignal* stop = nullptr);
 
 }  // namespace laprox::kernels::cpu
 

@@ -51,8 +51,10 @@ int64_t AttentionStatisticCount(AttentionStat stat, int64_t G) {
 // attention statistics over the prefix [0, prefix) in ws.attention, times 2^(2k) with
 // k = AttentionScaleExponent (fp32: at most 2^126). Each statistic adds its window rows in
 // increasing t, so computing the rows in several ranges gives the same sums.
-void AttentionStatistics(const RequestShape& shape, AttentionStat stat, WindowRows rows,
-                         int64_t prefix, int k, ScoreWorkspace& ws) {
+// Checks `stop` once per window row.
+absl::Status AttentionStatistics(const RequestShape& shape, AttentionStat stat, WindowRows rows,
+                                 int64_t prefix, int k, const StopSignal* stop,
+                                 ScoreWorkspace& ws) {
   const int64_t n = shape.n, G = shape.group_size, count = rows.count();
   const float* probs = ws.probs.data();
   const float* row_scale = ws.row_scale.data();
@@ -67,6 +69,7 @@ void AttentionStatistics(const RequestShape& shape, AttentionStat stat, WindowRo
       std::vector<const float*> heads(G);
       std::vector<float> scales(G);
       for (int64_t t = rows.begin; t < rows.end; ++t) {
+        LAPROX_RETURN_IF_ERROR(CheckStop(stop));
         for (int64_t hi = 0; hi < G; ++hi) {
           heads[hi] = probs + at(hi, t) * n;
           scales[hi] = scale[at(hi, t)];
@@ -78,6 +81,7 @@ void AttentionStatistics(const RequestShape& shape, AttentionStat stat, WindowRo
     case AttentionStat::kPerHead:
       for (int64_t hi = 0; hi < G; ++hi) {
         for (int64_t t = rows.begin; t < rows.end; ++t) {
+          LAPROX_RETURN_IF_ERROR(CheckStop(stop));
           const float* row = probs + at(hi, t) * n;
           AccumulateSquaredSum(&row, &scale[at(hi, t)], 1, prefix, acc + hi * prefix);
         }
@@ -85,6 +89,7 @@ void AttentionStatistics(const RequestShape& shape, AttentionStat stat, WindowRo
       break;
     case AttentionStat::kHeadGram:
       for (int64_t t = rows.begin; t < rows.end; ++t) {
+        LAPROX_RETURN_IF_ERROR(CheckStop(stop));
         int64_t pair = G;
         for (int64_t a = 0; a < G; ++a) {
           const float* ra = probs + at(a, t) * n;
@@ -98,6 +103,7 @@ void AttentionStatistics(const RequestShape& shape, AttentionStat stat, WindowRo
       }
       break;
   }
+  return absl::OkStatus();
 }
 
 // Per-token value statistics over the prefix into ws.value ([F, prefix]); checks every value
@@ -110,7 +116,7 @@ absl::Status ValueStatistics(const RequestShape& shape, const PolicySpec& policy
   const TensorName name{task.layer, "values"};
   const int64_t d = shape.head_dim, F = modes.factor_blocks, G = shape.group_size;
   if (modes.value == ValueStat::kNone) {
-    return CheckRowsFinite(values, task.kv_head, 0, shape.n, name, ws.rows);
+    return CheckRowsFinite(values, task.kv_head, 0, shape.n, name, ws.rows, nullptr, task.stop);
   }
   float max_values = 0.f;
   float* out = Sized(ws.value, std::max<int64_t>(F, 1) * prefix);
@@ -127,6 +133,7 @@ absl::Status ValueStatistics(const RequestShape& shape, const PolicySpec& policy
     PackTriangles(task.factors + modes.first_block * d, task.factor_ld, d, triangles, packed);
   }
   for (int64_t i0 = 0; i0 < prefix; i0 += chunk) {
+    LAPROX_RETURN_IF_ERROR(CheckStop(task.stop));
     const int64_t count = std::min(chunk, prefix - i0);
     RowBlock v;
     LAPROX_RETURN_IF_ERROR(
@@ -163,8 +170,8 @@ absl::Status ValueStatistics(const RequestShape& shape, const PolicySpec& policy
       }
     }
   }
-  LAPROX_RETURN_IF_ERROR(
-      CheckRowsFinite(values, task.kv_head, prefix, shape.n - prefix, name, ws.rows, &max_values));
+  LAPROX_RETURN_IF_ERROR(CheckRowsFinite(values, task.kv_head, prefix, shape.n - prefix, name,
+                                         ws.rows, &max_values, task.stop));
   return policy::CheckValueMagnitude(shape, policy, task.hidden_size, task.layer, task.kv_head,
                                      max_values, task.max_o_proj);
 }
@@ -222,7 +229,10 @@ absl::Status ScoreHead(const RequestShape& shape, const PolicySpec& policy, cons
     const WindowRows rows = {t0, std::min(we, t0 + per_range)};
     LAPROX_RETURN_IF_ERROR(WindowAttention(shape, task, rows, ws));
     if (t0 == 0) LAPROX_RETURN_IF_ERROR(ValueStatistics(shape, policy, task, modes, prefix, ws));
-    if (prefix > 0) AttentionStatistics(shape, modes.attention, rows, prefix, k, ws);
+    if (prefix > 0) {
+      LAPROX_RETURN_IF_ERROR(
+          AttentionStatistics(shape, modes.attention, rows, prefix, k, task.stop, ws));
+    }
   }
   if (prefix == 0) return absl::OkStatus();
 

@@ -35,6 +35,7 @@ absl::Status LoadGivenAttention(const RequestShape& shape, const HeadTask& task,
   for (int64_t hi = 0; hi < G; ++hi) {
     const int64_t h = task.kv_head * G + hi;
     for (int64_t row = first_row; row < wq - we + range.end; ++row) {
+      LAPROX_RETURN_IF_ERROR(CheckStop(task.stop));
       RowBlock block;
       LAPROX_RETURN_IF_ERROR(LoadRows(attention, h, row, 1, name, ws.rows, &block));
       double sum = 0.0;
@@ -130,6 +131,7 @@ absl::Status ComputeAttention(const RequestShape& shape, const HeadTask& task, W
   float* probs = Sized(ws.probs, rows * n);
   const int64_t key_chunk = KeyChunk(task.l2_bytes, d);
   for (int64_t j0 = 0; j0 < key_end; j0 += key_chunk) {
+    LAPROX_RETURN_IF_ERROR(CheckStop(task.stop));
     const int64_t chunk = std::min(key_chunk, key_end - j0);
     RowBlock keys;
     LAPROX_RETURN_IF_ERROR(LoadRows(in.keys, task.kv_head, j0, chunk, {task.layer, "keys"}, ws.rows,
@@ -144,7 +146,7 @@ absl::Status ComputeAttention(const RequestShape& shape, const HeadTask& task, W
   }
   if (key_end < n) {
     LAPROX_RETURN_IF_ERROR(CheckRowsFinite(in.keys, task.kv_head, key_end, n - key_end,
-                                           {task.layer, "keys"}, ws.rows, &max_keys));
+                                           {task.layer, "keys"}, ws.rows, &max_keys, task.stop));
   }
   if (rows == 0) return absl::OkStatus();
   // Finite queries and keys can still give infinite logits: refuse before the softmax reads them.
@@ -157,6 +159,7 @@ absl::Status ComputeAttention(const RequestShape& shape, const HeadTask& task, W
   // kvpress: matmul(q, k^T) / math.sqrt(head_dim), each op's output in the model dtype.
   const float sqrt_d = static_cast<float>(std::sqrt(static_cast<double>(d)));
   for (int64_t r = 0; r < rows; ++r) {
+    LAPROX_RETURN_IF_ERROR(CheckStop(task.stop));
     const int64_t t = range.begin + r % count;
     float* row = probs + r * n;
     if (use_lse) {
@@ -191,8 +194,8 @@ absl::Status WindowAttention(const RequestShape& shape, const HeadTask& task, Wi
   // request (DESIGN.md section 2), as the CUDA backend's input check does: once, with the first
   // range.
   if (rows.begin > 0) return absl::OkStatus();
-  return CheckRowsFinite(task.inputs->keys, task.kv_head, 0, shape.n, {task.layer, "keys"},
-                         ws.rows);
+  return CheckRowsFinite(task.inputs->keys, task.kv_head, 0, shape.n, {task.layer, "keys"}, ws.rows,
+                         nullptr, task.stop);
 }
 
 int64_t L2CacheBytes() {

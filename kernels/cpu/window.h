@@ -50,6 +50,9 @@ struct HeadTask {
   // window_lse (kvpress recomputes the softmax; the LSE is still checked). False: as above.
   bool kvpress_compat = false;
   DType compat_dtype = DType::kF32;
+  // The request's stop signal (KeepPlanRequest::stop; may be null): the loops over chunks of
+  // keys and values and over window rows check it, and return its status once it says stop.
+  const StopSignal* stop = nullptr;
 };
 
 // x[i] rounded to the nearest `dtype` value (ties to even) and back to fp32, i < count; kF32

@@ -168,9 +168,10 @@ absl::Status CudaBackend::StageToDevice(std::vector<TensorView*> views) {
 
 absl::StatusOr<std::shared_ptr<const PreparedModel>> CudaBackend::PrepareModelImpl(
     const ModelGeometry& geometry, absl::Span<const TensorView> o_proj,
-    const PrepareOptions& options) {
+    const PrepareOptions& options, const StopSignal* stop) {
   absl::MutexLock lock(&mu_);
   LAPROX_RETURN_IF_ERROR(sticky_);
+  LAPROX_RETURN_IF_ERROR(CheckStop(stop, "preparing the model"));
   LAPROX_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(context_.device), "cudaSetDevice"));
   for (size_t l = 0; l < o_proj.size(); ++l) {
     LAPROX_RETURN_IF_ERROR(CheckAligned(o_proj[l], absl::StrCat("o_proj[", l, "]")));
@@ -193,6 +194,9 @@ absl::StatusOr<KeepPlan> CudaBackend::ComputeKeepPlanImpl(const PreparedModel& m
   const auto& prepared = static_cast<const CudaPreparedModel&>(model);
   absl::MutexLock lock(&mu_);
   LAPROX_RETURN_IF_ERROR(sticky_);
+  // The stop signal is checked between the stages below (the kernels queued for a stage run to
+  // their end): a call that waited for the mutex past its deadline starts nothing.
+  LAPROX_RETURN_IF_ERROR(CheckStop(request.stop));
   const Clock::time_point started = Clock::now();
   LAPROX_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(context_.device), "cudaSetDevice"));
 
@@ -215,6 +219,7 @@ absl::StatusOr<KeepPlan> CudaBackend::ComputeKeepPlanImpl(const PreparedModel& m
         .IgnoreError();
   }
   LAPROX_RETURN_IF_ERROR(Track(StageToDevice(views)));
+  LAPROX_RETURN_IF_ERROR(CheckStop(request.stop));
   InputMagnitudes magnitudes;
   LAPROX_RETURN_IF_ERROR(Track(checker_.Check(context_, layers, shape, &magnitudes)));
   LAPROX_RETURN_IF_ERROR(CheckMagnitudes(prepared, request.policy, shape, magnitudes));
@@ -226,8 +231,10 @@ absl::StatusOr<KeepPlan> CudaBackend::ComputeKeepPlanImpl(const PreparedModel& m
   const bool use_v1 =
       kernels_ == KernelVersion::kV1 && v1_->Supports(shape, request.policy, layers);
   Scorer& scorer = use_v1 ? *v1_ : *v0_;
+  LAPROX_RETURN_IF_ERROR(CheckStop(request.stop));
   LAPROX_RETURN_IF_ERROR(
       Track(scorer.Score(context_, prepared, layers, shape, request.policy, raw_.as<float>())));
+  LAPROX_RETURN_IF_ERROR(CheckStop(request.stop));
   const Clock::time_point scored = Clock::now();
 
   absl::StatusOr<KeepPlan> plan;
@@ -241,7 +248,7 @@ absl::StatusOr<KeepPlan> CudaBackend::ComputeKeepPlanImpl(const PreparedModel& m
                          "reading the raw scores back")));
     LAPROX_RETURN_IF_ERROR(
         Track(CudaStatus(cudaStreamSynchronize(context_.stream), "reading the raw scores back")));
-    plan = policy::SelectKeepPlan(shape, request.policy, raw, request.outputs);
+    plan = policy::SelectKeepPlan(shape, request.policy, raw, request.outputs, request.stop);
     LAPROX_RETURN_IF_ERROR(plan.status());
   } else {
     plan = selector_.Select(context_, shape, request.policy, raw_.as<float>(), request.outputs,

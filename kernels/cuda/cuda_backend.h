@@ -45,6 +45,9 @@ class CudaBackend final : public Backend {
 
   BackendKind kind() const override { return BackendKind::kCuda; }
   std::string Describe() const override;
+  // 2^50 work units: the H200-class GPUs this backend targets run ~1e13-1e14 units a second
+  // (work.h); not measured yet (no GPU has run this backend).
+  int64_t DefaultMaxRequestWork() const override { return int64_t{1} << 50; }
   // LAPROX only; the baselines are UNIMPLEMENTED here (use the CPU backend).
   bool Supports(PolicyKind kind) const override { return kind == PolicyKind::kLaprox; }
   std::vector<DeviceDescription> Devices() const override;
@@ -55,7 +58,7 @@ class CudaBackend final : public Backend {
   bool CanRead(MemorySpace) const override { return true; }
   absl::StatusOr<std::shared_ptr<const PreparedModel>> PrepareModelImpl(
       const ModelGeometry& geometry, absl::Span<const TensorView> o_proj,
-      const PrepareOptions& options) override;
+      const PrepareOptions& options, const StopSignal* stop) override;
   absl::StatusOr<KeepPlan> ComputeKeepPlanImpl(const PreparedModel& model,
                                                const KeepPlanRequest& request,
                                                const RequestShape& shape) override;

@@ -21,8 +21,9 @@ namespace {
 // heads of one layer), so PartitionBest's index order is the tie order.
 class Plan {
  public:
-  explicit Plan(const RequestShape& shape)
+  Plan(const RequestShape& shape, const StopSignal* stop)
       : shape_(shape),
+        stop_(stop),
         n_(shape.n),
         heads_(shape.num_kv_heads),
         scores_(int64_t{shape.num_layers} * shape.num_kv_heads * shape.n, 0.0),
@@ -35,8 +36,11 @@ class Plan {
   // `skip` entry is set (skip may be null).
   // A NaN score never enters the pool (it has no place in the strict order PartitionBest needs);
   // the first one is remembered for status().
+  // Once the stop signal says stop, nothing more is marked (stopped() says why).
   void MarkBest(const double* scores, int64_t begin, int64_t end, int64_t k, const uint8_t* skip,
                 uint8_t* mark) {
+    if (stopped_.ok()) stopped_ = CheckStop(stop_);
+    if (!stopped_.ok()) return;
     pool_.clear();
     for (int64_t i = begin; i < end; ++i) {
       if (skip != nullptr && skip[i] != 0) continue;
@@ -51,6 +55,8 @@ class Plan {
 
   // OK unless a ranking score was NaN.
   const absl::Status& status() const { return status_; }
+  // OK unless the stop signal stopped the marking (CANCELLED, DEADLINE_EXCEEDED).
+  const absl::Status& stopped() const { return stopped_; }
 
   // Marks the best k of all positions of the layer's heads (ties to the lower head, then
   // position) in the layer's part of `mark` ([Hkv, n]).
@@ -79,11 +85,13 @@ class Plan {
   }
 
   const RequestShape& shape_;
+  const StopSignal* stop_;
   int64_t n_, heads_;
   std::vector<double> scores_;
   std::vector<uint8_t> kept_;
   std::vector<Ranked<double>> pool_;
   absl::Status status_;
+  absl::Status stopped_;
 };
 
 // kvpress's round(): half to even (the default floating-point rounding mode).
@@ -325,10 +333,10 @@ std::vector<int64_t> CakeLayerBudgets(absl::Span<const double> preferences, int6
 
 absl::StatusOr<KeepPlan> SelectBaselinePlan(const RequestShape& shape, const PolicySpec& policy,
                                             const BaselineStatistics& st,
-                                            const OutputOptions& outputs) {
+                                            const OutputOptions& outputs, const StopSignal* stop) {
   const int64_t L = shape.num_layers, Hkv = shape.num_kv_heads, n = shape.n;
   const int64_t kept = shape.kept_per_head;
-  Plan plan(shape);
+  Plan plan(shape, stop);
   const PlanShape plan_shape = policy.EffectivePlanShape();
   if (IsBlockShape(plan_shape)) {
     // The kinds Validate allows with a block shape: whole blocks by summed SnapKV scores (ADAKV's
@@ -343,6 +351,7 @@ absl::StatusOr<KeepPlan> SelectBaselinePlan(const RequestShape& shape, const Pol
       SnapKvScores(shape, st, plan);
       rule.forced_end = n - shape.window;
     }
+    LAPROX_RETURN_IF_ERROR(CheckStop(stop));
     LAPROX_ASSIGN_OR_RETURN(
         KeepPlan result, SelectBlockPlan<double>(
                              shape, rule, plan.all_scores(),
@@ -418,7 +427,9 @@ absl::StatusOr<KeepPlan> SelectBaselinePlan(const RequestShape& shape, const Pol
       layer_sums = Cake(shape, policy, st, plan);
       break;
   }
+  if (!plan.stopped().ok()) return plan.stopped();
   if (!plan.status().ok()) return plan.status();
+  LAPROX_RETURN_IF_ERROR(CheckStop(stop));
   KeepPlan result = BuildKeepPlan(shape, plan.all_kept(), plan.OutputScores(), outputs);
   result.layer_sums = std::move(layer_sums);
   return result;

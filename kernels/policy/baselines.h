@@ -22,6 +22,7 @@
 #include "laprox/kernels/keep_plan.h"
 #include "laprox/kernels/policy.h"
 #include "laprox/kernels/request_shape.h"
+#include "laprox/kernels/stop.h"
 #include "laprox/kernels/tensor_view.h"
 
 namespace laprox::kernels::policy {
@@ -50,10 +51,12 @@ struct BaselineStatistics {
 // `policy`, policy.kind != LAPROX, statistics sized as above. Ranking scores may be +inf (the
 // sentinels above, products beyond fp64 or a 16-bit dtype); a NaN ranking score would break the
 // strict order of the selection and cannot come from checked inputs, so it is never selected and
-// the result is INTERNAL naming its (layer, KV head, position).
+// the result is INTERNAL naming its (layer, KV head, position). `stop` (may be null) is checked
+// before each head's or layer's selection: its CANCELLED / DEADLINE_EXCEEDED ends the call.
 absl::StatusOr<KeepPlan> SelectBaselinePlan(const RequestShape& shape, const PolicySpec& policy,
                                             const BaselineStatistics& statistics,
-                                            const OutputOptions& outputs);
+                                            const OutputOptions& outputs,
+                                            const StopSignal* stop = nullptr);
 
 // PYRAMIDKV's kept tokens (window included) of each of `layers` layers, for n tokens, the
 // policy window `window` (not clamped to n), budget `budget` = min(B, n) or (1 - cr) * n before

@@ -28,10 +28,16 @@ uint32_t OrderKey(float score) {
 // better candidate and, of those tied with it, the first ones in flat index order. That is the
 // order RankedBefore sorts by (score descending, flat index ascending), with no candidate pool:
 // the extra memory is one histogram, whatever L * Hkv * n.
+//
+// `stop` is checked once per row of every pass; once it says stop, the passes skip their rows
+// (the marks are then meaningless) and stopped() says why.
 class Selector {
  public:
-  Selector(const RequestShape& shape, const std::vector<float>& scores)
-      : shape_(shape), scores_(scores), selected_(scores.size(), 0) {}
+  Selector(const RequestShape& shape, const std::vector<float>& scores, const StopSignal* stop)
+      : shape_(shape), scores_(scores), stop_(stop), selected_(scores.size(), 0) {}
+
+  // OK unless the stop signal stopped a pass.
+  const absl::Status& stopped() const { return stopped_; }
 
   // The kept marks so far, moved out: the selector is spent afterwards.
   std::vector<uint8_t> TakeSelected() { return std::move(selected_); }
@@ -39,7 +45,7 @@ class Selector {
   // Selects the best `k` not-yet-selected candidates of rows [row_begin, row_end), all of them
   // when there are at most k.
   void Take(int64_t row_begin, int64_t row_end, int64_t k) {
-    if (k <= 0) return;
+    if (k <= 0 || !stopped_.ok()) return;
     uint32_t prefix = 0, prefix_mask = 0;
     int64_t needed = k;  // among the candidates whose key starts with `prefix`
     int64_t available = 0;
@@ -49,6 +55,7 @@ class Selector {
       ForEachOpen(row_begin, row_end, [&](int64_t, uint32_t key) {
         if ((key & prefix_mask) == prefix) ++histogram_[(key >> shift) & digit_mask];
       });
+      if (!stopped_.ok()) return;  // a partial histogram: the digit walk below would overrun
       if (prefix_mask == 0) {
         available = std::accumulate(histogram_.begin(), histogram_.end(), int64_t{0});
         if (available <= k) break;
@@ -91,8 +98,10 @@ class Selector {
   // Calls visit(flat index, order key) for every not-yet-selected candidate of rows
   // [row_begin, row_end), in flat index order.
   template <typename Visit>
-  void ForEachOpen(int64_t row_begin, int64_t row_end, Visit visit) const {
+  void ForEachOpen(int64_t row_begin, int64_t row_end, Visit visit) {
     for (int64_t row = row_begin; row < row_end; ++row) {
+      if (stopped_.ok()) stopped_ = CheckStop(stop_);
+      if (!stopped_.ok()) return;
       const int64_t begin = row * shape_.n + shape_.sinks, end = begin + shape_.candidates;
       for (int64_t i = begin; i < end; ++i) {
         if (!selected_[i]) visit(i, OrderKey(scores_[i]));
@@ -102,6 +111,8 @@ class Selector {
 
   const RequestShape& shape_;
   const std::vector<float>& scores_;
+  const StopSignal* stop_;
+  absl::Status stopped_;
   std::vector<uint8_t> selected_;
   std::vector<int64_t> histogram_ = std::vector<int64_t>(2048);
 };
@@ -120,12 +131,14 @@ absl::Status NonFiniteScoreError(const RequestShape& shape, uint64_t flat_index,
 }
 
 absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicySpec& policy,
-                                        absl::Span<const float> raw, const OutputOptions& outputs) {
-  return SelectKeepPlan(shape, policy, std::vector<float>(raw.begin(), raw.end()), outputs);
+                                        absl::Span<const float> raw, const OutputOptions& outputs,
+                                        const StopSignal* stop) {
+  return SelectKeepPlan(shape, policy, std::vector<float>(raw.begin(), raw.end()), outputs, stop);
 }
 
 absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicySpec& policy,
-                                        std::vector<float>&& raw, const OutputOptions& outputs) {
+                                        std::vector<float>&& raw, const OutputOptions& outputs,
+                                        const StopSignal* stop) {
   const int64_t L = shape.num_layers, Hkv = shape.num_kv_heads, n = shape.n;
   const int64_t se = shape.sinks, m = shape.candidates, q = shape.quota;
   const int64_t candidates_end = se + m;
@@ -137,6 +150,7 @@ absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicyS
   for (int64_t l = 0; l < L; ++l) {
     double sum = 0.0;
     for (int64_t g = 0; g < Hkv; ++g) {
+      LAPROX_RETURN_IF_ERROR(CheckStop(stop));
       const float* p = scores.data() + (l * Hkv + g) * n;
       for (int64_t i = se; i < candidates_end; ++i) {
         if (!std::isfinite(p[i])) {
@@ -168,6 +182,7 @@ absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicyS
                             .model_wide = policy.allocation == Allocation::kGlobalNormalized ||
                                           policy.allocation == Allocation::kGlobalRaw};
     std::vector<float> output_scores = outputs.scores ? scores : std::vector<float>();
+    LAPROX_RETURN_IF_ERROR(CheckStop(stop));
     LAPROX_ASSIGN_OR_RETURN(
         KeepPlan plan,
         SelectBlockPlan<float>(shape, rule, scores, std::move(output_scores), outputs));
@@ -175,7 +190,7 @@ absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicyS
     return plan;
   }
 
-  Selector selector(shape, scores);
+  Selector selector(shape, scores, stop);
   const int64_t reserve = std::min<int64_t>(policy.min_per_head, q);
   switch (policy.allocation) {
     case Allocation::kGlobalNormalized:
@@ -203,6 +218,8 @@ absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicyS
     }
   }
 
+  if (!selector.stopped().ok()) return selector.stopped();
+  LAPROX_RETURN_IF_ERROR(CheckStop(stop));
   // Kept: forced tokens (sinks, window) and the selected candidates.
   std::vector<uint8_t> kept = selector.TakeSelected();
   for (int64_t lg = 0; lg < L * Hkv; ++lg) {

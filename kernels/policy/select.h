@@ -15,6 +15,7 @@
 #include "laprox/kernels/keep_plan.h"
 #include "laprox/kernels/policy.h"
 #include "laprox/kernels/request_shape.h"
+#include "laprox/kernels/stop.h"
 
 namespace laprox::kernels::policy {
 
@@ -60,13 +61,17 @@ KeepPlan BuildKeepPlan(const RequestShape& shape, absl::Span<const uint8_t> kept
 // raw scores were computed in parallel. A backend rejects inputs that could make a raw score
 // non-finite (policy/magnitude.h), so a NaN or infinite raw score is a broken invariant: INTERNAL
 // naming the first one in (layer, KV head, position) order, and nothing is selected (a NaN would
-// break the strict order the selection sorts by).
+// break the strict order the selection sorts by). `stop` (may be null) is checked once per
+// (layer, head) row of every pass: once it says stop, the call returns its CANCELLED or
+// DEADLINE_EXCEEDED.
 absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicySpec& policy,
-                                        absl::Span<const float> raw, const OutputOptions& outputs);
+                                        absl::Span<const float> raw, const OutputOptions& outputs,
+                                        const StopSignal* stop = nullptr);
 // The same, normalising `raw` in place: no second [L, Hkv, n] buffer. The selection marks one
 // byte per entry and needs no candidate pool (select.cc, Selector).
 absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicySpec& policy,
-                                        std::vector<float>&& raw, const OutputOptions& outputs);
+                                        std::vector<float>&& raw, const OutputOptions& outputs,
+                                        const StopSignal* stop = nullptr);
 
 // The INTERNAL status for a non-finite score a backend produced: "layers[l], KV head g, position
 // i: the <what> is <score>, not finite: ..." (the device selection reports the same words).

@@ -15,6 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "laprox/kernels/layer_tensors.h"
+#include "laprox/kernels/stop.h"
+#include "laprox/kernels/work.h"
 
 namespace laprox::service {
 namespace {
@@ -44,6 +46,26 @@ int64_t ElementCount(const kernels::Dims& shape) {
     if (d < 0 || __builtin_mul_overflow(count, d, &count)) return -1;
   }
   return count;
+}
+
+int64_t SaturatingAdd(int64_t a, int64_t b) {
+  int64_t sum;
+  return __builtin_add_overflow(a, b, &sum) ? std::numeric_limits<int64_t>::max() : sum;
+}
+
+// The call's deadline on the steady clock the backends read (StopSignal).
+kernels::StopSignal::Clock::time_point SteadyDeadline(absl::Time deadline) {
+  using Clock = kernels::StopSignal::Clock;
+  if (deadline == absl::InfiniteFuture()) return Clock::time_point::max();
+  const absl::Duration left = deadline - absl::Now();
+  if (left > absl::Hours(24 * 365)) return Clock::time_point::max();
+  return Clock::now() + absl::ToChronoNanoseconds(std::max(left, absl::ZeroDuration()));
+}
+
+// "N units (F flops, B bytes read)".
+std::string WorkText(const kernels::WorkEstimate& work) {
+  return absl::StrCat(work.total(), " work units (", work.flops, " flops, ", work.bytes_read,
+                      " bytes read)");
 }
 
 // Whether the call should stop: CANCELLED / DEADLINE_EXCEEDED saying what was not done.
@@ -409,11 +431,40 @@ int64_t LimitOrShare(int64_t limit, int64_t numerator, int64_t denominator) {
   return limit > 0 ? limit : ProcessMemoryLimit() / denominator * numerator;
 }
 
+// `limits` with the work limits derived from the backend where they are 0.
+CoreLimits ResolveLimits(CoreLimits limits, const kernels::Backend& backend) {
+  if (limits.max_request_work <= 0) limits.max_request_work = backend.DefaultMaxRequestWork();
+  if (limits.heavy_request_work <= 0) {
+    limits.heavy_request_work = std::max<int64_t>(limits.max_request_work / 256, 1);
+  }
+  return limits;
+}
+
+// The work of `call` from the shapes it states (its first layer's window tensor, n, policy),
+// before anything is resolved: for scheduling (Core::IsHeavy).
+kernels::WorkEstimate StatedWork(const KeepPlanCall& call, const kernels::ModelGeometry& geometry) {
+  kernels::KeepPlanWorkShape shape = {.n = call.n};
+  if (!call.layers.empty()) {
+    const LayerRefs& first = call.layers[0];
+    shape.attention_given = first.window_queries.source == TensorRef::Source::kAbsent;
+    const TensorRef& window = shape.attention_given ? first.window_attention : first.window_queries;
+    if (window.shape.size() >= 2) shape.window_rows = window.shape[1];
+    shape.window_bytes = static_cast<int64_t>(DTypeSize(window.dtype));
+    shape.key_bytes = static_cast<int64_t>(DTypeSize(first.keys.dtype));
+    shape.value_bytes = static_cast<int64_t>(DTypeSize(first.values.dtype));
+  }
+  // An upper bound of the rows used: the policy's window clamps them further.
+  if (call.policy.kind != kernels::PolicyKind::kStreamingLlm) {
+    shape.window = std::min(shape.window_rows, call.n);
+  }
+  return kernels::KeepPlanWork(geometry, call.policy, shape);
+}
+
 }  // namespace
 
 Core::Core(std::unique_ptr<kernels::Backend> backend, const CoreLimits& limits, CoreOptions options)
     : backend_(std::move(backend)),
-      limits_(limits),
+      limits_(ResolveLimits(limits, *backend_)),
       options_(options),
       regions_(*backend_, RegionRegistry::Limits{.max_regions = limits.max_regions},
                options.first_id),
@@ -424,6 +475,13 @@ Core::Core(std::unique_ptr<kernels::Backend> backend, const CoreLimits& limits, 
       next_model_id_(options.first_id) {}
 
 absl::StatusOr<ModelInfo> Core::RegisterModel(const ModelSpec& spec, const Owner& owner) {
+  CallContext context;
+  context.owner = owner;
+  return RegisterModel(spec, context);
+}
+
+absl::StatusOr<ModelInfo> Core::RegisterModel(const ModelSpec& spec, const CallContext& context) {
+  const Owner& owner = context.owner;
   if (absl::Status s = CheckModelName(spec.name); !s.ok()) return s;
   {
     absl::MutexLock lock(&mu_);
@@ -436,11 +494,22 @@ absl::StatusOr<ModelInfo> Core::RegisterModel(const ModelSpec& spec, const Owner
   auto estimate = backend_->EstimatePrepareMemory(spec.geometry, options);
   if (!estimate.ok()) return estimate.status();
   auto model = std::make_shared<Model>();
-  auto held =
-      model_memory_.Reserve(estimate->output_bytes,
-                            absl::StrCat("the prepared factors of ", spec.geometry.DebugString()));
+  auto held = model_memory_.Reserve(
+      SaturatingAdd(estimate->output_bytes, std::max<int64_t>(spec.bookkeeping_bytes, 0)),
+      absl::StrCat("the prepared factors of ", spec.geometry.DebugString(),
+                   spec.bookkeeping_bytes > 0
+                       ? absl::StrCat(" and ", spec.bookkeeping_bytes, " bytes of its metrics")
+                       : ""));
   if (!held.ok()) return held.status();
   model->memory = *std::move(held);
+  const kernels::WorkEstimate work = kernels::PrepareWork(
+      spec.geometry, spec.cross_grams,
+      spec.o_proj.empty() ? 4 : static_cast<int64_t>(DTypeSize(spec.o_proj[0].dtype)));
+  if (work.total() > limits_.max_request_work) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "preparing ", spec.geometry.DebugString(), " is ", WorkText(work),
+        ", more than this server's limit of ", limits_.max_request_work, " (max_request_work)"));
+  }
   auto scratch = request_memory_.Reserve(estimate->workspace_bytes, "preparing the model");
   if (!scratch.ok()) return scratch.status();
 
@@ -451,7 +520,8 @@ absl::StatusOr<ModelInfo> Core::RegisterModel(const ModelSpec& spec, const Owner
     if (!view.ok()) return view.status();
     o_proj.push_back(*view);
   }
-  auto prepared = backend_->PrepareModel(spec.geometry, o_proj, options);
+  const kernels::StopSignal stop(SteadyDeadline(context.deadline), context.cancelled);
+  auto prepared = backend_->PrepareModel(spec.geometry, o_proj, options, &stop);
   if (!prepared.ok()) return prepared.status();
   if (absl::Status s = resolver.CheckIntact(); !s.ok()) return s;
 
@@ -524,6 +594,17 @@ absl::StatusOr<std::vector<kernels::KeepPlan>> Core::ComputeKeepPlans(
   return Compute(calls, context, /*batch=*/true);
 }
 
+bool Core::IsHeavy(absl::Span<const KeepPlanCall> calls, const Owner& owner) const {
+  if (calls.empty()) return false;
+  auto model = FindModel(calls[0].model_id, owner);
+  if (!model.ok()) return false;
+  int64_t work = 0;
+  for (const KeepPlanCall& call : calls) {
+    work = SaturatingAdd(work, StatedWork(call, (*model)->info.geometry).total());
+  }
+  return work > limits_.heavy_request_work;
+}
+
 absl::StatusOr<std::vector<kernels::KeepPlan>> Core::Compute(absl::Span<const KeepPlanCall> calls,
                                                              const CallContext& context,
                                                              bool batch) {
@@ -550,14 +631,28 @@ absl::StatusOr<std::vector<kernels::KeepPlan>> Core::Compute(absl::Span<const Ke
   }
   // Every plan is held twice at most: by the backend's result and by the response built from it.
   int64_t bytes = 0;
+  kernels::WorkEstimate work;
   for (const Sequence& sequence : sequences) {
     auto estimate = backend_->EstimateKeepPlanMemory(*model->prepared, sequence.request);
     if (!estimate.ok()) return Prefixed(estimate.status(), sequence.prefix);
     for (int64_t term : {estimate->total(), estimate->output_bytes}) {
       if (__builtin_add_overflow(bytes, term, &bytes)) bytes = std::numeric_limits<int64_t>::max();
     }
+    auto sequence_work = backend_->EstimateKeepPlanWork(*model->prepared, sequence.request);
+    if (!sequence_work.ok()) return Prefixed(sequence_work.status(), sequence.prefix);
+    work.flops = SaturatingAdd(work.flops, sequence_work->flops);
+    work.bytes_read = SaturatingAdd(work.bytes_read, sequence_work->bytes_read);
   }
   const kernels::ModelGeometry& geometry = model->info.geometry;
+  if (work.total() > limits_.max_request_work) {
+    // Work is refused like memory: a request that reads a few bytes of a region through zero
+    // strides as a million tokens is charged for every element it makes the server read.
+    return absl::ResourceExhaustedError(absl::StrCat(
+        batch ? absl::StrCat("this batch (", calls.size(), " sequences)") : "this request", " is ",
+        WorkText(work), " on ", geometry.num_layers, " layers x ", geometry.num_heads,
+        " heads, more than this server's limit of ", limits_.max_request_work,
+        " (max_request_work); send fewer tokens, a shorter window or smaller batches"));
+  }
   auto memory = request_memory_.Reserve(
       bytes,
       batch ? absl::StrCat("this batch's workspace and plans (", calls.size(), " sequences, ",
@@ -565,12 +660,16 @@ absl::StatusOr<std::vector<kernels::KeepPlan>> Core::Compute(absl::Span<const Ke
             : absl::StrCat("this request's workspace and plan (n = ", calls[0].n, ", ",
                            geometry.num_layers, " layers x ", geometry.num_kv_heads, " KV heads)"));
   if (!memory.ok()) return memory.status();
+  // The backend stops at its next check once the call's deadline passes or it is cancelled.
+  const kernels::StopSignal stop(SteadyDeadline(context.deadline), context.cancelled);
+  if (absl::Status s = stop.Check("nothing was computed"); !s.ok()) return s;
   std::vector<kernels::KeepPlan> plans;
   if (batch) {
     std::vector<kernels::KeepPlanRequest> requests;
     requests.reserve(sequences.size());
     for (Sequence& sequence : sequences) {
       sequence.request.checks_started = started;
+      sequence.request.stop = &stop;
       requests.push_back(std::move(sequence.request));
     }
     auto computed = backend_->ComputeKeepPlans(*model->prepared, requests);
@@ -578,6 +677,7 @@ absl::StatusOr<std::vector<kernels::KeepPlan>> Core::Compute(absl::Span<const Ke
     plans = *std::move(computed);
   } else {
     sequences[0].request.checks_started = started;
+    sequences[0].request.stop = &stop;
     auto plan = backend_->ComputeKeepPlan(*model->prepared, sequences[0].request);
     if (!plan.ok()) return plan.status();
     plans.push_back(*std::move(plan));

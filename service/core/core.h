@@ -79,6 +79,10 @@ struct ModelSpec {
   kernels::ModelGeometry geometry;
   std::vector<TensorRef> o_proj;  // one [D, H*d] per layer
   bool cross_grams = false;
+  // Bytes the caller keeps for this model beside its prepared factors for as long as it is
+  // registered (the gRPC layer: its metrics series), reserved with them against the model
+  // memory budget.
+  int64_t bookkeeping_bytes = 0;
 };
 
 // Where to write outputs in a writable region the client registered, as byte offsets; an
@@ -108,10 +112,19 @@ struct CoreLimits {
   // Bytes the registered models' prepared factors may hold together; 0: a quarter of
   // ProcessMemoryLimit().
   int64_t max_model_memory = 0;
+  // Work units (kernels/work.h: flops plus bytes read) one call may do: a keep-plan call (a
+  // batch's sequences together) or a model's preparation; 0: the backend's
+  // DefaultMaxRequestWork().
+  int64_t max_request_work = 0;
+  // Keep-plan calls of more work than this are heavy (Core::IsHeavy: the service computes them
+  // on workers of their own); 0: max_request_work / 256.
+  int64_t heavy_request_work = 0;
 };
 
 // The call a request arrives with: its deadline and cancellation, checked before the compute
-// starts and again just before any output is written into a client region.
+// starts, by the backend while it computes (kernels::StopSignal: per chunk of keys or values,
+// per window row, per (layer, KV head), per selection row), and again just before any output is
+// written into a client region.
 struct CallContext {
   absl::Time deadline = absl::InfiniteFuture();
   std::function<bool()> cancelled;  // may be empty: never cancelled
@@ -148,6 +161,7 @@ class Core {
        CoreOptions options = {});
 
   const kernels::Backend& backend() const { return *backend_; }
+  // The limits as configured, with every 0 ("derived") resolved.
   const CoreLimits& limits() const { return limits_; }
   // The regions clients registered: shared memory, and CUDA IPC allocations opened through the
   // backend (read in place as device memory by requests).
@@ -159,9 +173,12 @@ class Core {
   // INVALID_ARGUMENT for a bad name or geometry; INVALID_ARGUMENT / NOT_FOUND / OUT_OF_RANGE for
   // bad references (naming "o_proj[l]"); RESOURCE_EXHAUSTED past max_models or when the
   // prepared factors do not fit the model memory budget (or their preparation the request
-  // memory budget); FAILED_PRECONDITION when a region read is shrunk by its client; and
-  // whatever Backend::PrepareModel returns. The model belongs to `owner`, and the o_proj regions
+  // memory budget, or the preparation's work (kernels::PrepareWork) exceeds max_request_work);
+  // FAILED_PRECONDITION when a region read is shrunk by its client; CANCELLED /
+  // DEADLINE_EXCEEDED when the call stops during the preparation; and whatever
+  // Backend::PrepareModel returns. The model belongs to context.owner, and the o_proj regions
   // must be visible to it.
+  absl::StatusOr<ModelInfo> RegisterModel(const ModelSpec& spec, const CallContext& context);
   absl::StatusOr<ModelInfo> RegisterModel(const ModelSpec& spec,
                                           const Owner& owner = Owner::Laproxd());
   // INVALID_ARGUMENT for id 0, NOT_FOUND for an unknown id or another owner's model (shared
@@ -183,7 +200,9 @@ class Core {
   // unknown model or region, or one context.owner may not see; OUT_OF_RANGE: n above max_tokens;
   // reference errors name the field
   // ("layers[3].keys"); RESOURCE_EXHAUSTED: the request's workspace and plan do not fit the
-  // request memory budget now; then whatever Backend::ComputeKeepPlan returns.
+  // request memory budget now, or its work (kernels/work.h) exceeds max_request_work; CANCELLED
+  // / DEADLINE_EXCEEDED when the call stops before or while it computes (the computation stops
+  // at the backend's next check); then whatever Backend::ComputeKeepPlan returns.
   //
   // Outputs: every destination area is checked before the first byte is written — inside the
   // region (OUT_OF_RANGE), aligned (INVALID_ARGUMENT), not overlapping another area or any input
@@ -206,6 +225,12 @@ class Core {
   // INVALID_ARGUMENT for an empty batch or more than max_batch_sequences.
   absl::StatusOr<std::vector<kernels::KeepPlan>> ComputeKeepPlans(
       absl::Span<const KeepPlanCall> calls, const CallContext& context = {});
+
+  // Whether keep-plan `calls` (one call, or a batch) are heavy: their estimated work, from the
+  // shapes the calls state before anything is resolved or checked, exceeds
+  // limits().heavy_request_work. For scheduling only: ComputeKeepPlan(s) checks the real work
+  // against max_request_work. An unknown model or malformed call is not heavy (it fails fast).
+  bool IsHeavy(absl::Span<const KeepPlanCall> calls, const Owner& owner) const;
 
  private:
   struct Model {

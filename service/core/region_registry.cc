@@ -191,12 +191,14 @@ absl::StatusOr<uint64_t> RegionRegistry::RegisterShm(const ShmRegionSpec& spec,
   const int flags = (spec.writable ? O_RDWR : O_RDONLY) | O_NONBLOCK | O_NOFOLLOW | O_NOCTTY;
   const int fd = shm_open(path.c_str(), flags, 0);
   if (fd < 0) {
-    int error = errno;
-    // glibc's shm_open reports a directory as EINVAL (there is no EISDIR for shm names).
-    if (struct stat st{}; error == EINVAL &&
+    const int error = errno;
+    // What is there when it is not a regular file: glibc's shm_open reports a directory as
+    // EINVAL, and open(2) a Unix socket as ENXIO; say what the name is instead.
+    if (struct stat st{}; error != ENOENT && error != ELOOP &&
                           lstat(absl::StrCat("/dev/shm", path).c_str(), &st) == 0 &&
-                          S_ISDIR(st.st_mode)) {
-      error = EISDIR;
+                          !S_ISREG(st.st_mode) && !S_ISLNK(st.st_mode)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shm.name \"", name, "\" is ", FileKind(st.st_mode), ", not a shared-memory object"));
     }
     return ErrnoStatus(error, absl::StrCat("shm.name \"", name, "\""));
   }

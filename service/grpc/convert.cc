@@ -152,6 +152,7 @@ void RegionInfoToProto(const RegionInfo& info, v1::RegionInfo* proto) {
   proto->set_writable(info.writable);
   proto->set_in_flight_requests(info.in_use);
   proto->set_draining(info.draining);
+  proto->set_shrunk(info.shrunk);
 }
 
 void DeviceToProto(const kernels::DeviceDescription& device, v1::DeviceInfo* proto) {

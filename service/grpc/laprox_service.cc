@@ -50,8 +50,9 @@ void SetServiceTiming(const StageSeconds& stages, double total_seconds, v1::Timi
 
 // Runs a handler's body; an exception (std::bad_alloc from a container when the host is short
 // of memory despite the budgets) becomes a status instead of std::terminate.
+// `fn` returns absl::Status or absl::StatusOr<T>.
 template <typename Fn>
-absl::Status Guarded(Fn&& fn) {
+auto Guarded(Fn&& fn) -> decltype(fn()) {
   try {
     return fn();
   } catch (const std::bad_alloc&) {
@@ -119,6 +120,11 @@ grpc::ServerUnaryReactor* LaproxService::Offload(WorkQueue& queue,
       });
   if (!queued.ok()) return Reply(reactor, *shared_call, queued);
   return reactor;
+}
+
+WorkQueue& LaproxService::ComputeQueue(absl::Span<const KeepPlanCall> calls, const Owner& owner) {
+  if (options_.heavy == nullptr || !core_.IsHeavy(calls, owner)) return work_;
+  return *options_.heavy;
 }
 
 void LaproxService::ModelsChanged() {
@@ -277,23 +283,28 @@ grpc::ServerUnaryReactor* LaproxService::RegisterModel(grpc::CallbackServerConte
   Call call(options_.metrics, Method::kRegisterModel);
   absl::StatusOr<Owner> owner = Identify(*context);
   if (!owner.ok()) return Reply(context->DefaultReactor(), call, owner.status());
-  return Offload(admin_, context, std::move(call),
-                 [this, owner = *std::move(owner), request, response](Call&) -> absl::Status {
-                   auto spec = ModelSpecFromProto(*request);
-                   if (!spec.ok()) return spec.status();
-                   auto model = core_.RegisterModel(*spec, owner);
-                   if (!model.ok()) return model.status();
-                   if (options_.metrics != nullptr) {
-                     options_.metrics->AddModel(model->id, model->name, model->geometry);
-                   }
-                   if (options_.leases != nullptr) {
-                     options_.leases->Add(owner, LeaseTable::Kind::kModel, model->id);
-                   }
-                   ModelsChanged();
-                   response->set_model_id(model->id);
-                   response->set_prepared_bytes(model->prepared_bytes);
-                   return absl::OkStatus();
-                 });
+  return Offload(
+      admin_, context, std::move(call),
+      [this, context, owner = *std::move(owner), request, response](Call&) -> absl::Status {
+        auto spec = ModelSpecFromProto(*request);
+        if (!spec.ok()) return spec.status();
+        CallContext call_context;
+        call_context.deadline = Deadline(context);
+        call_context.cancelled = [context] { return context->IsCancelled(); };
+        call_context.owner = owner;
+        auto model = core_.RegisterModel(*spec, call_context);
+        if (!model.ok()) return model.status();
+        if (options_.metrics != nullptr) {
+          options_.metrics->AddModel(model->id, model->name, model->geometry);
+        }
+        if (options_.leases != nullptr) {
+          options_.leases->Add(owner, LeaseTable::Kind::kModel, model->id);
+        }
+        ModelsChanged();
+        response->set_model_id(model->id);
+        response->set_prepared_bytes(model->prepared_bytes);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* LaproxService::UnregisterModel(grpc::CallbackServerContext* context,
@@ -331,12 +342,16 @@ grpc::ServerUnaryReactor* LaproxService::ComputeKeepMask(grpc::CallbackServerCon
   Call received(options_.metrics, Method::kComputeKeepMask);
   absl::StatusOr<Owner> owner = Identify(*context);
   if (!owner.ok()) return Reply(context->DefaultReactor(), received, owner.status());
+  // Converted here (views of the request, no copies) to choose the queue by its work.
+  auto converted =
+      Guarded([&]() -> absl::StatusOr<KeepPlanCall> { return KeepPlanCallFromProto(*request); });
+  if (!converted.ok()) return Reply(context->DefaultReactor(), received, converted.status());
+  WorkQueue& queue = ComputeQueue(absl::MakeConstSpan(&*converted, 1), *owner);
   return Offload(
-      work_, context, std::move(received),
-      [this, context, owner = *std::move(owner), request, response](Call& rpc) -> absl::Status {
+      queue, context, std::move(received),
+      [this, context, owner = *std::move(owner), request, response,
+       call = std::make_shared<KeepPlanCall>(*std::move(converted))](Call& rpc) -> absl::Status {
         const Clock::time_point started = Clock::now();
-        auto call = KeepPlanCallFromProto(*request);
-        if (!call.ok()) return call.status();
         MemoryBudget::Reservation memory;  // covers the response built below
         auto plan =
             core_.ComputeKeepPlan(*call, {.deadline = Deadline(context),
@@ -365,50 +380,59 @@ grpc::ServerUnaryReactor* LaproxService::ComputeKeepPlans(
   Call received(options_.metrics, Method::kComputeKeepPlans);
   absl::StatusOr<Owner> owner = Identify(*context);
   if (!owner.ok()) return Reply(context->DefaultReactor(), received, owner.status());
-  return Offload(
-      work_, context, std::move(received),
-      [this, context, owner = *std::move(owner), request, response](Call& rpc) -> absl::Status {
-        const Clock::time_point started = Clock::now();
-        std::vector<KeepPlanCall> calls;
-        calls.reserve(request->sequences_size());
-        for (int i = 0; i < request->sequences_size(); ++i) {
-          auto call = KeepPlanCallFromProto(request->sequences(i));
-          if (!call.ok()) {
-            return absl::Status(call.status().code(),
-                                absl::StrCat("sequences[", i, "].", call.status().message()));
-          }
-          calls.push_back(*std::move(call));
-        }
-        MemoryBudget::Reservation memory;  // covers the responses built below
-        auto plans = core_.ComputeKeepPlans(
-            calls, {.deadline = Deadline(context),
-                    .cancelled = [context] { return context->IsCancelled(); },
-                    .hold_memory = &memory,
-                    .owner = owner,
-                    .started = started});
-        if (!plans.ok()) return plans.status();
-        const Clock::time_point computed = Clock::now();
-        for (size_t i = 0; i < plans->size(); ++i) {
-          v1::KeepPlanToProto((*plans)[i], calls[i].policy, response->add_plans());
-        }
-        if (absl::Status s = CheckResponseSize(*response); !s.ok()) return s;
-        const Clock::time_point done = Clock::now();
-        // The batch's sequences were scored and selected together: every plan has its stages.
-        const StageSeconds stages =
-            Stages(rpc.received(), started, plans->front().timing, computed, done);
-        for (v1::ComputeKeepMaskResponse& plan : *response->mutable_plans()) {
-          SetServiceTiming(stages, SecondsBetween(rpc.received(), done), plan.mutable_timing());
-        }
-        *response->mutable_timing() = response->plans(0).timing();
-        if (options_.metrics != nullptr) {
-          options_.metrics->RecordStages(stages);
-          for (size_t i = 0; i < plans->size(); ++i) {
-            options_.metrics->RecordPlan(request->sequences(static_cast<int>(i)).model_id(),
-                                         (*plans)[i]);
-          }
-        }
-        return absl::OkStatus();
-      });
+  // Converted here (views of the request, no copies) to choose the queue by its work.
+  auto converted = std::make_shared<std::vector<KeepPlanCall>>();
+  absl::Status conversion = Guarded([&]() -> absl::Status {
+    converted->reserve(request->sequences_size());
+    for (int i = 0; i < request->sequences_size(); ++i) {
+      auto call = KeepPlanCallFromProto(request->sequences(i));
+      if (!call.ok()) {
+        return absl::Status(call.status().code(),
+                            absl::StrCat("sequences[", i, "].", call.status().message()));
+      }
+      converted->push_back(*std::move(call));
+    }
+    return absl::OkStatus();
+  });
+  if (!conversion.ok()) return Reply(context->DefaultReactor(), received, conversion);
+  WorkQueue& queue = ComputeQueue(*converted, *owner);
+  return Offload(queue, context, std::move(received),
+                 [this, context, owner = *std::move(owner), request, response,
+                  converted](Call& rpc) -> absl::Status {
+                   const Clock::time_point started = Clock::now();
+                   const std::vector<KeepPlanCall>& calls = *converted;
+                   MemoryBudget::Reservation memory;  // covers the responses built below
+                   auto plans = core_.ComputeKeepPlans(
+                       calls, {.deadline = Deadline(context),
+                               .cancelled = [context] { return context->IsCancelled(); },
+                               .hold_memory = &memory,
+                               .owner = owner,
+                               .started = started});
+                   if (!plans.ok()) return plans.status();
+                   const Clock::time_point computed = Clock::now();
+                   for (size_t i = 0; i < plans->size(); ++i) {
+                     v1::KeepPlanToProto((*plans)[i], calls[i].policy, response->add_plans());
+                   }
+                   if (absl::Status s = CheckResponseSize(*response); !s.ok()) return s;
+                   const Clock::time_point done = Clock::now();
+                   // The batch's sequences were scored and selected together: every plan has its
+                   // stages.
+                   const StageSeconds stages =
+                       Stages(rpc.received(), started, plans->front().timing, computed, done);
+                   for (v1::ComputeKeepMaskResponse& plan : *response->mutable_plans()) {
+                     SetServiceTiming(stages, SecondsBetween(rpc.received(), done),
+                                      plan.mutable_timing());
+                   }
+                   *response->mutable_timing() = response->plans(0).timing();
+                   if (options_.metrics != nullptr) {
+                     options_.metrics->RecordStages(stages);
+                     for (size_t i = 0; i < plans->size(); ++i) {
+                       options_.metrics->RecordPlan(
+                           request->sequences(static_cast<int>(i)).model_id(), (*plans)[i]);
+                     }
+                   }
+                   return absl::OkStatus();
+                 });
 }
 
 void LaproxService::ReclaimLapsed(const LeaseTable::Connected& connected) {

@@ -1,7 +1,9 @@
 // LaproxService: the laprox.v1.Laprox gRPC service on the callback API. It only translates:
 // proto -> domain types, one Core call, domain result -> proto, absl::Status -> grpc::Status.
 // Blocking work runs on WorkQueues, never on gRPC's callback threads: keep-plans on the compute
-// queue (`work`, whose backlog bound answers RESOURCE_EXHAUSTED), and the control plane on
+// queue (`work`, whose backlog bound answers RESOURCE_EXHAUSTED) or, when Core::IsHeavy says
+// they are heavy, on a queue of their own (ServiceOptions::heavy), so that small plans never
+// wait behind long ones; the control plane on
 // queues of its own, so that registering and unregistering answer while every compute worker
 // is busy and the backlog is full: region opens on one, model preparation and region draining
 // (which waits for the plans using the region) on another. No exception leaves a call: an
@@ -45,6 +47,9 @@ struct ServiceOptions {
   // When set, every region and model a local client registers is recorded here, and
   // ReclaimLapsed() unregisters those of clients that are gone. Must outlive the service.
   LeaseTable* leases = nullptr;
+  // When set, keep-plan calls that Core::IsHeavy finds heavy run here instead of on `work`
+  // (their own workers and backlog). Must outlive the service.
+  WorkQueue* heavy = nullptr;
 };
 
 class LaproxService final : public v1::Laprox::CallbackService {
@@ -97,6 +102,8 @@ class LaproxService final : public v1::Laprox::CallbackService {
   // Finishes the call (its context's DefaultReactor, obtained once) with `status`.
   static grpc::ServerUnaryReactor* Reply(grpc::ServerUnaryReactor* reactor, Call& call,
                                          const absl::Status& status);
+  // The queue a keep-plan call of `calls` runs on: options_.heavy for heavy calls, else work_.
+  WorkQueue& ComputeQueue(absl::Span<const KeepPlanCall> calls, const Owner& owner);
   // Runs `job` (returning absl::Status) on `queue` and finishes the call with its status.
   template <typename Job>
   grpc::ServerUnaryReactor* Offload(WorkQueue& queue, grpc::CallbackServerContext* context,

@@ -94,25 +94,40 @@ absl::StatusOr<SocketClaim> SocketClaim::Acquire(const std::string& path) {
   }
 
   const std::string lock_path = path + ".lock";
-  const int fd = open(lock_path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
-  if (fd < 0) return Failed("cannot open the lock file", lock_path, errno);
-  SocketClaim claim(path, fd);  // closes fd on every return below
-  if (fstat(fd, &st) != 0) return Failed("cannot stat", lock_path, errno);
-  if (!S_ISREG(st.st_mode)) {
-    return absl::FailedPreconditionError(absl::StrCat(lock_path, " is not a regular file"));
+  // The holder removes the lock file when it exits. A lock taken on a file that was removed
+  // (or replaced) between our open and our flock guards nothing: then start again.
+  SocketClaim claim(path, -1);  // closes the lock file on every return below
+  for (int attempt = 0;; ++attempt) {
+    const int fd = open(lock_path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0) return Failed("cannot open the lock file", lock_path, errno);
+    claim.lock_fd_ = fd;
+    if (fstat(fd, &st) != 0) return Failed("cannot stat", lock_path, errno);
+    if (!S_ISREG(st.st_mode)) {
+      return absl::FailedPreconditionError(absl::StrCat(lock_path, " is not a regular file"));
+    }
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      if (errno != EWOULDBLOCK) return Failed("cannot lock", lock_path, errno);
+      char text[32] = {};
+      const ssize_t got = pread(fd, text, sizeof(text) - 1, 0);
+      int64_t pid = 0;
+      const bool known = got > 0 && absl::SimpleAtoi(absl::StripAsciiWhitespace(text), &pid);
+      return absl::FailedPreconditionError(
+          absl::StrCat("another laproxd", known ? absl::StrCat(" (pid ", pid, ")") : "", " serves ",
+                       path, " (it holds ", lock_path, "); stop it or give another --socket"));
+    }
+    struct stat now {};
+    if (lstat(lock_path.c_str(), &now) == 0 && now.st_dev == st.st_dev && now.st_ino == st.st_ino) {
+      break;
+    }
+    close(std::exchange(claim.lock_fd_, -1));
+    if (attempt == 16) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(lock_path, " keeps being removed or replaced while laproxd locks it"));
+    }
   }
-  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    if (errno != EWOULDBLOCK) return Failed("cannot lock", lock_path, errno);
-    char text[32] = {};
-    const ssize_t got = pread(fd, text, sizeof(text) - 1, 0);
-    int64_t pid = 0;
-    const bool known = got > 0 && absl::SimpleAtoi(absl::StripAsciiWhitespace(text), &pid);
-    return absl::FailedPreconditionError(
-        absl::StrCat("another laproxd", known ? absl::StrCat(" (pid ", pid, ")") : "", " serves ",
-                     path, " (it holds ", lock_path, "); stop it or give another --socket"));
-  }
+  claim.lock_path_ = lock_path;
   const std::string pid = absl::StrCat(getpid(), "\n");
-  if (ftruncate(fd, 0) != 0 || pwrite(fd, pid.data(), pid.size(), 0) < 0) {
+  if (ftruncate(claim.lock_fd_, 0) != 0 || pwrite(claim.lock_fd_, pid.data(), pid.size(), 0) < 0) {
     return Failed("cannot write the pid into", lock_path, errno);
   }
 
@@ -140,6 +155,7 @@ absl::StatusOr<SocketClaim> SocketClaim::Acquire(const std::string& path) {
 
 SocketClaim::SocketClaim(SocketClaim&& other) noexcept
     : path_(std::move(other.path_)),
+      lock_path_(std::exchange(other.lock_path_, std::string())),
       lock_fd_(std::exchange(other.lock_fd_, -1)),
       device_(other.device_),
       inode_(std::exchange(other.inode_, 0)) {}
@@ -147,6 +163,7 @@ SocketClaim::SocketClaim(SocketClaim&& other) noexcept
 SocketClaim& SocketClaim::operator=(SocketClaim&& other) noexcept {
   // other's destructor releases what this held
   std::swap(path_, other.path_);
+  std::swap(lock_path_, other.lock_path_);
   std::swap(lock_fd_, other.lock_fd_);
   std::swap(device_, other.device_);
   std::swap(inode_, other.inode_);
@@ -154,12 +171,20 @@ SocketClaim& SocketClaim::operator=(SocketClaim&& other) noexcept {
 }
 
 SocketClaim::~SocketClaim() {
+  RemoveFiles();
+  if (lock_fd_ >= 0) close(lock_fd_);  // releases the lock
+}
+
+void SocketClaim::RemoveFiles() {
   struct stat st {};
   if (inode_ != 0 && lstat(path_.c_str(), &st) == 0 && S_ISSOCK(st.st_mode) &&
       st.st_dev == device_ && st.st_ino == inode_) {
     unlink(path_.c_str());
   }
-  if (lock_fd_ >= 0) close(lock_fd_);  // releases the lock; the file stays (no unlink race)
+  inode_ = 0;
+  // Still locked: whoever opened the file meanwhile finds it gone after its flock (Acquire).
+  if (lock_fd_ >= 0 && !lock_path_.empty()) unlink(lock_path_.c_str());
+  lock_path_.clear();
 }
 
 void SocketClaim::Bound() {

@@ -24,7 +24,8 @@ namespace laprox::service {
 absl::StatusOr<std::string> DefaultSocketPath();
 
 // An exclusive claim on a socket path: the lock file PATH.lock (flock, held while the object
-// lives) and, when Acquire returns, nothing at PATH. Move-only.
+// lives; removed with the socket when the claim ends) and, when Acquire returns, nothing at
+// PATH. Move-only.
 class SocketClaim {
  public:
   // Creates PATH's directory with mode 0750 when it is missing (its parent must exist), takes
@@ -38,8 +39,12 @@ class SocketClaim {
   SocketClaim& operator=(SocketClaim&& other) noexcept;
   SocketClaim(const SocketClaim&) = delete;
   SocketClaim& operator=(const SocketClaim&) = delete;
-  // Removes PATH if it is still the socket created under this claim, then the lock.
+  // RemoveFiles(), then releases the lock.
   ~SocketClaim();
+  // Removes PATH if it is still the socket created under this claim, and the lock file (still
+  // locked, so that a laproxd starting meanwhile sees it go and takes a new one). Idempotent;
+  // not thread-safe against another call on the same claim.
+  void RemoveFiles();
 
   const std::string& path() const { return path_; }
   // Remembers the socket now at PATH (after bind) so that the destructor removes only it.
@@ -49,6 +54,7 @@ class SocketClaim {
   SocketClaim(std::string path, int lock_fd) : path_(std::move(path)), lock_fd_(lock_fd) {}
 
   std::string path_;
+  std::string lock_path_;  // set once the lock is held: removed by RemoveFiles
   int lock_fd_ = -1;
   dev_t device_ = 0;
   ino_t inode_ = 0;

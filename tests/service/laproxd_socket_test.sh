@@ -4,8 +4,8 @@
 # the first, which keeps serving; a regular file, a directory or a symlink at the path is left
 # alone and start-up fails naming it; a stale socket (nobody listening) is replaced; a foreign
 # server's live socket is not taken over; --socket_mode is applied and a bad one refused;
-# SIGTERM removes the socket and exits 0; without --socket a non-root laproxd listens under
-# $XDG_RUNTIME_DIR/laprox/ (run as uid 65534 when this test runs as root).
+# SIGTERM removes the socket and its lock file and exits 0; without --socket a non-root laproxd
+# listens under $XDG_RUNTIME_DIR/laprox/ (run as uid 65534 when this test runs as root).
 #
 #   laproxd_socket_test.sh PATH/TO/laproxd PATH/TO/laprox-cli
 set -euo pipefail
@@ -58,12 +58,13 @@ refused "another laproxd (pid $first) serves $socket" --socket="$socket"
 "$cli" info --target="unix:$socket" | grep -q "laproxd" || fail "the first stopped serving"
 [[ -S "$socket" ]] || fail "the socket is gone"
 
-# 3. SIGTERM: exit 0, the socket removed (the lock file stays, unlocked).
+# 3. SIGTERM: exit 0, the socket and its lock file removed.
 kill -TERM "$first"
 rc=0
 wait "$first" || rc=$?
 [[ $rc -eq 0 ]] || { cat "$dir/first.log"; fail "SIGTERM exit $rc"; }
 [[ ! -e "$socket" ]] || fail "the socket was not removed at exit"
+[[ ! -e "$socket.lock" ]] || fail "the lock file was not removed at exit"
 start "$dir/again.log" --socket="$socket"  # the path is free again
 kill -TERM "$pid"
 wait "$pid" || fail "second start did not stop cleanly"

@@ -374,6 +374,7 @@ class FakeDeviceBackend final : public kernels::Backend {
 
   kernels::BackendKind kind() const override { return kernels::BackendKind::kCuda; }
   std::string Describe() const override { return "fake device backend"; }
+  int64_t DefaultMaxRequestWork() const override { return int64_t{1} << 40; }
   bool Supports(kernels::PolicyKind) const override { return false; }
   int open() const { return open_; }
   int imports() const { return imports_; }
@@ -382,7 +383,7 @@ class FakeDeviceBackend final : public kernels::Backend {
   bool CanRead(kernels::MemorySpace) const override { return true; }
   absl::StatusOr<std::shared_ptr<const kernels::PreparedModel>> PrepareModelImpl(
       const kernels::ModelGeometry&, absl::Span<const kernels::TensorView>,
-      const kernels::PrepareOptions&) override {
+      const kernels::PrepareOptions&, const kernels::StopSignal*) override {
     return absl::UnimplementedError("fake");
   }
   absl::StatusOr<kernels::KeepPlan> ComputeKeepPlanImpl(const kernels::PreparedModel&,

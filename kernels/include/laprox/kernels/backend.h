@@ -32,7 +32,9 @@
 #include "laprox/kernels/keep_plan.h"
 #include "laprox/kernels/policy.h"
 #include "laprox/kernels/request_shape.h"
+#include "laprox/kernels/stop.h"
 #include "laprox/kernels/tensor_view.h"
+#include "laprox/kernels/work.h"
 
 namespace laprox::kernels {
 
@@ -92,6 +94,11 @@ struct KeepPlanRequest {
   // plan's timing.validate_seconds runs from here to the end of the backend's own checks, so
   // it is measured once, here, for every layer above; unset: from ComputeKeepPlan's entry.
   std::optional<std::chrono::steady_clock::time_point> checks_started;
+  // When set, the computation stops at its next check once `stop` says so (stop.h: per chunk
+  // of keys or values, per window row, per (layer, KV head), per sequence, per selection row)
+  // and the call returns the signal's CANCELLED or DEADLINE_EXCEEDED, nothing else. Not owned;
+  // must outlive the call. A batch's requests may share one signal.
+  const StopSignal* stop = nullptr;
 
   static constexpr int64_t kMaxTokens = (int64_t{1} << 30);
 };
@@ -124,10 +131,11 @@ class Backend {
   // INVALID_ARGUMENT: bad geometry, wrong layer count, shape or non-finite weights (naming the
   // layer), or finite weights so large that the factors could overflow fp32 ("o_proj[l]: ...",
   // tests/reference/SEMANTICS.md, "Finite inputs too large to score"); UNIMPLEMENTED: a memory
-  // space this backend cannot read; RESOURCE_EXHAUSTED: no memory.
+  // space this backend cannot read; RESOURCE_EXHAUSTED: no memory; CANCELLED /
+  // DEADLINE_EXCEEDED once `stop` (may be null; checked per layer) says stop.
   absl::StatusOr<std::shared_ptr<const PreparedModel>> PrepareModel(
       const ModelGeometry& geometry, absl::Span<const TensorView> o_proj,
-      const PrepareOptions& options = {});
+      const PrepareOptions& options = {}, const StopSignal* stop = nullptr);
 
   // Computes the keep-plan of one sequence. Blocks until the plan is complete; reads the input
   // views only during the call. Deterministic: the same inputs give the same plan, whatever the
@@ -163,6 +171,15 @@ class Backend {
   absl::StatusOr<MemoryEstimate> EstimatePrepareMemory(const ModelGeometry& geometry,
                                                        const PrepareOptions& options = {}) const;
 
+  // The work of ComputeKeepPlan(model, request) (work.h: flops and bytes read, from shapes),
+  // after the same checks it runs before reading data, with the same errors.
+  absl::StatusOr<WorkEstimate> EstimateKeepPlanWork(const PreparedModel& model,
+                                                    const KeepPlanRequest& request) const;
+  // The largest work a server should let one request of this backend do when its operator
+  // sets no limit: about half a minute of this backend on a small machine (the CPU backend on
+  // 2 cores, a GPU for the CUDA backend; work.h).
+  virtual int64_t DefaultMaxRequestWork() const = 0;
+
   // Opens a CUDA IPC allocation of another process on this backend's device, once; the region
   // stays open until the returned object is destroyed. INVALID_ARGUMENT: handle not exactly
   // 64 bytes, malformed UUID, negative offset or byte_size <= 0 (checked here, before the
@@ -194,7 +211,7 @@ class Backend {
   // Preconditions: geometry valid, o_proj.size() == L, each [D, H*d] in a readable space.
   virtual absl::StatusOr<std::shared_ptr<const PreparedModel>> PrepareModelImpl(
       const ModelGeometry& geometry, absl::Span<const TensorView> o_proj,
-      const PrepareOptions& options) = 0;
+      const PrepareOptions& options, const StopSignal* stop) = 0;
   // Preconditions: everything ComputeKeepPlan checks before it reads data (shapes, strides,
   // dtypes, readable spaces, options, the model's preparation); `shape` derived from `request`.
   virtual absl::StatusOr<KeepPlan> ComputeKeepPlanImpl(const PreparedModel& model,
