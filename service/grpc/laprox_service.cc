@@ -156,6 +156,8 @@ absl::Status LaproxService::FillServerInfo(v1::GetServerInfoResponse* response) 
   limits->set_max_models(static_cast<int32_t>(core_.limits().max_models));
   limits->set_max_tokens(core_.limits().max_tokens);
   limits->set_max_batch_sequences(static_cast<int32_t>(core_.limits().max_batch_sequences));
+  limits->set_max_request_work(core_.limits().max_request_work);
+  limits->set_heavy_request_work(core_.limits().heavy_request_work);
   limits->set_max_request_memory_bytes(core_.request_memory().limit());
   limits->set_max_model_memory_bytes(core_.model_memory().limit());
   limits->set_max_request_bytes(options_.max_request_bytes);

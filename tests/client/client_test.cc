@@ -61,6 +61,8 @@ TEST_F(ClientTest, ServerInfo) {
   EXPECT_EQ(info->version, "client-test");
   EXPECT_EQ(info->backend, "cpu");
   EXPECT_GT(info->max_tokens, 0);
+  EXPECT_EQ(info->max_request_work, int64_t{1} << 42);  // the CPU backend's default
+  EXPECT_EQ(info->heavy_request_work, int64_t{1} << 34);
   EXPECT_EQ(info->supported_policies.size(), 8u);
 }
 

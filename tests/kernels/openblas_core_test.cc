@@ -34,32 +34,44 @@ TEST(OpenBlasCoreFor, KernelsAsWideAsTheCpuStay) {
   EXPECT_EQ(OpenBlasCoreFor("Nehalem", false, false), "");
 }
 
-// This binary's main restarted it as laproxd's does: the kernels OpenBLAS now runs are the
-// ones this CPU calls for (on a CPU whose model OpenBLAS does not know, this fails without the
-// restart).
-TEST(RestartWithOpenBlasCore, LoadedKernelsMatchTheCpu) {
-  const cpu::CpuVectors cpu = cpu::DetectCpuVectors();
-  const char* forced = std::getenv("OPENBLAS_CORETYPE");
-  if (forced != nullptr && std::string(forced) != "SkylakeX" && std::string(forced) != "Haswell") {
-    GTEST_SKIP() << "OPENBLAS_CORETYPE=" << forced << " was set outside the test";
+// OPENBLAS_CORETYPE as the test's process found it before any restart ("unset" when it was
+// not set), carried across the restart by main() in kOriginalCoreVariable.
+constexpr char kOriginalCoreVariable[] = "LAPROX_TEST_ORIGINAL_OPENBLAS_CORETYPE";
+
+// This binary's main restarted it as laproxd's does. Without a user's OPENBLAS_CORETYPE the
+// kernels OpenBLAS now runs are the ones this CPU calls for (on a CPU whose model OpenBLAS does
+// not know, this fails without the restart). With one (any value, Haswell on an AVX-512 CPU
+// included), it is the user's choice: kept as it was, and nothing more is asked for.
+TEST(RestartWithOpenBlasCore, LoadedKernelsMatchTheCpuUnlessTheUserChose) {
+  const char* original = std::getenv(kOriginalCoreVariable);
+  ASSERT_NE(original, nullptr) << "main() sets " << kOriginalCoreVariable;
+  const char* now = std::getenv("OPENBLAS_CORETYPE");
+  // Once set, nothing more is asked for: a restarted program does not restart again.
+  if (now != nullptr) EXPECT_EQ(OpenBlasCoreToRequest(), "");
+  if (std::string(original) != "unset") {
+    ASSERT_NE(now, nullptr);
+    EXPECT_EQ(std::string(now), std::string(original)) << "the user's choice was replaced";
+    return;
   }
   if (std::string(openblas_get_config()).find("DYNAMIC_ARCH") == std::string::npos) {
     GTEST_SKIP() << "OpenBLAS without DYNAMIC_ARCH cannot change its kernels: "
                  << openblas_get_config();
   }
+  const cpu::CpuVectors cpu = cpu::DetectCpuVectors();
   EXPECT_EQ(OpenBlasCoreFor(openblas_get_corename(), cpu.avx512_bw_dq_vl, cpu.avx2_fma), "")
       << "OpenBLAS runs its " << openblas_get_corename() << " kernels (" << openblas_get_config()
       << ")";
-  // Once set, nothing more is asked for: a restarted program does not restart again.
-  if (forced != nullptr) {
-    EXPECT_EQ(OpenBlasCoreToRequest(), "");
-  }
 }
 
 }  // namespace
 }  // namespace laprox::kernels
 
 int main(int argc, char** argv) {
+  // The first start records what the user set (the environment survives the restart's exec).
+  if (std::getenv(laprox::kernels::kOriginalCoreVariable) == nullptr) {
+    const char* user = std::getenv("OPENBLAS_CORETYPE");
+    setenv(laprox::kernels::kOriginalCoreVariable, user == nullptr ? "unset" : user, 1);
+  }
   laprox::kernels::RestartWithOpenBlasCore("laprox_openblas_core_test", argv);
   testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();

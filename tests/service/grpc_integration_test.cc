@@ -67,6 +67,9 @@ TEST_F(GrpcIntegrationTest, ServerInfoDescribesTheBackend) {
                                      v1::POLICY_KIND_ADAKV, v1::POLICY_KIND_CRITICALKV,
                                      v1::POLICY_KIND_CRITICAL_ADAKV, v1::POLICY_KIND_CAKE));
   EXPECT_EQ(info.limits().max_window(), kernels::PolicySpec::kMaxWindow);
+  // The work limits as resolved: the CPU backend's default and 1/256 of it.
+  EXPECT_EQ(info.limits().max_request_work(), int64_t{1} << 42);
+  EXPECT_EQ(info.limits().heavy_request_work(), int64_t{1} << 34);
 }
 
 TEST_F(GrpcIntegrationTest, KeepPlanOverSharedMemoryEqualsTheLibrary) {

@@ -198,6 +198,8 @@ absl::StatusOr<ServerInfo> Client::GetServerInfo() {
   info.max_tokens = response.limits().max_tokens();
   info.max_regions = response.limits().max_regions();
   info.max_models = response.limits().max_models();
+  info.max_request_work = response.limits().max_request_work();
+  info.heavy_request_work = response.limits().heavy_request_work();
   return info;
 }
 

@@ -144,6 +144,8 @@ struct ServerInfo {
   int64_t max_tokens = 0;
   int32_t max_regions = 0;
   int32_t max_models = 0;
+  int64_t max_request_work = 0;    // work units one call may do (ServerLimits); 0: not reported
+  int64_t heavy_request_work = 0;  // calls above it run on the server's heavy workers
 };
 
 // A POSIX shared-memory object this process created, mapped read-write, registered with the
