@@ -25,12 +25,14 @@ Threads: a Client may be shared; calls that stage host arrays or CUDA regions ru
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
 import time
 import weakref
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple,
+                    Union)
 
 import grpc
 import numpy as np
@@ -77,23 +79,68 @@ _LAYER_FIELDS = (("keys", 3), ("values", 3), ("window_queries", 3), ("window_att
                  ("window_lse", 2))
 
 
-def _call(method: Any, request: Any, timeout: Optional[float]) -> Any:
+# The default deadline of a keep-plan call made on an engine's path (laprox.hf.Compressor,
+# the vLLM plugin), and the number of prompt tokens per call it covers: plan_deadline.
+PLAN_DEADLINE_S = 2.0
+PLAN_DEADLINE_TOKENS = 32768
+
+
+def plan_deadline(tokens: int, seconds: float = PLAN_DEADLINE_S) -> float:
+    """The deadline of one keep-plan call over `tokens` prompt tokens in all (every sequence of
+    the call): `seconds`, and `seconds` more per PLAN_DEADLINE_TOKENS tokens, since a plan's
+    time grows linearly with n (bench/RESULTS.md: SmolLM2-135M at 32K tokens 0.55 s,
+    Llama-3.1-8B at 4K 0.53 s on 2 vCPUs). An engine that waits at most this long for laproxd
+    and then goes on with the full cache never stalls on a laproxd that stopped answering."""
+    return float(seconds) * (1.0 + max(int(tokens), 0) / PLAN_DEADLINE_TOKENS)
+
+
+Timeout = Union[float, Callable[[], float]]  # seconds, or a function giving what is left
+
+
+def _call(method: Any, request: Any, timeout: Optional[Timeout]) -> Any:
     try:
-        return method(request, timeout=timeout)
+        return method(request, timeout=timeout() if callable(timeout) else timeout)
     except grpc.RpcError as e:
         raise from_rpc_error(e) from None
 
 
+class _CallTimeout:
+    """The timeout of the region calls a Client makes on its own (its staging region, CUDA
+    regions, a model's temporary region): the client's default, or, in the thread of a call
+    that stages its inputs (within()), what is left of that call's deadline, so that the
+    call's `timeout` bounds the region calls too. It holds no reference to the Client (the
+    finalizer that releases the regions uses it)."""
+
+    def __init__(self, default: float):
+        self.default = default
+        self._call = threading.local()  # .until: the deadline of this thread's call
+
+    def __call__(self) -> float:
+        until = getattr(self._call, "until", None)
+        if until is None:
+            return self.default
+        return max(until - time.monotonic(), 0.0)
+
+    @contextlib.contextmanager
+    def within(self, timeout: Optional[float]) -> Iterator["_CallTimeout"]:
+        self._call.until = time.monotonic() + (self.default if timeout is None
+                                               else float(timeout))
+        try:
+            yield self
+        finally:
+            self._call.until = None
+
+
 # Region calls as plain functions of the stub, so that the finalizer that releases the regions
 # holds no reference to the Client.
-def _register_shm(stub: Any, timeout: float, name: str, byte_size: int, offset: int = 0,
+def _register_shm(stub: Any, timeout: Timeout, name: str, byte_size: int, offset: int = 0,
                   writable: bool = False) -> int:
     request = pb.RegisterRegionRequest(
         shm=pb.ShmRegion(name=name, offset=offset, byte_size=byte_size), writable=writable)
     return _call(stub.RegisterRegion, request, timeout).region_id
 
 
-def _register_cuda(stub: Any, timeout: float, handle: bytes, device_uuid: str, offset: int,
+def _register_cuda(stub: Any, timeout: Timeout, handle: bytes, device_uuid: str, offset: int,
                    byte_size: int) -> int:
     request = pb.RegisterRegionRequest(cuda_ipc=pb.CudaIpcRegion(
         handle=handle, device_uuid=device_uuid, offset=offset, byte_size=byte_size))
@@ -104,7 +151,7 @@ def _register_cuda(stub: Any, timeout: float, handle: bytes, device_uuid: str, o
 CLEANUP_RETRY_S = 5.0
 
 
-def _unregister(stub: Any, timeout: float, region_id: int,
+def _unregister(stub: Any, timeout: Timeout, region_id: int,
                 retry_for: float = CLEANUP_RETRY_S) -> None:
     """UnregisterRegion for cleanup: RESOURCE_EXHAUSTED (a busy server) is retried with backoff
     (50 ms, doubling to 1 s) for `retry_for` seconds; any other error is raised at once."""
@@ -349,7 +396,9 @@ class Client:
     Args:
         target: a gRPC target, "unix:/path/to/socket" or "host:port". Connects lazily: the
             first call raises LaproxError(UNAVAILABLE) when nothing listens.
-        timeout: deadline of each call in seconds.
+        timeout: deadline of each call in seconds (the methods that take a `timeout`
+            override it per call; the region calls a call makes to stage its inputs count
+            against its deadline).
         inline_max_bytes: requests whose host tensors total at most this many bytes send them
             inline in the message instead of through shared memory (0: never).
         credentials: for a TCP target served with TLS (laproxd --tls_cert_file):
@@ -386,11 +435,12 @@ class Client:
             response_deserializer=None)
         self._lock = threading.RLock()
         self._closed = False
-        self._register_shm = functools.partial(_register_shm, self._stub, self.timeout)
-        self._unregister = functools.partial(_unregister, self._stub, self.timeout)
+        self._call_timeout = _CallTimeout(self.timeout)
+        self._register_shm = functools.partial(_register_shm, self._stub, self._call_timeout)
+        self._unregister = functools.partial(_unregister, self._stub, self._call_timeout)
         self._arena = _shm.StagingArena(self._register_shm, self._unregister)
         self._cuda = _cuda.CudaRegions(
-            functools.partial(_register_cuda, self._stub, self.timeout), self._unregister)
+            functools.partial(_register_cuda, self._stub, self._call_timeout), self._unregister)
         self._shared: "weakref.WeakSet[_shm.SharedArray]" = weakref.WeakSet()
         self._finalizer = weakref.finalize(self, _release, self._arena, self._cuda,
                                            self._shared, self._channel)
@@ -456,11 +506,13 @@ class Client:
     # --- regions ----------------------------------------------------------------------------
 
     def register_shm_region(self, name: str, byte_size: int, offset: int = 0,
-                            writable: bool = False) -> int:
+                            writable: bool = False, *, timeout: Optional[float] = None) -> int:
         """Registers an existing shared-memory object ("laprox-" prefix) that you manage;
-        returns its region id for RegionTensor references."""
+        returns its region id for RegionTensor references. `timeout`: this call's deadline in
+        seconds (default: the client's)."""
         self._check_open()
-        return _register_shm(self._stub, self.timeout, name, byte_size, offset, writable)
+        return _register_shm(self._stub, self.timeout if timeout is None else timeout, name,
+                             byte_size, offset, writable)
 
     def shared_array(self, shape: Union[int, Sequence[int]], dtype: Any, *,
                      writable: bool = False) -> _shm.SharedArray:
@@ -526,6 +578,8 @@ class Client:
                 go through a temporary shared-memory region freed when the call returns.
             prepare_cross_grams: also prepare what GqaValue.EXACT_BLOCK needs.
             dtype: "bf16" to send uint16/int16 arrays as bfloat16 bits.
+            timeout: this call's deadline in seconds, the temporary region's registration
+                included (default: the client's).
         """
         g = t.ModelGeometry.of(geometry)
         request = pb.RegisterModelRequest(
@@ -537,16 +591,16 @@ class Client:
         staging, bf16 = _Staging(), _bf16_flag(dtype)
         for l, weight in enumerate(_per_layer("o_proj", o_proj, 2)):
             staging.add(f"o_proj[{l}]", weight, request.o_proj.add(), bf16)
-        with self._lock:
+        with self._lock, self._call_timeout.within(timeout) as left:
             self._check_open()
             self._share_cuda(staging)
             if staging.arrays and staging.nbytes > self.inline_max_bytes:
                 with _shm.TemporaryRegion(staging.arrays, self._register_shm,
                                           self._unregister) as (region_id, offsets):
                     self._point_at(staging, region_id, offsets)
-                    return self._rpc(self._stub.RegisterModel, request, timeout).model_id
+                    return self._rpc(self._stub.RegisterModel, request, left()).model_id
             self._inline(staging)
-            return self._rpc(self._stub.RegisterModel, request, timeout).model_id
+            return self._rpc(self._stub.RegisterModel, request, left()).model_id
 
     def unregister_model(self, model_id: int) -> None:
         """Forgets a model (NOT_FOUND if unknown); running requests finish normally."""
@@ -581,7 +635,8 @@ class Client:
             budget: Budget, an int (tokens per head) or a float (compression ratio).
             outputs: Outputs or names ("positions", "bitmask", "scores"); default positions.
             dtype: "bf16" to send uint16/int16 arrays as bfloat16 bits.
-            timeout: this call's deadline in seconds (default: the client's).
+            timeout: this call's deadline in seconds, staging the inputs included (default:
+                the client's); laprox.client.plan_deadline(n) suits an engine's path.
             **policy_options: Policy fields applied on top of `policy`, e.g. window=32,
                 kind="snapkv", allocation="per_layer".
 
@@ -608,7 +663,8 @@ class Client:
                 arguments ({"keys": ..., "values": ..., "window_queries": ...,
                 "budget": 128, "window": 16}); each has its own n, policy, budget, outputs and
                 block tables. At least 1, at most ServerLimits.max_batch_sequences.
-            timeout: this call's deadline in seconds (default: the client's).
+            timeout: this call's deadline in seconds, staging the inputs included (default:
+                the client's); laprox.client.plan_deadline(total n) suits an engine's path.
 
         The host arrays of every sequence go through the staging region together (one copy
         each). All or nothing: the first failing sequence fails the call with LaproxError,
@@ -636,8 +692,9 @@ class Client:
     def _stage_and_call(self, staging: _Staging, method: Any, request: Any,
                         timeout: Optional[float]) -> bytes:
         """Shares the call's CUDA tensors, copies its host arrays into the staging region (or
-        inline), points their TensorRefs at them and calls `method`; the raw response."""
-        with self._lock:
+        inline), points their TensorRefs at them and calls `method`; the raw response. The
+        region calls this makes (growing the staging region) count against `timeout`."""
+        with self._lock, self._call_timeout.within(timeout) as left:
             self._check_open()
             self._share_cuda(staging)
             if staging.arrays and staging.nbytes > self.inline_max_bytes:
@@ -652,7 +709,7 @@ class Client:
                 self._point_at(staging, self._arena.region_id, offsets)
             else:
                 self._inline(staging)
-            return self._rpc(method, request, timeout)
+            return self._rpc(method, request, left())
 
     def _share_cuda(self, staging: _Staging) -> None:
         if not staging.cuda:
