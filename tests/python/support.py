@@ -10,6 +10,7 @@ where `pip install ./client/python` ran).
 """
 
 import atexit
+import contextlib
 import os
 import shutil
 import signal
@@ -81,6 +82,16 @@ class Laproxd:
     def log(self):
         with open(self.log_path) as fh:
             return fh.read()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Within the block the server is stopped (SIGSTOP): its socket and connections stay
+        open, calls wait unanswered until their deadline. SIGCONT when the block ends."""
+        self.process.send_signal(signal.SIGSTOP)
+        try:
+            yield self
+        finally:
+            self.process.send_signal(signal.SIGCONT)
 
     def stop(self):
         if self.process.poll() is None:

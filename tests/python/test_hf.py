@@ -2,13 +2,16 @@
 
 Run:    /usr/bin/python3 tests/python/run_tests.py -k hf   (skipped without torch/transformers;
         bench/quality's venv has them: build/quality-venv/bin/python tests/python/run_tests.py
-        --installed -k hf). No laproxd is needed: a fake client returns fixed keep-plans, so what
-        is tested is the transformers side — masking equals physical eviction, a budget >= n
-        changes nothing, compaction equals masking, generate() works, state is restored.
+        --installed -k hf). HfIntegrationTest needs no laproxd: a fake client returns fixed
+        keep-plans, so what is tested is the transformers side — masking equals physical
+        eviction, a budget >= n changes nothing, compaction equals masking, generate() works,
+        state is restored. StoppedLaproxdTest runs the real laproxd (--laproxd) and stops it
+        with SIGSTOP: generate() returns within the plan deadline with the full cache.
 Extend: add a test method; self.model is a fresh random LlamaForCausalLM (L=2, H=4, Hkv=2).
 """
 
 import contextlib
+import time
 import unittest
 import warnings
 
@@ -25,10 +28,21 @@ try:
 except ImportError:  # Debian's python3 has neither: nothing to test here
     raise unittest.SkipTest("torch/transformers not installed")
 
+import laprox  # noqa: E402
 import laprox.hf as lhf  # noqa: E402
+from laprox.client import PLAN_DEADLINE_S, plan_deadline  # noqa: E402
 from laprox.errors import LaproxError  # noqa: E402
 
 L, H, HKV, D_HEAD, HIDDEN = 2, 4, 2, 16, 64
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=HIDDEN, intermediate_size=128,
+                         num_hidden_layers=L, num_attention_heads=H,
+                         num_key_value_heads=HKV, max_position_embeddings=256)
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config).eval()
 
 
 class FakePlan:
@@ -82,12 +96,7 @@ class FakeClient:
 class HfIntegrationTest(unittest.TestCase):
 
     def setUp(self):
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=97, hidden_size=HIDDEN, intermediate_size=128,
-                             num_hidden_layers=L, num_attention_heads=H,
-                             num_key_value_heads=HKV, max_position_embeddings=256)
-        config._attn_implementation = "sdpa"
-        self.model = LlamaForCausalLM(config).eval()
+        self.model = tiny_llama()
         self.ids = torch.randint(3, 97, (1, 40))
         self.cont = torch.randint(3, 97, (1, 6))
 
@@ -310,6 +319,76 @@ class HfIntegrationTest(unittest.TestCase):
         q_rot, _ = apply_rotary_pos_emb(q, q, cos, sin)
         torch.testing.assert_close(captured[0], q_rot[:, :, -5:].detach(), rtol=1e-5,
                                    atol=1e-6)
+
+
+class StoppedLaproxdTest(unittest.TestCase):
+    """Compressor against the real laproxd, stopped with SIGSTOP during generate(): the plan
+    call runs into its deadline (the Compressor's default, plan_deadline(n) = 2.002 s here, not
+    the client's 60 s), generate() returns with the tokens of the full cache, the timeout is
+    counted, and once laproxd runs again (SIGCONT) the next prefill is compressed."""
+
+    SLACK_S = 1.0  # scheduling on a busy 2-vCPU machine
+
+    @classmethod
+    def setUpClass(cls):
+        cls.server = support.Laproxd()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.stop()
+
+    def setUp(self):
+        self.model = tiny_llama()
+        self.ids = torch.randint(3, 97, (1, 40))
+        with torch.no_grad():
+            self.full = self.model.generate(self.ids, max_new_tokens=8, do_sample=False)
+        self.bound = plan_deadline(self.ids.numel(), PLAN_DEADLINE_S) + self.SLACK_S
+
+    def client(self):
+        client = laprox.Client(self.server.target)  # the default 60 s per call
+        self.addCleanup(client.close)
+        return client
+
+    def generate(self):
+        started = time.monotonic()
+        with torch.no_grad():
+            out = self.model.generate(self.ids, max_new_tokens=8, do_sample=False)
+        return out, time.monotonic() - started
+
+    def test_generate_keeps_the_full_cache_within_the_deadline_while_laproxd_is_stopped(self):
+        press = lhf.Compressor(self.model, self.client(), budget=16)
+        with press:
+            _, normal = self.generate()
+            self.assertIsNotNone(press.plan)
+            self.assertLess(press.plan.counts.max(), 40)  # laproxd answering: compressed
+            with self.server.paused(), self.assertLogs("laprox.hf", "WARNING") as logged:
+                out, stopped = self.generate()
+            self.assertIn("did not answer within the plan deadline", logged.output[0])
+            self.assertLess(stopped, self.bound + normal,
+                            f"generate() took {stopped:.2f} s with laproxd stopped, {normal:.2f} "
+                            f"s with it running; plan deadline + slack {self.bound:.2f} s")
+            self.assertTrue(torch.equal(out, self.full))  # the full cache's tokens
+            self.assertIsNone(press.plan)
+            self.assertIsNone(press.masks)
+            self.assertEqual(press.timeouts, 1)
+            self.generate()  # laproxd runs again: the next prefill is compressed
+            self.assertIsNotNone(press.plan)
+            self.assertEqual(press.timeouts, 1)
+
+    def test_the_first_call_stages_its_inputs_within_the_deadline(self):
+        # A new client has no staging region yet: registering it is part of the stopped call.
+        model_id = lhf.register_model(self.client(), self.model)
+        press = lhf.Compressor(self.model, self.client(), budget=16, model_id=model_id)
+        with press:
+            with self.server.paused(), self.assertLogs("laprox.hf", "WARNING"):
+                out, stopped = self.generate()
+            self.assertLess(stopped, self.bound,
+                            f"generate() took {stopped:.2f} s with laproxd stopped; plan "
+                            f"deadline + slack {self.bound:.2f} s")
+            self.assertTrue(torch.equal(out, self.full))
+            self.assertEqual(press.timeouts, 1)
+            self.generate()
+            self.assertIsNotNone(press.plan)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,11 @@ keys/values returned by the cache, so:
    and RoPE of new tokens stay those of the full sequence because generate() advances
    cache_position itself rather than reading the cache length.
 
+5. laproxd gets a deadline for the plans of each prefill (Compressor's `deadline`, 2 s by
+   default, scaled by laprox.client.plan_deadline with the batch's tokens): if it does not
+   answer in time (stopped, overloaded), generate() goes on with the full cache of that
+   prefill, counted in `timeouts` and logged; the next prefill asks again.
+
 Batches are compressed sequence by sequence (one keep-plan each); left padding is not supported
 (every sequence of the batch must have n real tokens). Chunked prefill is not supported: the
 prefill must be one forward call.
@@ -50,14 +55,21 @@ prefill must be one forward call.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
+import grpc
+
 from . import types as t
-from .errors import invalid_argument
+from .client import PLAN_DEADLINE_S, plan_deadline
+from .errors import LaproxError, invalid_argument
+
+logger = logging.getLogger("laprox.hf")
 
 ATTENTION_NAME = "laprox"
 DEFAULT_WINDOW_ROWS = 64  # query rows captured: the largest default window of any policy kind
@@ -396,21 +408,31 @@ class Compressor:
         prepare_cross_grams: register with the cross-Grams (gqa_value="exact_block").
         window_rows: post-RoPE query rows captured per layer (>= the policy's window).
         compact: shrink the cache physically (see the module documentation, point 4).
+        deadline: seconds a prefill waits for its plans, for a prompt of up to
+            PLAN_DEADLINE_TOKENS tokens in all (laprox.client.plan_deadline: as much again per
+            that many more); past it the prefill keeps its full cache (point 5).
 
     Use as a context manager (or attach()/detach()); the model's attention implementation is
     "laprox" while attached and restored afterwards. `plan` holds the last prefill's KeepPlan
-    (a list, one per batch sequence, when the batch has more than one), `masks` its keep masks.
+    (a list, one per batch sequence, when the batch has more than one), `masks` its keep masks;
+    both are None when laproxd missed the deadline. `timeouts` counts the sequences that kept
+    their full cache for that reason.
     """
 
     def __init__(self, model: Any, client: Any, budget: Union[int, float, t.Budget] = 128,
                  policy: Any = None, *, model_id: Optional[int] = None,
                  prepare_cross_grams: bool = False, window_rows: int = DEFAULT_WINDOW_ROWS,
-                 compact: bool = False, **policy_options: Any):
+                 compact: bool = False, deadline: float = PLAN_DEADLINE_S,
+                 **policy_options: Any):
+        if not deadline > 0:
+            raise invalid_argument(f"deadline: {deadline} s; it must be > 0")
         self.model = model
         self.client = client
         self.budget = budget
         self.policy = t.Policy.of(policy, **policy_options)
         self.compact = compact
+        self.deadline = float(deadline)
+        self.timeouts = 0
         self.geometry = geometry(model)
         self._device_ok = _server_reads_device(client)
         self.window_rows = max(int(window_rows), int(self.policy.window or 0))
@@ -477,18 +499,27 @@ class Compressor:
     def compress(self, cache: Any, window_queries: Sequence[torch.Tensor]) -> Any:
         """Asks laproxd for the keep-plan of the prefilled `cache` (every layer holding the n
         prompt tokens) with per-layer post-RoPE `window_queries` [B, H, wq, d], installs the
-        masks (or compacts the cache) and returns the plan(s)."""
+        masks (or compacts the cache) and returns the plan(s); None, the cache left whole,
+        when laproxd does not answer within plan_deadline(B * n, deadline)."""
         L = self.geometry.num_layers
         kv = [cache_layer_kv(cache, l) for l in range(L)]
         batch, _, n, _ = kv[0][0].shape
         plans, masks = [], [torch.zeros(batch, self.geometry.num_kv_heads, n, dtype=torch.bool)
                             for _ in range(L)]
+        deadline = plan_deadline(batch * n, self.deadline)
+        until = time.monotonic() + deadline
         for b in range(batch):
-            plan = self.client.compute_keep_plan(
-                self.model_id, [_host(k[b], self._device_ok) for k, _ in kv],
-                [_host(v[b], self._device_ok) for _, v in kv],
-                window_queries=[_host(q[b], self._device_ok) for q in window_queries],
-                policy=self.policy, budget=self.budget)
+            try:
+                plan = self.client.compute_keep_plan(
+                    self.model_id, [_host(k[b], self._device_ok) for k, _ in kv],
+                    [_host(v[b], self._device_ok) for _, v in kv],
+                    window_queries=[_host(q[b], self._device_ok) for q in window_queries],
+                    policy=self.policy, budget=self.budget,
+                    timeout=max(until - time.monotonic(), 0.0))
+            except LaproxError as e:
+                if e.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+                return self._keep_full_cache(batch, deadline)
             plans.append(plan)
             m = torch.from_numpy(plan.to_masks())
             for l in range(L):
@@ -525,3 +556,12 @@ class Compressor:
         # needs no mask in a layer without padded slots, and a prebuilt one in the others.
         self._state.set_masks(compact_masks)
         return self.plan
+
+    def _keep_full_cache(self, batch: int, deadline: float) -> None:
+        """After a missed deadline: this prefill's sequences decode with their full cache."""
+        self.plan, self.masks, self.compacted = None, None, False
+        self._state.set_masks(None)
+        self.timeouts += batch
+        logger.warning("laprox: laproxd did not answer within the plan deadline of %.3g s; "
+                       "%d sequence(s) keep their full KV cache (timeouts so far: %d)",
+                       deadline, batch, self.timeouts)
