@@ -142,6 +142,8 @@ class InfoTest(ClientTestCase):
         self.assertGreater(info.limits.max_window, 0)
         self.assertEqual(info.limits.max_request_bytes, 256 << 20)  # laproxd's default
         self.assertEqual(info.limits.max_response_bytes, (1 << 31) - 1)
+        self.assertEqual(info.limits.max_request_work, 1 << 42)  # the CPU backend's default
+        self.assertEqual(info.limits.heavy_request_work, 1 << 34)
         self.assertTrue(self.client.health())
         self.assertTrue(self.client.health("laprox.v1.Laprox"))  # a model is registered
 

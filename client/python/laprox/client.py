@@ -491,7 +491,8 @@ class Client:
                                   lim.max_response_bytes, lim.max_tokens, lim.max_window,
                                   lim.max_pool_kernel, lim.max_tokens_per_head,
                                   lim.max_request_memory_bytes, lim.max_model_memory_bytes,
-                                  lim.max_batch_sequences),
+                                  lim.max_batch_sequences, lim.max_request_work,
+                                  lim.heavy_request_work),
             supported_policies=known(t.PolicyKind, r.supported_policies),
             supported_dtypes=known(t.DType, r.supported_dtypes),
             supported_region_kinds=known(t.RegionKind, r.supported_region_kinds))

@@ -400,6 +400,8 @@ class ServerLimits:
     max_request_memory_bytes: int = 0
     max_model_memory_bytes: int = 0
     max_batch_sequences: int = 0     # sequences per compute_keep_plans call
+    max_request_work: int = 0        # work units one call may do (flops + bytes read)
+    heavy_request_work: int = 0      # calls above it run on laproxd's heavy workers
 
 
 @dataclass(frozen=True)
