@@ -7,7 +7,8 @@ Five vLLM engines (one process each, the plugin reads its configuration once per
   metrics   a working laproxd with metrics: every prompt gets a plan, and laproxd's /metrics
             shows laprox_layer_budget_share for the model's name;
   down      LAPROX_VLLM_TARGET names no server: vLLM serves every prompt with its full cache,
-            the plugin counts the failures and logs one warning (its interval is 60 s);
+            the plugin counts the failures (as not_ready: never registered) and logs one
+            warning (its interval is 60 s);
   broken    the masked decode attention raises (a planted failure): the engine goes on with
             the kernel's rows, the tokens of the full cache, the sequences counted;
   late      laproxd starts only after the engine, and later restarts: the plugin registers the
@@ -91,7 +92,7 @@ def child(mode: str, model: str) -> int:
     metrics = laprox.vllm.metrics()
     print("RESULT " + json.dumps({
         "tokens": tokens, "ids": ids[0], "plans": metrics.plans, "failures": metrics.failures,
-        "phases": phases, "warnings": [w for w in warnings if w.startswith("laprox:")]}))
+        "not_ready": metrics.not_ready, "phases": phases, "warnings": [w for w in warnings if w.startswith("laprox:")]}))
     return 0
 
 
@@ -144,9 +145,11 @@ def main() -> int:
         result = run_child("down", args, dict(base, LAPROX_VLLM_TARGET=f"unix:{tmp}/absent"))
         check(result["tokens"] == [8] * PROMPTS,
               f"laproxd down: vLLM served {result['tokens']} tokens (8 each expected)")
-        check(result["plans"] == 0 and result["failures"] >= 1 and len(result["warnings"]) == 1,
-              f"laproxd down: {result['plans']} plans, {result['failures']} failures counted, "
-              f"{len(result['warnings'])} warning(s): {result['warnings'][:1]}")
+        check(result["plans"] == 0 and result["failures"] >= 1
+              and result["not_ready"] == result["failures"] and len(result["warnings"]) == 1,
+              f"laproxd down: {result['plans']} plans, {result['failures']} failures counted "
+              f"({result['not_ready']} not ready), {len(result['warnings'])} warning(s): "
+              f"{result['warnings'][:1]}")
 
         down_ids = result["ids"]
         result = run_child("broken", args, dict(base, LAPROX_VLLM_TARGET=f"unix:{socket}"))

@@ -15,11 +15,14 @@
 # 4. bad_paths.py: laproxd's budget-share metrics for the model; laproxd down and laproxd
 #    refusing the plans: vLLM serves every request with its full cache, the failures counted;
 #    laproxd started after vLLM, then restarted: the plugin registers again, plans resume;
-# 5. serve.py: vLLM's OpenAI server (engine core in its own process): the plugin's counters and
+# 5. stopped.py: laproxd stopped (SIGSTOP) under a running engine: no step waits longer than the
+#    plugin's plan deadline (2 s) beyond the running steps, every request is served with its
+#    full cache, counted; after SIGCONT the plugin compresses again;
+# 6. serve.py: vLLM's OpenAI server (engine core in its own process): the plugin's counters and
 #    stage histograms on vLLM's /metrics beside vLLM's own, before and after laproxd stops.
 # --smoke (what .ci/run runs): steps 1 and 2, platform_check and the chunked parity of step 3,
-# and step 5.
-# Exit status 0 when every check passes. About 6 minutes on 2 cores once set up (--smoke: 2).
+# and steps 5 and 6.
+# Exit status 0 when every check passes. About 7 minutes on 2 cores once set up (--smoke: 3).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -33,7 +36,7 @@ for arg in "$@"; do
   case "$arg" in
     --laproxd=*) laproxd="${arg#--laproxd=}" ;;
     --smoke) smoke=1 ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "unknown argument: $arg (see --help)" >&2; exit 1 ;;
   esac
 done
@@ -62,6 +65,8 @@ if (( ! smoke )); then
   echo "== metrics and bad paths"
   "$python" "$here/bad_paths.py" --laproxd "$laproxd" --model "$model"
 fi
+echo "== laproxd stopped under a running engine: steps wait at most the plan deadline"
+"$python" "$here/stopped.py" --laproxd "$laproxd" --model "$model"
 echo "== vLLM's OpenAI server: the plugin's metrics on vLLM's /metrics"
 "$python" "$here/serve.py" --laproxd "$laproxd" --model "$model"
 echo "vLLM integration: all checks passed"

@@ -13,6 +13,14 @@ Configuration (environment, read once per process; see Config):
     LAPROX_VLLM_POLICY    policy options as JSON, e.g. {"kind": "laprox", "window": 32}
     LAPROX_VLLM_WINDOW    post-RoPE query rows captured per layer (default 32)
     LAPROX_VLLM_MODEL     the model's name in laproxd's metrics (default: vLLM's model name)
+    LAPROX_VLLM_DEADLINE_SECONDS
+                          how long a step waits for its plans (default 2; per call
+                          laprox.client.plan_deadline: as much again per 32K prompt tokens);
+                          past it the sequences keep their full cache (laprox_vllm_timeouts_total)
+    LAPROX_VLLM_REGISTER_DEADLINE_SECONDS
+                          deadline of each registration call (default 30), made on a thread of
+                          the plugin's, never in a step; also the longest the engine's start-up
+                          waits for the first registration
 
 What it does (vLLM 0.32, CPU attention backend; see DESIGN.md in this directory):
   - the KV block pool lives in one POSIX shared-memory object of the engine's, registered with
@@ -24,6 +32,10 @@ What it does (vLLM 0.32, CPU attention backend; see DESIGN.md in this directory)
     completed in that step, and the plans are kept per request (`plans()`);
   - in decode, the evicted prompt entries of a compressed sequence take no part in attention
     (its rows are recomputed with them masked, as laprox.hf does);
+  - no step waits on laproxd longer than the plan deadline, nor on the disk: the registrations
+    (and reading o_proj from the checkpoint) happen on the plugin's own thread; a sequence whose
+    prefill ends while they are not made, or whose plan call times out, keeps its full cache
+    (counted), and a laproxd that timed out is checked in the background until it answers;
   - its counters and stage times are on vLLM's /metrics (`laprox_vllm_*`, see _metrics.py) and
     in `metrics()`.
 Not yet: freeing the evicted blocks (DESIGN.md says what vLLM would need).
@@ -67,9 +79,10 @@ def plans():
 def metrics():
     """The plugin's counters summed over every process of this vLLM engine (the engine core may
     run in a process of its own): plans made, failures (the sequence kept its full cache),
-    prefill steps seen, prefills not captured, and the seconds spent capturing queries, calling
-    laproxd and applying plans in decode (`capture_seconds`, `call_seconds`, `apply_seconds`;
-    `stage(name)` gives a stage's histogram)."""
+    prefill steps seen, prefills not captured, timeouts and not_ready (failures for want of an
+    answer from laproxd within the deadline, or of the registrations), and the seconds spent
+    capturing queries, calling laproxd and applying plans in decode (`capture_seconds`,
+    `call_seconds`, `apply_seconds`; `stage(name)` gives a stage's histogram)."""
     from . import _metrics, _runner
 
     total = _metrics.Metrics()

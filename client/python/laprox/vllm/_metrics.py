@@ -16,6 +16,11 @@ sums the files by model at scrape time:
   laprox_vllm_prefill_steps_total{model_name}  (sequence, step) pairs of prefill seen
   laprox_vllm_not_captured_total{model_name}   prefills a prefix-cache hit started inside the
                                                query window (no plan)
+  laprox_vllm_timeouts_total{model_name}       sequences whose ComputeKeepPlans call ran past
+                                               the plugin's deadline (in failures too)
+  laprox_vllm_not_ready_total{model_name}      sequences whose prefill ended while the plugin
+                                               was not registered with laproxd, or was checking
+                                               it after a timeout (in failures too)
   laprox_vllm_stage_seconds{model_name,stage}  histogram per engine step of the time spent
       capturing window queries (stage="capture"), calling laproxd (stage="call", one per
       ComputeKeepPlans call) and recomputing masked decode rows (stage="apply")
@@ -41,7 +46,7 @@ import numpy as np
 logger = logging.getLogger("laprox.vllm")
 
 DIR_VARIABLE = "LAPROX_VLLM_METRICS_DIR"
-COUNTERS = ("plans", "failures", "prefill_steps", "not_captured")
+COUNTERS = ("plans", "failures", "prefill_steps", "not_captured", "timeouts", "not_ready")
 STAGES = ("capture", "call", "apply")
 # Upper bounds of the stage histograms' buckets, seconds (the last bucket, +Inf, is the count).
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -181,6 +186,11 @@ class _Collector:
             "prefill_steps": "(sequence, step) pairs of prefill the laprox plugin saw",
             "not_captured": "Prefills a prefix-cache hit started inside the query window "
                             "(no plan)",
+            "timeouts": "Sequences whose laproxd call ran past the laprox plugin's deadline "
+                        "(they kept their full KV cache; counted in failures too)",
+            "not_ready": "Sequences that kept their full KV cache because the laprox plugin "
+                         "was not registered with laproxd (or was checking it after a "
+                         "timeout); counted in failures too",
         }
         for counter in COUNTERS:
             family = CounterMetricFamily(f"laprox_vllm_{counter}", help_text[counter],

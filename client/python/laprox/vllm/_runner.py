@@ -2,7 +2,7 @@
 
 Five functions are wrapped, each calling the original and adding only what the plugin needs:
   vllm.v1.worker.gpu_model_runner.allocate_kv_cache   the one backing buffer of every layer's
-      KV cache is a POSIX shared-memory object of the plugin's (registered by _connect);
+      KV cache is a POSIX shared-memory object of the plugin's (registered by _Connector);
   CPUModelRunner.load_model                           notes the model's geometry and path;
   GPUModelRunner._prepare_inputs                      notes which batch rows are prefill and
       which decode under a plan;
@@ -10,9 +10,14 @@ Five functions are wrapped, each calling the original and adding only what the p
       recomputes the decode rows of compressed sequences with the evicted entries masked;
   GPUModelRunner.execute_model                        after the forward, one ComputeKeepPlans
       call for every sequence whose prefill completed in this step.
-A failure of laproxd (down, restarted, refusing a request) never stops the engine: the sequence
-goes on with its full cache, the failure is counted and logged at most once per LOG_INTERVAL
-seconds, and the registrations are made again when laproxd answers.
+A failure of laproxd (down, restarted, stopped, refusing a request) never stops the engine: the
+sequence goes on with its full cache, the failure is counted and logged at most once per
+LOG_INTERVAL seconds, and the registrations are made again when laproxd answers.
+
+No step waits on laproxd longer than a plan's deadline (Config.deadline, scaled by
+laprox.client.plan_deadline), nor on the disk: connecting, registering the KV pool and the model
+(whose o_proj weights are read from the checkpoint's files) happen on a thread of the plugin's
+own (_Connector); while they are not done, sequences go uncompressed (counted: not_ready).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -30,12 +36,15 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from ..client import PLAN_DEADLINE_S, plan_deadline
 from . import _metrics
 
 logger = logging.getLogger("laprox.vllm")
 
 LOG_INTERVAL = 60.0  # seconds between two warnings about laproxd
 RETRY_INTERVAL = 10.0  # seconds between two attempts to register with laproxd
+PROBE_INTERVAL = 1.0  # seconds between two checks of a laproxd that let a plan call time out
+REGISTER_DEADLINE_S = 30.0  # default deadline of a registration call (Config.register_deadline)
 MAX_PLANS = 1024  # plans kept for plans(), newest last
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -48,6 +57,12 @@ class Config:
     policy: Dict[str, Any] = field(default_factory=dict)
     window: int = 32
     model_name: str = ""
+    # Seconds a step waits for its plans: the deadline of a ComputeKeepPlans call is
+    # plan_deadline(prompt tokens of the call, deadline).
+    deadline: float = PLAN_DEADLINE_S
+    # Seconds for each registration call (made off the steps), and the longest the engine's
+    # start-up waits for the first registration.
+    register_deadline: float = REGISTER_DEADLINE_S
 
     @staticmethod
     def from_env() -> "Config":
@@ -58,7 +73,25 @@ class Config:
             raise ValueError("LAPROX_VLLM_POLICY must be a JSON object of policy options")
         return Config(target=os.environ["LAPROX_VLLM_TARGET"], budget=budget, policy=policy,
                       window=int(os.environ.get("LAPROX_VLLM_WINDOW", "32")),
-                      model_name=os.environ.get("LAPROX_VLLM_MODEL", ""))
+                      model_name=os.environ.get("LAPROX_VLLM_MODEL", ""),
+                      deadline=_seconds("LAPROX_VLLM_DEADLINE_SECONDS", PLAN_DEADLINE_S),
+                      register_deadline=_seconds("LAPROX_VLLM_REGISTER_DEADLINE_SECONDS",
+                                                 REGISTER_DEADLINE_S))
+
+
+def _seconds(variable: str, default: float) -> float:
+    seconds = float(os.environ.get(variable, default))
+    if not seconds > 0:
+        raise ValueError(f"{variable} must be a number of seconds > 0, not {seconds}")
+    return seconds
+
+
+@dataclass(frozen=True)
+class _Link:
+    """A client of laproxd through which the KV pool and the model are registered."""
+    client: Any
+    region_id: int
+    model_id: int
 
 
 @dataclass
@@ -85,14 +118,14 @@ class _Compressed:
 class _State:
     def __init__(self) -> None:
         self.config: Optional[Config] = None
-        self.client: Any = None
         self.segment: Any = None              # the shared-memory object behind the KV cache
         self.pool_base: int = 0               # its data pointer
-        self.region_id: Optional[int] = None  # its region in laproxd, once registered
-        self.model_id: Optional[int] = None
+        # Set by the connector thread once the pool and the model are registered; the steps
+        # only read it, and drop it (connector.give_back) when a call fails.
+        self.link: Optional[_Link] = None
+        self.connector: Optional["_Connector"] = None
         self.model_name = ""
         self.model_path = ""
-        self.last_attempt = 0.0               # of _connect, monotonic seconds
         self.geometry: Any = None
         # This step's prefill rows: batch index -> (request id, first position, count).
         self.step: Dict[int, Tuple[str, int, int]] = {}
@@ -106,56 +139,29 @@ class _State:
         # Seconds of this step's capture and masked decode, observed at its end (_execute_model).
         self.step_seconds: Dict[str, float] = {"capture": 0.0, "apply": 0.0}
         self.last_warning = 0.0
+        self.warning_lock = threading.Lock()  # the steps and the connector thread warn
 
     def warn(self, message: str, sequences: int = 1) -> None:
         """Counts `sequences` sequences that keep their full cache (or a failed set-up step: 1;
         a failed registration: 0, its sequences are counted when they miss their plan) and
-        logs the message at most once per LOG_INTERVAL."""
-        self.metrics.failures += sequences
-        now = time.monotonic()
-        if now - self.last_warning >= LOG_INTERVAL:
+        logs the message at most once per LOG_INTERVAL. Only the engine's thread counts (the
+        connector thread passes 0): the counters are not atomic."""
+        if sequences:
+            self.metrics.failures += sequences
+        with self.warning_lock:
+            now = time.monotonic()
+            if now - self.last_warning < LOG_INTERVAL:
+                return
             self.last_warning = now
-            logger.warning("laprox: %s; the sequence keeps its full KV cache (failures so far: "
-                           "%d)", message, self.metrics.failures)
+        logger.warning("laprox: %s; the sequence keeps its full KV cache (failures so far: "
+                       "%d)", message, self.metrics.failures)
 
 
 STATE = _State()
 
 
-def _client():
-    if STATE.client is None:
-        import laprox
-
-        STATE.client = laprox.Client(STATE.config.target)
-    return STATE.client
-
-
 def _wire_dtype(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}[dtype]
-
-
-def _connect() -> bool:
-    """Registers the KV pool and the model with laproxd unless they are registered; at most one
-    attempt per RETRY_INTERVAL after a failure, so that a laproxd that is down costs nothing per
-    step and one that comes back (or restarts) is picked up. True when both are registered."""
-    if STATE.region_id is not None and STATE.model_id is not None:
-        return True
-    now = time.monotonic()
-    if STATE.segment is None or now - STATE.last_attempt < RETRY_INTERVAL:
-        return False
-    STATE.last_attempt = now
-    try:
-        client = _client()
-        if STATE.region_id is None:
-            STATE.region_id = client.register_shm_region(STATE.segment.name, STATE.segment.size)
-        if STATE.model_id is None:
-            STATE.model_id = client.register_model(
-                STATE.model_name, STATE.geometry, _o_proj(STATE.model_path,
-                                                          STATE.geometry.num_layers))
-        return True
-    except Exception as e:
-        STATE.warn(f"cannot register the KV pool and the model with laproxd ({e})", 0)
-        return False
 
 
 # The codes after which the registrations may be gone (laproxd restarted, or reclaimed them):
@@ -163,20 +169,139 @@ def _connect() -> bool:
 _RECONNECT_CODES = ("NOT_FOUND", "UNAVAILABLE", "FAILED_PRECONDITION")
 
 
-def _forget_registrations() -> None:
-    if STATE.client is not None:
+def _code(error: BaseException) -> str:
+    return getattr(getattr(error, "code", None), "name", "")
+
+
+def _close(client: Any, link: Optional["_Link"] = None) -> None:
+    """Closes `client`, after unregistering `link`'s model and region (laproxd may still hold
+    them); best effort on a server that may be gone, each call within the client's timeout
+    (Config.deadline)."""
+    calls = [] if link is None else [(client.unregister_model, link.model_id),
+                                     (client.unregister_region, link.region_id)]
+    for call, argument in calls:
         try:
-            STATE.client.close()
-        except Exception:  # noqa: BLE001 - best effort on a server that may be gone
-            pass
-    STATE.client = None
-    STATE.region_id = None
-    STATE.model_id = None
+            call(argument)
+        except Exception as e:  # noqa: BLE001
+            if _code(e) in ("DEADLINE_EXCEEDED", "UNAVAILABLE"):
+                break
+    try:
+        client.close()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+class _Connector:
+    """Registers the KV pool and the model with laproxd on a thread of its own, so that no
+    engine step waits on laproxd, nor on the disk (o_proj is read from the checkpoint), and
+    publishes the result as STATE.link; a step that finds no link lets its sequences go
+    uncompressed (counted: not_ready). Every call has a deadline: the registrations
+    Config.register_deadline, the other calls of the link's client Config.deadline.
+
+    A step whose plan call fails hands the link back (give_back):
+      - after a timeout (laproxd stopped or overloaded) the thread asks laproxd's health
+        every PROBE_INTERVAL and publishes the same link again once it answers;
+      - after a code of _RECONNECT_CODES (laproxd restarted, or reclaimed the registrations)
+        it closes that client and registers everything again through a new one;
+    while registering fails it tries again every RETRY_INTERVAL (and warns, rate-limited)."""
+
+    def __init__(self) -> None:
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._returned: List[Tuple[_Link, bool]] = []  # (link, stale), from give_back
+        self._thread: Optional[threading.Thread] = None
+        self.attempted = threading.Event()  # set after the first registration attempt
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="laprox-connect",
+                                            daemon=True)
+            self._thread.start()
+
+    def give_back(self, link: _Link, stale: bool) -> None:
+        """From a step that dropped STATE.link: `link`'s call timed out (stale False: checked,
+        then published again) or its registrations may be gone (stale True: replaced)."""
+        with self._lock:
+            self._returned.append((link, stale))
+        self._wake.set()
+
+    def _run(self) -> None:
+        checking: Optional[_Link] = None  # a link whose plan call timed out
+        while True:
+            self._wake.clear()
+            with self._lock:
+                returned, self._returned = self._returned, []
+            for link, stale in returned:
+                if stale:
+                    _close(link.client, link)
+                else:
+                    checking = link
+            delay = None  # wait for give_back
+            if STATE.link is None and checking is not None:
+                answered = self._check(checking)
+                if answered:
+                    STATE.link, checking = checking, None
+                elif answered is None:
+                    delay = PROBE_INTERVAL
+                else:
+                    _close(checking.client, checking)
+                    checking = None
+            if STATE.link is None and checking is None:
+                try:
+                    STATE.link = _register()
+                except Exception as e:  # noqa: BLE001 - the engine goes on uncompressed
+                    STATE.warn(f"cannot register the KV pool and the model with laproxd ({e})",
+                               0)
+                    delay = RETRY_INTERVAL
+            self.attempted.set()
+            self._wake.wait(delay)
+
+    @staticmethod
+    def _check(link: _Link) -> Optional[bool]:
+        """True when laproxd answers its health check (SERVING), None when it still does not
+        answer in time (or is not serving), False when the call fails otherwise."""
+        try:
+            return True if link.client.health() else None
+        except Exception as e:  # noqa: BLE001
+            return None if _code(e) == "DEADLINE_EXCEEDED" else False
+
+
+def _register() -> _Link:
+    """A new client with the KV pool and the model registered (the connector thread)."""
+    import laprox
+
+    config = STATE.config
+    client = laprox.Client(config.target, timeout=config.deadline)
+    try:
+        region_id = client.register_shm_region(STATE.segment.name, STATE.segment.size,
+                                               timeout=config.register_deadline)
+        # Read only once laproxd answered: a laproxd that is down costs no disk reads.
+        o_proj = _o_proj(STATE.model_path, STATE.geometry.num_layers)
+        model_id = client.register_model(STATE.model_name, STATE.geometry, o_proj,
+                                         timeout=config.register_deadline)
+    except BaseException:
+        _close(client)
+        raise
+    return _Link(client, region_id, model_id)
+
+
+def _start_connector() -> None:
+    """Starts the connector thread once the KV pool and the geometry are known, and waits
+    for its first attempt at most Config.register_deadline (the engine is starting up: no
+    step runs yet), so that the first requests find the registrations made."""
+    if STATE.connector is not None or STATE.segment is None or STATE.geometry is None:
+        return
+    STATE.connector = _Connector()
+    STATE.connector.start()
+    if not STATE.connector.attempted.wait(STATE.config.register_deadline):
+        STATE.warn(f"laproxd did not take the registrations within "
+                   f"{STATE.config.register_deadline:g} s; the engine starts without them and "
+                   f"compresses once they are made", 0)
 
 
 def _allocate_kv_cache(original: Any) -> Any:
     """allocate_kv_cache with its backing buffer in a POSIX shared-memory object of ours, which
-    laproxd can read once it is registered (_connect)."""
+    laproxd can read once it is registered (_Connector)."""
 
     def allocate(kv_cache_config: Any, device: Any, layout: Any, kernel_block_sizes=None):
         from torch.overrides import TorchFunctionMode
@@ -202,8 +327,7 @@ def _allocate_kv_cache(original: Any) -> Any:
 
         with SharedZeros():
             caches = original(kv_cache_config, device, layout, kernel_block_sizes)
-        if STATE.geometry is not None:
-            _connect()  # early, so that the first plan does not wait for the registration
+        _start_connector()
         return caches
 
     return allocate
@@ -457,7 +581,7 @@ def _apply(impl: Any, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor,
 _KEY_STRIDES = {"vec": lambda block_size, d: (1, block_size)}
 
 
-def _paged_layer(layer: Any, block_ids: np.ndarray, n: int):
+def _paged_layer(layer: Any, region_id: int, block_ids: np.ndarray, n: int):
     """One layer's keys and values as laprox PagedTensors over the shared pool. The CPU
     backend's cache is [blocks, Hkv, block_size, 2d]; cpu_attn.py views a (block, head) as
     2 * block_size rows of d and splits them: the first half holds the keys (in the ISA's
@@ -481,7 +605,7 @@ def _paged_layer(layer: Any, block_ids: np.ndarray, n: int):
     nblocks = -(-n // block_size)
     common = dict(num_kv_heads=heads, head_dim=d, block_stride=s[0], head_stride=s[1],
                   block_size=block_size)
-    pool = laprox.RegionTensor(STATE.region_id, 0, _wire_dtype(kv_cache.dtype),
+    pool = laprox.RegionTensor(region_id, 0, _wire_dtype(kv_cache.dtype),
                                (STATE.segment.size // kv_cache.element_size(),))
     keys = laprox.PagedKV.tensor(pool, block_ids[:nblocks], n, offset=offset,
                                  slot_stride=key_slot, dim_stride=key_dim, **common)
@@ -514,29 +638,45 @@ def _execute_model(original: Any) -> Any:
 def _plan(runner: Any, done: List[Tuple[str, _Prefill]]) -> None:
     import laprox
 
-    if not _connect():
-        STATE.metrics.failures += len(done)  # laproxd unreachable: logged by _connect
+    link = STATE.link
+    if link is None:
+        # Not registered yet, or laproxd is being checked after a timeout (logged there).
+        STATE.metrics.failures += len(done)
+        STATE.metrics.not_ready += len(done)
         return
     started = time.perf_counter()
     context = runner.compilation_config.static_forward_context
     names = sorted((name for name in context if _LAYER.search(name)),
                    key=lambda name: int(_LAYER.search(name).group(1)))
     sequences = []
+    deadline = plan_deadline(sum(prefill.prompt_len for _, prefill in done),
+                             STATE.config.deadline)
     try:
         for _, prefill in done:
             keys, values = [], []
             for name in names:
-                k, v = _paged_layer(context[name], prefill.block_ids, prefill.prompt_len)
+                k, v = _paged_layer(context[name], link.region_id, prefill.block_ids,
+                                    prefill.prompt_len)
                 keys.append(k)
                 values.append(v)
             sequences.append(laprox.SequenceInputs(
                 keys, values, list(prefill.queries), budget=STATE.config.budget,
                 **STATE.config.policy))
-        plans = _client().compute_keep_plans(STATE.model_id, sequences)
+        plans = link.client.compute_keep_plans(link.model_id, sequences, timeout=deadline)
     except Exception as e:
-        if getattr(getattr(e, "code", None), "name", "") in _RECONNECT_CODES:
-            _forget_registrations()
-        STATE.warn(f"ComputeKeepPlans failed ({e})", len(done))
+        code = _code(e)
+        if code == "DEADLINE_EXCEEDED":
+            # laproxd stopped or overloaded: no step waits on it again until it answers.
+            STATE.link = None
+            STATE.connector.give_back(link, stale=False)
+            STATE.metrics.timeouts += len(done)
+            STATE.warn(f"laproxd did not answer within the plan deadline of {deadline:.3g} s "
+                       f"(LAPROX_VLLM_DEADLINE_SECONDS); plans resume once it answers", len(done))
+        else:
+            if code in _RECONNECT_CODES:
+                STATE.link = None
+                STATE.connector.give_back(link, stale=True)
+            STATE.warn(f"ComputeKeepPlans failed ({e})", len(done))
         return
     finally:
         STATE.metrics.observe("call", time.perf_counter() - started)
