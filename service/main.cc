@@ -123,6 +123,13 @@ ABSL_FLAG(int64_t, max_pending, 64,
           "requests waiting beyond those running (then RESOURCE_EXHAUSTED)");
 ABSL_FLAG(int64_t, max_regions, 1024, "registered regions at most");
 ABSL_FLAG(int64_t, max_models, 64, "registered models at most");
+ABSL_FLAG(int64_t, max_share_series_per_model, 1024,
+          "budget-share series (laprox_head_budget_share_*) one model may have: one per (layer, "
+          "KV head) when they fit, else one per layer over all its KV heads (kv_head=\"all\"), "
+          "else per band of layers (monitoring/METRICS.md)");
+ABSL_FLAG(int64_t, max_share_series, 2048,
+          "budget-share series all models together may have (first come, first served); a "
+          "model registered beyond it gets fewer, coarser ones");
 ABSL_FLAG(int64_t, max_tokens, int64_t{1} << 20, "n (prompt tokens) per request at most");
 ABSL_FLAG(int64_t, max_batch_sequences, 256,
           "sequences per ComputeKeepPlans call at most (each is also bounded by max_tokens, and "
@@ -267,6 +274,15 @@ int main(int argc, char** argv) {
     }
   }
   for (const auto& [name, value] :
+       {std::pair{"max_share_series_per_model", &FLAGS_max_share_series_per_model},
+        std::pair{"max_share_series", &FLAGS_max_share_series}}) {
+    if (absl::GetFlag(*value) < 1 || absl::GetFlag(*value) > (int64_t{1} << 20)) {
+      std::fprintf(stderr, "laproxd: --%s=%lld is outside [1, 2^20]\n", name,
+                   static_cast<long long>(absl::GetFlag(*value)));
+      return 1;
+    }
+  }
+  for (const auto& [name, value] :
        {std::pair{"workers", &FLAGS_workers}, std::pair{"heavy_workers", &FLAGS_heavy_workers}}) {
     if (absl::GetFlag(*value) < 1 || absl::GetFlag(*value) > 1024) {
       std::fprintf(stderr, "laproxd: --%s=%d is outside [1, 1024]\n", name, absl::GetFlag(*value));
@@ -320,28 +336,33 @@ int main(int argc, char** argv) {
        .device = active_device,
        .max_regions = core.limits().max_regions,
        .max_models = core.limits().max_models,
-       .snapshot = [&core] {
-         laprox::service::StateSnapshot s;
-         for (const laprox::service::RegionInfo& r : core.regions().List()) {
-           auto& totals =
-               s.regions_by_kind[r.kind == laprox::service::RegionKind::kShm ? "shm" : "cuda_ipc"];
-           ++totals.count;
-           totals.bytes += r.byte_size;
-           s.shrunk_regions += r.shrunk ? 1 : 0;
-         }
-         s.region_faults = laprox::service::GuardedFaultCount();
-         s.memory_budgets["request"] = {.reserved = core.request_memory().in_use(),
-                                        .limit = core.request_memory().limit()};
-         s.memory_budgets["model"] = {.reserved = core.model_memory().in_use(),
-                                      .limit = core.model_memory().limit()};
-         const auto models = core.model_totals();
-         s.models = models.count;
-         s.prepared_bytes = models.prepared_bytes;
-         for (const laprox::kernels::DeviceDescription& d : core.backend().Devices()) {
-           if (d.used_memory_bytes >= 0) s.device_memory_used_bytes[d.uuid] = d.used_memory_bytes;
-         }
-         return s;
-       }});
+       .snapshot =
+           [&core] {
+             laprox::service::StateSnapshot s;
+             for (const laprox::service::RegionInfo& r : core.regions().List()) {
+               auto& totals =
+                   s.regions_by_kind[r.kind == laprox::service::RegionKind::kShm ? "shm"
+                                                                                 : "cuda_ipc"];
+               ++totals.count;
+               totals.bytes += r.byte_size;
+               s.shrunk_regions += r.shrunk ? 1 : 0;
+             }
+             s.region_faults = laprox::service::GuardedFaultCount();
+             s.memory_budgets["request"] = {.reserved = core.request_memory().in_use(),
+                                            .limit = core.request_memory().limit()};
+             s.memory_budgets["model"] = {.reserved = core.model_memory().in_use(),
+                                          .limit = core.model_memory().limit()};
+             const auto models = core.model_totals();
+             s.models = models.count;
+             s.prepared_bytes = models.prepared_bytes;
+             for (const laprox::kernels::DeviceDescription& d : core.backend().Devices()) {
+               if (d.used_memory_bytes >= 0)
+                 s.device_memory_used_bytes[d.uuid] = d.used_memory_bytes;
+             }
+             return s;
+           },
+       .share_caps = {.per_model = absl::GetFlag(FLAGS_max_share_series_per_model),
+                      .total = absl::GetFlag(FLAGS_max_share_series)}});
   std::unique_ptr<laprox::service::HttpExposer> exposer;
   if (const std::string address = absl::GetFlag(FLAGS_metrics_listen); !address.empty()) {
     auto started = laprox::service::HttpExposer::Start(

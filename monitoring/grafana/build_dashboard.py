@@ -134,7 +134,10 @@ def build():
     share = f'{INST}, model="$model"'
     panel("heatmap", "Budget share per (layer, KV head), latest request — 1 is an even split",
           "Each row is one (layer, KV head); colour is the tokens it kept divided by the even "
-          "share (all kept tokens / (L * Hkv)). LaProx moves budget to the heads that need it.",
+          "share (all kept tokens / (L * Hkv)). LaProx moves budget to the heads that need it. "
+          "A model wider than --max_share_series_per_model (or registered once "
+          "--max_share_series is used up) has one row per layer (H all) or per band of layers "
+          "(L0-3 Hall): the mean share of the heads it covers.",
           [(f"laprox_head_budget_share_ratio{{{share}}}", "L{{layer}} H{{kv_head}}")],
           x=0, w=12, h=12,
           extra={"options": {"calculate": False, "yAxis": {"axisPlacement": "left"},

@@ -290,6 +290,10 @@ grpc::ServerUnaryReactor* LaproxService::RegisterModel(grpc::CallbackServerConte
       [this, context, owner = *std::move(owner), request, response](Call&) -> absl::Status {
         auto spec = ModelSpecFromProto(*request);
         if (!spec.ok()) return spec.status();
+        // Its metrics series live as long as the model: their memory is the model's too.
+        if (options_.metrics != nullptr) {
+          spec->bookkeeping_bytes = options_.metrics->ModelSeriesBytes(spec->geometry);
+        }
         CallContext call_context;
         call_context.deadline = Deadline(context);
         call_context.cancelled = [context] { return context->IsCancelled(); };
@@ -297,7 +301,11 @@ grpc::ServerUnaryReactor* LaproxService::RegisterModel(grpc::CallbackServerConte
         auto model = core_.RegisterModel(*spec, call_context);
         if (!model.ok()) return model.status();
         if (options_.metrics != nullptr) {
-          options_.metrics->AddModel(model->id, model->name, model->geometry);
+          if (absl::Status s = options_.metrics->AddModel(model->id, model->name, model->geometry);
+              !s.ok()) {
+            core_.UnregisterModel(model->id, owner).IgnoreError();  // nothing half-registered
+            return s;
+          }
         }
         if (options_.leases != nullptr) {
           options_.leases->Add(owner, LeaseTable::Kind::kModel, model->id);

@@ -1,6 +1,8 @@
 #include "service/metrics/http_exposer.h"
 
 #include <cstring>
+#include <exception>
+#include <string>
 #include <utility>
 
 #include <arpa/inet.h>
@@ -36,8 +38,19 @@ MHD_Result Dispatch(void* cls, MHD_Connection* connection, const char* url, cons
     return Reply(connection, MHD_HTTP_METHOD_NOT_ALLOWED, "only GET\n", "text/plain");
   }
   if (std::strcmp(url, "/metrics") == 0) {
-    return Reply(connection, MHD_HTTP_OK, static_cast<const HttpExposer*>(cls)->Render(),
-                 kContentType);
+    // The body is built whole: a host short of memory (std::bad_alloc) fails this scrape, never
+    // the process.
+    std::string body;
+    try {
+      body = static_cast<const HttpExposer*>(cls)->Render();
+    } catch (const std::exception& e) {
+      static_cast<const HttpExposer*>(cls)->CountFailure();
+      std::string text = "laproxd could not render its metrics: ";
+      text += e.what();
+      text += "\n";
+      return Reply(connection, MHD_HTTP_INTERNAL_SERVER_ERROR, text, "text/plain");
+    }
+    return Reply(connection, MHD_HTTP_OK, body, kContentType);
   }
   if (std::strcmp(url, "/") == 0) {
     return Reply(connection, MHD_HTTP_OK, "laproxd: metrics are at /metrics\n", "text/plain");

@@ -7,6 +7,8 @@
 #ifndef LAPROX_SERVICE_METRICS_HTTP_EXPOSER_H_
 #define LAPROX_SERVICE_METRICS_HTTP_EXPOSER_H_
 
+#include <atomic>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -29,13 +31,17 @@ class HttpExposer {
   HttpExposer& operator=(const HttpExposer&) = delete;
 
   int port() const { return port_; }
-  // The page /metrics serves now.
+  // The page /metrics serves now. An exception from `body()` (std::bad_alloc) becomes an HTTP
+  // 500 for that scrape (counted in failures()); the next scrape tries again.
   std::string Render() const { return body_(); }
+  int64_t failures() const { return failures_.load(std::memory_order_relaxed); }
+  void CountFailure() const { failures_.fetch_add(1, std::memory_order_relaxed); }
 
  private:
   explicit HttpExposer(std::function<std::string()> body) : body_(std::move(body)) {}
 
   std::function<std::string()> body_;
+  mutable std::atomic<int64_t> failures_{0};
   MHD_Daemon* daemon_ = nullptr;
   int port_ = 0;
 };

@@ -61,13 +61,6 @@ const prometheus::Histogram::BucketBoundaries& RatioBuckets() {
   return *buckets;
 }
 
-// Budget share: kept / uniform share; 1 means the uniform split.
-const prometheus::Histogram::BucketBoundaries& ShareBuckets() {
-  static const auto* buckets = new prometheus::Histogram::BucketBoundaries{
-      0, 0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2, 3, 5, 10};
-  return *buckets;
-}
-
 prometheus::ClientMetric GaugeSample(std::vector<prometheus::ClientMetric::Label> labels,
                                      double value) {
   prometheus::ClientMetric m;
@@ -158,19 +151,10 @@ class Metrics::StateCollector : public prometheus::Collectable {
   std::function<StateSnapshot()> snapshot_;
 };
 
-// The per-(layer, KV head) and per-layer children of one registered model.
-struct Metrics::ModelSeries {
-  int num_layers = 0;
-  int num_kv_heads = 0;
-  std::vector<prometheus::Gauge*> head_share;            // [L * Hkv]
-  std::vector<prometheus::Histogram*> head_share_hist;   // [L * Hkv]
-  std::vector<prometheus::Gauge*> layer_share;           // [L]
-  std::vector<prometheus::Histogram*> layer_share_hist;  // [L]
-};
-
 Metrics::Metrics(std::shared_ptr<prometheus::Registry> registry, MetricsOptions options)
     : registry_(std::move(registry)),
-      state_(std::make_shared<StateCollector>(std::move(options.snapshot))) {
+      state_(std::make_shared<StateCollector>(std::move(options.snapshot))),
+      shares_(std::make_shared<BudgetShares>(options.share_caps)) {
   using prometheus::BuildCounter;
   using prometheus::BuildGauge;
   using prometheus::BuildHistogram;
@@ -278,27 +262,6 @@ Metrics::Metrics(std::shared_ptr<prometheus::Registry> registry, MetricsOptions 
             {"device", options.device},
             {"description", options.backend_description}})
       .Set(1);
-
-  head_share_ = &BuildGauge()
-                     .Name("laprox_head_budget_share_ratio")
-                     .Help(
-                         "Latest keep-plan: tokens a (layer, KV head) kept divided by the "
-                         "uniform share (all kept tokens / (L * Hkv)); 1 is an even split.")
-                     .Register(r);
-  head_share_hist_ = &BuildHistogram()
-                          .Name("laprox_head_budget_share_distribution")
-                          .Help("Budget share of each (layer, KV head) over all keep-plans.")
-                          .Register(r);
-  layer_share_ = &BuildGauge()
-                      .Name("laprox_layer_budget_share")
-                      .Help(
-                          "Latest keep-plan: tokens a layer kept divided by the uniform "
-                          "share (all kept tokens / L); 1 is an even split.")
-                      .Register(r);
-  layer_share_hist_ = &BuildHistogram()
-                           .Name("laprox_layer_budget_share_distribution")
-                           .Help("Budget share of each layer over all keep-plans.")
-                           .Register(r);
 }
 
 Metrics::~Metrics() = default;
@@ -308,6 +271,7 @@ std::shared_ptr<prometheus::Collectable> Metrics::state_collectable() const { re
 std::string Metrics::SerializeText() const {
   std::vector<prometheus::MetricFamily> families = registry_->Collect();
   for (auto& f : state_->Collect()) families.push_back(std::move(f));
+  for (auto& f : shares_->Collect()) families.push_back(std::move(f));
   std::ostringstream out;
   prometheus::TextSerializer().Serialize(out, families);
   return out.str();
@@ -343,63 +307,18 @@ void Metrics::RecordPlan(uint64_t model_id, const kernels::KeepPlan& plan) {
   tokens_received_->Increment(static_cast<double>(entries));
   tokens_kept_->Increment(static_cast<double>(kept));
   if (entries > 0) kept_ratio_->Observe(static_cast<double>(kept) / static_cast<double>(entries));
-  if (kept == 0) return;  // no share to speak of
-
-  absl::MutexLock lock(&mu_);
-  auto it = models_.find(model_id);
-  if (it == models_.end()) return;  // unregistered while the request ran
-  ModelSeries& series = *it->second;
-  if (series.num_layers != plan.num_layers || series.num_kv_heads != plan.num_kv_heads) return;
-  const double per_head = static_cast<double>(kept) / (plan.num_layers * plan.num_kv_heads);
-  const double per_layer = static_cast<double>(kept) / plan.num_layers;
-  for (int l = 0; l < plan.num_layers; ++l) {
-    int64_t layer_kept = 0;
-    for (int h = 0; h < plan.num_kv_heads; ++h) {
-      const int i = l * plan.num_kv_heads + h;
-      const double share = plan.counts[i] / per_head;
-      series.head_share[i]->Set(share);
-      series.head_share_hist[i]->Observe(share);
-      layer_kept += plan.counts[i];
-    }
-    const double share = static_cast<double>(layer_kept) / per_layer;
-    series.layer_share[l]->Set(share);
-    series.layer_share_hist[l]->Observe(share);
-  }
+  shares_->Record(model_id, plan);
 }
 
-void Metrics::AddModel(uint64_t model_id, const std::string& name,
-                       const kernels::ModelGeometry& g) {
-  auto series = std::make_unique<ModelSeries>();
-  series->num_layers = g.num_layers;
-  series->num_kv_heads = g.num_kv_heads;
-  const std::string id = absl::StrCat(model_id);
-  const std::string& model = name.empty() ? id : name;
-  for (int l = 0; l < g.num_layers; ++l) {
-    const std::string layer = absl::StrCat(l);
-    const prometheus::Labels layer_labels = {{"model", model}, {"model_id", id}, {"layer", layer}};
-    series->layer_share.push_back(&layer_share_->Add(layer_labels));
-    series->layer_share_hist.push_back(&layer_share_hist_->Add(layer_labels, ShareBuckets()));
-    for (int h = 0; h < g.num_kv_heads; ++h) {
-      prometheus::Labels labels = layer_labels;
-      labels.emplace("kv_head", absl::StrCat(h));
-      series->head_share.push_back(&head_share_->Add(labels));
-      series->head_share_hist.push_back(&head_share_hist_->Add(labels, ShareBuckets()));
-    }
-  }
-  absl::MutexLock lock(&mu_);
-  models_[model_id] = std::move(series);
+absl::Status Metrics::AddModel(uint64_t model_id, const std::string& name,
+                               const kernels::ModelGeometry& g) {
+  return shares_->Add(model_id, name, g);
 }
 
-void Metrics::RemoveModel(uint64_t model_id) {
-  absl::MutexLock lock(&mu_);
-  auto it = models_.find(model_id);
-  if (it == models_.end()) return;
-  ModelSeries& s = *it->second;
-  for (prometheus::Gauge* g : s.head_share) head_share_->Remove(g);
-  for (prometheus::Histogram* h : s.head_share_hist) head_share_hist_->Remove(h);
-  for (prometheus::Gauge* g : s.layer_share) layer_share_->Remove(g);
-  for (prometheus::Histogram* h : s.layer_share_hist) layer_share_hist_->Remove(h);
-  models_.erase(it);
+void Metrics::RemoveModel(uint64_t model_id) { shares_->Remove(model_id); }
+
+int64_t Metrics::ModelSeriesBytes(const kernels::ModelGeometry& g) const {
+  return shares_->BytesFor(g);
 }
 
 void Metrics::SetServing(bool serving) { serving_->Set(serving ? 1 : 0); }

@@ -1,10 +1,11 @@
 // Metrics: laproxd's Prometheus metrics (monitoring/METRICS.md is the catalogue).
 //
 // Every family is declared once, in the constructor; every child the request path touches is
-// created there too (per method x gRPC code, per stage) or when a model registers (per layer x
-// KV head), so recording a call is a few atomic adds. Values that are state rather than events
-// (regions, models, prepared bytes) are read from the Core when Prometheus scrapes, so they
-// cannot drift from the truth.
+// created there too (per method x gRPC code, per stage), so recording a call is a few atomic
+// adds. The budget shares of each registered model (per layer x KV head) are kept apart, capped
+// in number (budget_shares.h), and exist only while their model is registered. Values that are
+// state rather than events (regions, models, prepared bytes) are read from the Core when
+// Prometheus scrapes, so they cannot drift from the truth.
 #ifndef LAPROX_SERVICE_METRICS_METRICS_H_
 #define LAPROX_SERVICE_METRICS_METRICS_H_
 
@@ -16,10 +17,10 @@
 #include <string>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "absl/status/status.h"
 #include "laprox/kernels/geometry.h"
 #include "laprox/kernels/keep_plan.h"
+#include "service/metrics/budget_shares.h"
 
 namespace prometheus {
 class Collectable;
@@ -79,6 +80,8 @@ struct MetricsOptions {
   int64_t max_regions = 0;
   int64_t max_models = 0;
   std::function<StateSnapshot()> snapshot;  // called on every scrape
+  // How many budget-share series a model, and all models, may have (budget_shares.h).
+  BudgetShares::Caps share_caps;
 };
 
 class Metrics {
@@ -91,7 +94,8 @@ class Metrics {
   const std::shared_ptr<prometheus::Registry>& registry() const { return registry_; }
   // The scrape-time state (regions, models, memory); an exposer registers it beside registry().
   std::shared_ptr<prometheus::Collectable> state_collectable() const;
-  // Everything, in Prometheus' text format (what /metrics serves).
+  // Everything, in Prometheus' text format (what /metrics serves). May throw std::bad_alloc
+  // (the HTTP exposer answers that scrape with 500).
   std::string SerializeText() const;
 
   // A finished call: its method, gRPC status code (0..16) and wall time from arrival to reply.
@@ -109,9 +113,15 @@ class Metrics {
   // share of every (layer, KV head) and layer.
   void RecordPlan(uint64_t model_id, const kernels::KeepPlan& plan);
 
-  // Per-layer/head children exist only while their model is registered.
-  void AddModel(uint64_t model_id, const std::string& name, const kernels::ModelGeometry& g);
+  // The budget-share series exist only while their model is registered: AddModel and
+  // RemoveModel cost O(that model's series) (BudgetShares::Add / Remove; AddModel answers
+  // RESOURCE_EXHAUSTED, keeping nothing, when the host has no memory for them). ModelSeriesBytes
+  // bounds what AddModel keeps, for the model memory budget.
+  absl::Status AddModel(uint64_t model_id, const std::string& name,
+                        const kernels::ModelGeometry& g);
   void RemoveModel(uint64_t model_id);
+  int64_t ModelSeriesBytes(const kernels::ModelGeometry& g) const;
+  const BudgetShares& budget_shares() const { return *shares_; }
 
   // 1 while the server accepts calls, 0 while it drains or after a fatal backend error.
   void SetServing(bool serving);
@@ -119,7 +129,6 @@ class Metrics {
   void SetReady(bool ready);
 
  private:
-  struct ModelSeries;
   class StateCollector;
 
   std::shared_ptr<prometheus::Registry> registry_;
@@ -139,13 +148,7 @@ class Metrics {
   prometheus::Counter* tokens_kept_ = nullptr;
   prometheus::Histogram* kept_ratio_ = nullptr;
 
-  prometheus::Family<prometheus::Gauge>* head_share_ = nullptr;
-  prometheus::Family<prometheus::Histogram>* head_share_hist_ = nullptr;
-  prometheus::Family<prometheus::Gauge>* layer_share_ = nullptr;
-  prometheus::Family<prometheus::Histogram>* layer_share_hist_ = nullptr;
-
-  absl::Mutex mu_;
-  std::map<uint64_t, std::unique_ptr<ModelSeries>> models_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<BudgetShares> shares_;
 };
 
 }  // namespace laprox::service

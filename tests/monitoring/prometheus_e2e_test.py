@@ -3,8 +3,10 @@
 
     prometheus_e2e_test.py LAPROXD LAPROX_TRAFFIC REPO_ROOT
 
-Starts two laproxd (A: a busy engine; B: an engine that registered its regions up to the limit
-and never asks for a plan) and names a third target where nothing listens (C: a dead sidecar),
+Starts two laproxd (A: a busy engine, its model's budget shares capped at 2 series so that the
+dashboard is shown to work on coarse series, one per layer; B: an engine that registered its
+regions up to the limit and never asks for a plan) and names a third target where nothing
+listens (C: a dead sidecar),
 starts Prometheus on loopback with a 1 s scrape and rule interval and the project's rules, sends
 a known set of calls with laprox_traffic, and then evaluates through Prometheus's HTTP API:
 
@@ -210,7 +212,9 @@ def main(argv):
     try:
         # The traffic clients exit once they have planted regions and models; --lease_seconds=0
         # keeps what they registered (laproxd would otherwise reclaim it: service/core/leases.h).
-        a, a_target, a_metrics = start_laproxd(laproxd, tmp, "a", "--lease_seconds=0")
+        # The traffic model has 2 layers x 2 KV heads: at 2 series it gets one per layer.
+        a, a_target, a_metrics = start_laproxd(laproxd, tmp, "a", "--lease_seconds=0",
+                                               "--max_share_series_per_model=2")
         procs.append(a)
         b, b_target, b_metrics = start_laproxd(laproxd, tmp, "b", "--max_regions=4",
                                                "--lease_seconds=0")
@@ -249,6 +253,10 @@ def main(argv):
         checks = []  # (description, expr, kind, expected instances)
         for title, expr in dashboard_queries(dashboard, "traffic"):
             checks.append((f"dashboard {title!r}", expr, "data", None))
+        checks.append(("coarse budget-share series", 'laprox_budget_share_series{model="traffic",'
+                       'granularity="layer"} == 2', "data", None))
+        checks.append(("a coarse head series", 'laprox_head_budget_share_ratio{model="traffic",'
+                       'kv_head="all",layer="1"}', "data", None))
         for rule in rules:
             if "record" in rule:
                 checks.append((f"recording rule {rule['record']}", rule["expr"], "data", None))

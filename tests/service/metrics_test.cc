@@ -4,17 +4,24 @@
 // per-model series disappearing with their model. Real gRPC over a temporary Unix socket.
 #include "service/metrics/metrics.h"
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
+#include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <prometheus/registry.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "absl/strings/numbers.h"
@@ -214,6 +221,230 @@ TEST_F(MetricsTest, RegionsAreCountedAtScrapeTime) {
     EXPECT_EQ(Sample(text, "laprox_registered_regions{kind=\"cuda_ipc\"}"), 0);
   }  // the buffer unregisters its region
   EXPECT_EQ(Sample(Text(), "laprox_registered_regions{kind=\"shm\"}"), 0);
+}
+
+// --- Issue 34: bounded budget-share series --------------------------------------------------
+
+// A plan of `L` x `Hkv` with deterministic, uneven counts (every one at least 1).
+kernels::KeepPlan FakePlan(int L, int Hkv, uint32_t seed) {
+  kernels::KeepPlan plan;
+  plan.num_layers = L;
+  plan.num_kv_heads = Hkv;
+  plan.n = 4096;
+  std::mt19937 rng(seed);
+  for (int i = 0; i < L * Hkv; ++i) plan.counts.push_back(1 + static_cast<int32_t>(rng() % 97));
+  return plan;
+}
+
+// The share of layers [l0, l1) x heads [h0, h1), computed here from the counts: their kept
+// tokens over the even share of that many (layer, head) pairs.
+double MeanShare(const kernels::KeepPlan& plan, int l0, int l1, int h0, int h1) {
+  double kept = 0, group = 0;
+  for (int32_t c : plan.counts) kept += c;
+  for (int l = l0; l < l1; ++l) {
+    for (int h = h0; h < h1; ++h) group += plan.count(l, h);
+  }
+  const double even = kept / (static_cast<double>(plan.num_layers) * plan.num_kv_heads);
+  return group / ((l1 - l0) * (h1 - h0) * even);
+}
+
+Metrics MakeMetrics(BudgetShares::Caps caps) {
+  return Metrics(std::make_shared<prometheus::Registry>(),
+                 MetricsOptions{.version = "test", .share_caps = caps});
+}
+
+std::string HeadSeries(uint64_t id, const std::string& layer, const std::string& head) {
+  return absl::StrCat("laprox_head_budget_share_ratio{kv_head=\"", head, "\",layer=\"", layer,
+                      "\",model=\"m", id, "\",model_id=\"", id, "\"}");
+}
+std::string LayerSeries(uint64_t id, const std::string& layer) {
+  return absl::StrCat("laprox_layer_budget_share{layer=\"", layer, "\",model=\"m", id,
+                      "\",model_id=\"", id, "\"}");
+}
+
+// A model beyond its cap gets one series per layer over all its KV heads; one whose layers do
+// not fit either, bands of layers. Every value is the mean share of the pairs it covers.
+TEST(BudgetSharesTest, BeyondTheCapSeriesCoverLayersThenBandsOfLayers) {
+  Metrics metrics = MakeMetrics({.per_model = 6, .total = 100});
+  const struct {
+    uint64_t id;
+    int L, Hkv;
+    BudgetShares::Granularity granularity;
+    int band;  // layers per series
+  } models[] = {{1, 3, 2, BudgetShares::Granularity::kHead, 1},
+                {2, 4, 2, BudgetShares::Granularity::kLayer, 1},
+                {3, 13, 2, BudgetShares::Granularity::kBand, 3}};
+  for (const auto& m : models) {
+    ASSERT_TRUE(
+        metrics.AddModel(m.id, absl::StrCat("m", m.id), {m.L, m.Hkv, m.Hkv, 1, 1, 0.f}).ok());
+    BudgetShares::Granularity granularity;
+    int64_t series = 0;
+    ASSERT_TRUE(metrics.budget_shares().Describe(m.id, &granularity, &series));
+    EXPECT_EQ(granularity, m.granularity) << m.id;
+    EXPECT_LE(series, 6) << m.id;
+  }
+  for (const auto& m : models) {
+    const kernels::KeepPlan plan = FakePlan(m.L, m.Hkv, static_cast<uint32_t>(m.id));
+    metrics.RecordPlan(m.id, plan);
+    const std::string text = metrics.SerializeText();
+    for (int l0 = 0; l0 < m.L; l0 += m.band) {
+      const int l1 = std::min(m.L, l0 + m.band);
+      const std::string layer = m.band == 1 ? absl::StrCat(l0) : absl::StrCat(l0, "-", l1 - 1);
+      if (m.granularity == BudgetShares::Granularity::kHead) {
+        for (int h = 0; h < m.Hkv; ++h) {
+          const auto share = Sample(text, HeadSeries(m.id, layer, absl::StrCat(h)));
+          ASSERT_TRUE(share.has_value()) << m.id << " " << layer << " " << h;
+          EXPECT_NEAR(*share, MeanShare(plan, l0, l1, h, h + 1), 1e-12);
+        }
+      } else {
+        EXPECT_FALSE(Sample(text, HeadSeries(m.id, layer, "0")).has_value());
+        const auto share = Sample(text, HeadSeries(m.id, layer, "all"));
+        ASSERT_TRUE(share.has_value()) << m.id << " " << layer;
+        EXPECT_NEAR(*share, MeanShare(plan, l0, l1, 0, m.Hkv), 1e-12);
+      }
+      const auto layer_share = Sample(text, LayerSeries(m.id, layer));
+      ASSERT_TRUE(layer_share.has_value()) << m.id << " " << layer;
+      EXPECT_NEAR(*layer_share, MeanShare(plan, l0, l1, 0, m.Hkv), 1e-12);
+    }
+  }
+  const std::string text = metrics.SerializeText();
+  EXPECT_EQ(Sample(text,
+                   "laprox_budget_share_series{granularity=\"band\",model=\"m3\","
+                   "model_id=\"3\"}"),
+            5);  // 0-2, 3-5, 6-8, 9-11, 12-12
+}
+
+// The total cap is first come, first served; an unregistered model's series go back to it.
+TEST(BudgetSharesTest, TheTotalCapIsSharedByTheModels) {
+  Metrics metrics = MakeMetrics({.per_model = 8, .total = 10});
+  const kernels::ModelGeometry g = {2, 4, 4, 1, 1, 0.f};  // 8 (layer, KV head) pairs
+  BudgetShares::Granularity granularity;
+  int64_t series = 0;
+  ASSERT_TRUE(metrics.AddModel(1, "m1", g).ok());
+  ASSERT_TRUE(metrics.AddModel(2, "m2", g).ok());  // 2 left: one per layer
+  ASSERT_TRUE(metrics.budget_shares().Describe(2, &granularity, &series));
+  EXPECT_EQ(granularity, BudgetShares::Granularity::kLayer);
+  EXPECT_EQ(series, 2);
+  ASSERT_TRUE(metrics.AddModel(3, "m3", g).ok());  // none left: one band of both layers
+  ASSERT_TRUE(metrics.budget_shares().Describe(3, &granularity, &series));
+  EXPECT_EQ(granularity, BudgetShares::Granularity::kBand);
+  EXPECT_EQ(series, 1);
+  EXPECT_EQ(metrics.budget_shares().head_series(), 11);
+  metrics.RemoveModel(1);
+  EXPECT_EQ(metrics.budget_shares().head_series(), 3);
+  metrics.RemoveModel(2);
+  ASSERT_TRUE(metrics.AddModel(4, "m4", g).ok());  // room again: 9 left
+  ASSERT_TRUE(metrics.budget_shares().Describe(4, &granularity, &series));
+  EXPECT_EQ(granularity, BudgetShares::Granularity::kHead);
+  EXPECT_EQ(series, 8);
+}
+
+// Row 3 of issue 34: 64 models of 128 layers x 128 KV heads, a plan each, then a scrape. Before:
+// 32 MB and 265K series per model, a body cut at 2^29 bytes at 32 models, std::bad_alloc and an
+// abort at 64. At the default caps the scrape stays small and the model's memory is bounded.
+TEST(BudgetSharesTest, WideModelsKeepTheScrapeBounded) {
+  Metrics metrics = MakeMetrics({});
+  const kernels::ModelGeometry g = {128, 128, 128, 1, 1, 0.f};
+  EXPECT_LT(metrics.ModelSeriesBytes(g), 1 << 20);  // reserved against the model budget
+  for (uint64_t id = 1; id <= 64; ++id) {
+    ASSERT_TRUE(metrics.AddModel(id, absl::StrCat("m", id), g).ok());
+    metrics.RecordPlan(id, FakePlan(128, 128, static_cast<uint32_t>(id)));
+  }
+  EXPECT_LE(metrics.budget_shares().head_series(), BudgetShares::Caps{}.total + 64);
+  const std::string text = metrics.SerializeText();
+  EXPECT_LT(text.size(), size_t{10} << 20);
+  EXPECT_TRUE(Sample(text, HeadSeries(1, "0", "all")).has_value());       // one per layer
+  EXPECT_TRUE(Sample(text, HeadSeries(64, "0-127", "all")).has_value());  // one band
+}
+
+// Row 4 of issue 34: the series of a 256 x 256 model go with it, the others stay.
+TEST(BudgetSharesTest, RemovingAModelRemovesOnlyItsSeries) {
+  Metrics metrics = MakeMetrics({.per_model = 1 << 20, .total = 1 << 20});
+  ASSERT_TRUE(metrics.AddModel(1, "m1", {3, 4, 2, 1, 1, 0.f}).ok());
+  ASSERT_TRUE(metrics.AddModel(2, "m2", {256, 256, 256, 1, 1, 0.f}).ok());
+  metrics.RecordPlan(2, FakePlan(256, 256, 2));
+  EXPECT_EQ(metrics.budget_shares().head_series(), 6 + 256 * 256);
+  metrics.RemoveModel(2);
+  EXPECT_EQ(metrics.budget_shares().head_series(), 6);
+  const std::string text = metrics.SerializeText();
+  EXPECT_THAT(text, ::testing::Not(::testing::HasSubstr("model_id=\"2\"")));
+  EXPECT_TRUE(Sample(text, HeadSeries(1, "2", "1")).has_value());
+}
+
+// Through the service: unregistering a 256 x 256 model after a plan answers at once, and
+// another client registers a model meanwhile. Before: 49-91 s, and every other client's
+// RegisterModel and ComputeKeepMask missed its 5 s deadline.
+TEST_F(MetricsTest, UnregisteringAWideModelDoesNotStallOthers) {
+  constexpr int kWide = 256;
+  const std::vector<float> w(kWide, 0.5f);
+  std::vector<client::TensorRef> o_proj(
+      kWide, client::TensorRef::Inline(w.data(), kernels::DType::kF32, {1, kWide}));
+  auto wide = client_->RegisterModel("wide", {kWide, kWide, kWide, 1, 1, 0.f}, o_proj);
+  ASSERT_TRUE(wide.ok()) << wide.status();
+  constexpr int64_t kTokens = 4;  // the request stays below gRPC's 4 MiB default
+  const std::vector<float> ones(kWide * kTokens, 1.f);
+  std::vector<client::LayerRefs> layers(kWide);
+  for (client::LayerRefs& layer : layers) {
+    layer.keys = client::TensorRef::Inline(ones.data(), kernels::DType::kF32, {kWide, kTokens, 1});
+    layer.values = layer.keys;
+    layer.window_queries =
+        client::TensorRef::Inline(ones.data(), kernels::DType::kF32, {kWide, 1, 1});
+  }
+  kernels::PolicySpec policy;
+  policy.window = 1;
+  policy.budget = kernels::Budget::TokensPerHead(2);
+  const auto plan = client_->ComputeKeepPlan(*wide, kTokens, layers, policy);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const auto start = std::chrono::steady_clock::now();
+  std::atomic<bool> other_ok{false};
+  std::thread other([&] { other_ok = RegisterModel() != 0; });
+  EXPECT_TRUE(client_->UnregisterModel(*wide).ok());
+  other.join();
+  EXPECT_TRUE(other_ok);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_THAT(Text(), ::testing::Not(::testing::HasSubstr("model=\"wide\"")));
+}
+
+// A GET /metrics over a real socket: the HTTP status code and the body.
+std::pair<int, std::string> HttpGet(int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0) {
+    close(fd);
+    return {-1, ""};
+  }
+  const std::string request = "GET " + path + " HTTP/1.0\r\n\r\n";
+  if (write(fd, request.data(), request.size()) < 0) return {-1, ""};
+  std::string response;
+  char buffer[4096];
+  for (ssize_t got; (got = read(fd, buffer, sizeof(buffer))) > 0;) response.append(buffer, got);
+  close(fd);
+  int code = -1;
+  if (response.size() > 12) absl::SimpleAtoi(response.substr(9, 3), &code);
+  const size_t body = response.find("\r\n\r\n");
+  return {code, body == std::string::npos ? "" : response.substr(body + 4)};
+}
+
+// A body that throws std::bad_alloc (the host out of memory) fails that scrape with 500; the
+// next scrape is served. Before: std::terminate took laproxd down.
+TEST(HttpExposerTest, AnAllocationFailureFailsTheScrapeNotTheServer) {
+  std::atomic<bool> fail{true};
+  auto exposer = HttpExposer::Start("127.0.0.1:0", [&fail]() -> std::string {
+    if (fail) throw std::bad_alloc();
+    return "x_total 1\n";
+  });
+  ASSERT_TRUE(exposer.ok()) << exposer.status();
+  const auto [code, body] = HttpGet((*exposer)->port(), "/metrics");
+  EXPECT_EQ(code, 500);
+  EXPECT_THAT(body, ::testing::HasSubstr("could not render"));
+  EXPECT_EQ((*exposer)->failures(), 1);
+  fail = false;
+  const auto [again, text] = HttpGet((*exposer)->port(), "/metrics");
+  EXPECT_EQ(again, 200);
+  EXPECT_EQ(text, "x_total 1\n");
 }
 
 TEST(HttpExposerTest, ServesTheBodyAndRefusesBadAddresses) {
