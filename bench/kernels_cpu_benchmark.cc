@@ -36,7 +36,11 @@
 //
 // Memory: peak_extra_MB is the peak resident size during the timed calls beyond the resident
 // size before them (Linux VmHWM after a clear_refs reset), estimate_MB the backend's
-// EstimateKeepPlanMemory bound (what laproxd reserves against --max_request_memory_bytes).
+// EstimateKeepPlanMemory bound (what laproxd reserves against --max_request_memory_bytes);
+// work_G the work units of EstimateKeepPlanWork (what laproxd checks against
+// --max_request_work), in billions, and work_G_per_s their rate in the best call.
+// LAPROX_BENCH_STOP=1 gives every call a kernels::StopSignal as laproxd does (it never fires), to
+// measure the cost of the cancellation checks.
 // --laprox_long_context runs SmolLM2 at 128K and its 6-layer geometry at 64K..512K instead.
 //
 // Running it:
@@ -57,6 +61,7 @@
 #include <fstream>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -393,6 +398,17 @@ class CaseData {
     model_ = *std::move(model);
 
     request_.n = c.n;
+    // LAPROX_BENCH_STOP=1: the calls carry a stop signal as laproxd's do (a deadline an hour
+    // away, a cancellation callback that takes a mutex as grpc's IsCancelled does), to measure
+    // what the checks cost.
+    if (const char* stop = std::getenv("LAPROX_BENCH_STOP"); stop != nullptr && stop[0] == '1') {
+      stop_ =
+          std::make_unique<StopSignal>(StopSignal::Clock::now() + std::chrono::hours(1), [this] {
+            std::lock_guard<std::mutex> lock(cancel_mu_);
+            return false;
+          });
+      request_.stop = stop_.get();
+    }
     request_.policy.window = kWindow;
     request_.policy.gqa_value = GqaValue::kMeanHeadNorm;
     request_.policy.pool_kernel = kPoolKernel;
@@ -488,6 +504,8 @@ class CaseData {
   std::vector<float> keys_, values_, queries_;
   std::shared_ptr<const PreparedModel> model_;
   KeepPlanRequest request_;
+  std::mutex cancel_mu_;
+  std::unique_ptr<StopSignal> stop_;
   std::optional<BlockTable> table_;  // paged cases
   int64_t blocks_ = 0;
 };
@@ -586,6 +604,14 @@ void BM_KeepPlan(benchmark::State& state, const Case& c) {
           backend.EstimateKeepPlanMemory(data.model(), data.request());
       estimate.ok()) {
     state.counters["estimate_MB"] = static_cast<double>(estimate->total()) * 1e-6;
+  }
+  // The work laproxd charges this call against --max_request_work (kernels/work.h), and the
+  // rate the best call achieved in those units: the calibration of the work budget.
+  if (absl::StatusOr<WorkEstimate> work =
+          backend.EstimateKeepPlanWork(data.model(), data.request());
+      work.ok()) {
+    state.counters["work_G"] = static_cast<double>(work->total()) * 1e-9;
+    state.counters["work_G_per_s"] = static_cast<double>(work->total()) * 1e-9 / best;
   }
 
   const double mean = total / static_cast<double>(state.iterations());
