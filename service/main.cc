@@ -115,7 +115,7 @@ ABSL_FLAG(int, heavy_workers, 1,
 ABSL_FLAG(int64_t, max_request_work, 0,
           "work units (flops plus bytes read, estimated from shapes) one keep-plan call or model "
           "preparation may do; more is RESOURCE_EXHAUSTED before anything runs. 0: the "
-          "backend's default (cpu 2^42, about 30 s on 2 cores; cuda 2^50)");
+          "backend's default (cpu 2^42: 24-44 s of 2 cores in bench/RESULTS.md; cuda 2^50)");
 ABSL_FLAG(int64_t, heavy_request_work, 0,
           "keep-plan calls of more work units than this run on the --heavy_workers; 0: "
           "--max_request_work / 256");

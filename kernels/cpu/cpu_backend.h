@@ -25,7 +25,7 @@ class CpuBackend final : public Backend {
 
   BackendKind kind() const override { return BackendKind::kCpu; }
   std::string Describe() const override;
-  // 2^42 work units: ~30 s of this backend on the 2 vCPUs of bench/RESULTS.md ("Work budget").
+  // 2^42 work units: 24-44 s of this backend on the 2 vCPUs of bench/RESULTS.md ("Work budget").
   int64_t DefaultMaxRequestWork() const override { return int64_t{1} << 42; }
   // Every policy kind: LAPROX and the baselines.
   bool Supports(PolicyKind) const override { return true; }

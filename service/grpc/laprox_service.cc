@@ -23,6 +23,15 @@ absl::Time Deadline(const grpc::CallbackServerContext* context) {
   return absl::FromChrono(context->deadline());
 }
 
+// What Core needs of a call: its deadline, its cancellation and who makes it.
+CallContext CallOf(grpc::CallbackServerContext* context, const Owner& owner) {
+  CallContext call;
+  call.deadline = Deadline(context);
+  call.cancelled = [context] { return context->IsCancelled(); };
+  call.owner = owner;
+  return call;
+}
+
 double SecondsBetween(std::chrono::steady_clock::time_point from,
                       std::chrono::steady_clock::time_point to) {
   return std::chrono::duration<double>(to - from).count();
@@ -294,11 +303,7 @@ grpc::ServerUnaryReactor* LaproxService::RegisterModel(grpc::CallbackServerConte
         if (options_.metrics != nullptr) {
           spec->bookkeeping_bytes = options_.metrics->ModelSeriesBytes(spec->geometry);
         }
-        CallContext call_context;
-        call_context.deadline = Deadline(context);
-        call_context.cancelled = [context] { return context->IsCancelled(); };
-        call_context.owner = owner;
-        auto model = core_.RegisterModel(*spec, call_context);
+        auto model = core_.RegisterModel(*spec, CallOf(context, owner));
         if (!model.ok()) return model.status();
         if (options_.metrics != nullptr) {
           if (absl::Status s = options_.metrics->AddModel(model->id, model->name, model->geometry);
@@ -363,12 +368,10 @@ grpc::ServerUnaryReactor* LaproxService::ComputeKeepMask(grpc::CallbackServerCon
        call = std::make_shared<KeepPlanCall>(*std::move(converted))](Call& rpc) -> absl::Status {
         const Clock::time_point started = Clock::now();
         MemoryBudget::Reservation memory;  // covers the response built below
-        auto plan =
-            core_.ComputeKeepPlan(*call, {.deadline = Deadline(context),
-                                          .cancelled = [context] { return context->IsCancelled(); },
-                                          .hold_memory = &memory,
-                                          .owner = owner,
-                                          .started = started});
+        CallContext call_context = CallOf(context, owner);
+        call_context.hold_memory = &memory;
+        call_context.started = started;
+        auto plan = core_.ComputeKeepPlan(*call, call_context);
         if (!plan.ok()) return plan.status();
         const Clock::time_point computed = Clock::now();
         v1::KeepPlanToProto(*plan, call->policy, response);
@@ -412,12 +415,10 @@ grpc::ServerUnaryReactor* LaproxService::ComputeKeepPlans(
                    const Clock::time_point started = Clock::now();
                    const std::vector<KeepPlanCall>& calls = *converted;
                    MemoryBudget::Reservation memory;  // covers the responses built below
-                   auto plans = core_.ComputeKeepPlans(
-                       calls, {.deadline = Deadline(context),
-                               .cancelled = [context] { return context->IsCancelled(); },
-                               .hold_memory = &memory,
-                               .owner = owner,
-                               .started = started});
+                   CallContext call_context = CallOf(context, owner);
+                   call_context.hold_memory = &memory;
+                   call_context.started = started;
+                   auto plans = core_.ComputeKeepPlans(calls, call_context);
                    if (!plans.ok()) return plans.status();
                    const Clock::time_point computed = Clock::now();
                    for (size_t i = 0; i < plans->size(); ++i) {

@@ -37,16 +37,27 @@ const char* BudgetShares::GranularityName(Granularity g) {
 BudgetShares::BudgetShares(Caps caps)
     : caps_{std::max<int64_t>(caps.per_model, 1), std::max<int64_t>(caps.total, 1)} {}
 
-int64_t BudgetShares::BytesFor(const kernels::ModelGeometry& g) const {
+int64_t BudgetShares::BytesFor(const kernels::ModelGeometry& g) const noexcept {
   const int64_t L = std::max(g.num_layers, 1), Hkv = std::max(g.num_kv_heads, 1);
   const int64_t pairs =
       L > std::numeric_limits<int64_t>::max() / Hkv ? std::numeric_limits<int64_t>::max() : L * Hkv;
   const int64_t head_groups = std::min(pairs, caps_.per_model);
   const int64_t layer_groups = std::min(L, caps_.per_model);
-  // A group, its gauge and its histogram, with room for the allocator's headers.
+  // A group, its gauge and its histogram (vectors sized exactly by Build), with room for the
+  // allocator's headers and a layer label too long for the string's inline buffer.
   constexpr int64_t kPerGroup =
       sizeof(Group) + sizeof(double) + sizeof(Histogram) + kBuckets * sizeof(uint64_t) + 64;
   return (head_groups + layer_groups) * kPerGroup + int64_t{sizeof(Model)} + 512;
+}
+
+int64_t BudgetShares::LayersPerSeries(int64_t layers, int64_t kv_heads, int64_t allow) {
+  if (layers * kv_heads <= allow) return 0;
+  return layers <= allow ? 1 : (layers + allow - 1) / allow;
+}
+
+int64_t BudgetShares::HeadSeriesFor(int64_t layers, int64_t kv_heads, int64_t allow) {
+  const int64_t band = LayersPerSeries(layers, kv_heads, allow);
+  return band == 0 ? layers * kv_heads : (layers + band - 1) / band;
 }
 
 std::unique_ptr<BudgetShares::Model> BudgetShares::Build(uint64_t model_id, const std::string& name,
@@ -57,9 +68,14 @@ std::unique_ptr<BudgetShares::Model> BudgetShares::Build(uint64_t model_id, cons
   model->name = name.empty() ? model->id : name;
   model->geometry = g;
   const int32_t L = g.num_layers, Hkv = g.num_kv_heads;
-  // Layers per series: 1, unless even one series per layer exceeds the allowance.
-  const int64_t band = L <= allow ? 1 : (L + allow - 1) / allow;
-  if (int64_t{L} * Hkv <= allow) {
+  const int64_t layers_per_series = LayersPerSeries(L, Hkv, allow);
+  // Per layer series: 1 at granularity head or layer.
+  const int64_t band = std::max<int64_t>(layers_per_series, 1);
+  const auto layer_series = static_cast<size_t>((L + band - 1) / band);
+  // Sized exactly, so that BytesFor bounds what stays allocated.
+  model->heads.groups.reserve(static_cast<size_t>(HeadSeriesFor(L, Hkv, allow)));
+  model->layers.groups.reserve(layer_series);
+  if (layers_per_series == 0) {
     model->granularity = Granularity::kHead;
     for (int32_t l = 0; l < L; ++l) {
       for (int32_t h = 0; h < Hkv; ++h) {
@@ -87,31 +103,45 @@ std::unique_ptr<BudgetShares::Model> BudgetShares::Build(uint64_t model_id, cons
 
 absl::Status BudgetShares::Add(uint64_t model_id, const std::string& name,
                                const kernels::ModelGeometry& geometry) noexcept {
-  try {
-    int64_t allow = 0;
-    {
-      absl::MutexLock lock(&mu_);
-      int64_t used = head_series_;
-      if (auto it = models_.find(model_id); it != models_.end()) {
-        used -= static_cast<int64_t>(it->second->heads.groups.size());
-      }
-      allow = std::max<int64_t>(1, std::min(caps_.per_model, caps_.total - used));
-    }
-    std::unique_ptr<Model> model = Build(model_id, name, geometry, allow);  // outside the lock
+  if (geometry.num_layers <= 0 || geometry.num_kv_heads <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model ", model_id, " has ", geometry.num_layers, " layers and ", geometry.num_kv_heads,
+        " KV heads; its budget-share series need at least one of each"));
+  }
+  int64_t allow = 0, reserved = 0;
+  {
+    // The series are taken from the total now, before they are built outside the lock, so that
+    // concurrent Adds cannot pass the cap together.
     absl::MutexLock lock(&mu_);
+    int64_t used = head_series_;
     if (auto it = models_.find(model_id); it != models_.end()) {
-      head_series_ -= static_cast<int64_t>(it->second->heads.groups.size());
+      used -= static_cast<int64_t>(it->second->heads.groups.size());
     }
-    head_series_ += static_cast<int64_t>(model->heads.groups.size());
-    models_[model_id] = std::move(model);
+    allow = std::max<int64_t>(1, std::min(caps_.per_model, caps_.total - used));
+    reserved = HeadSeriesFor(geometry.num_layers, geometry.num_kv_heads, allow);
+    head_series_ += reserved;
+  }
+  std::unique_ptr<Model> replaced;  // freed outside the lock
+  try {
+    std::unique_ptr<Model> model = Build(model_id, name, geometry, allow);
+    absl::MutexLock lock(&mu_);
+    auto [it, inserted] = models_.try_emplace(model_id);
+    if (!inserted) {
+      head_series_ -= static_cast<int64_t>(it->second->heads.groups.size());
+      replaced = std::move(it->second);
+    }
+    it->second = std::move(model);
     return absl::OkStatus();
-  } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("out of host memory creating the metrics series of model ", model_id));
+  } catch (const std::exception& e) {  // std::bad_alloc, or std::length_error
+    absl::MutexLock lock(&mu_);
+    head_series_ -= reserved;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot create the metrics series of model ", model_id, " (", reserved,
+        " head series): ", e.what()));
   }
 }
 
-void BudgetShares::Remove(uint64_t model_id) {
+void BudgetShares::Remove(uint64_t model_id) noexcept {
   std::unique_ptr<Model> gone;  // freed outside the lock
   absl::MutexLock lock(&mu_);
   auto it = models_.find(model_id);

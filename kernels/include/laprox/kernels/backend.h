@@ -176,7 +176,7 @@ class Backend {
   absl::StatusOr<WorkEstimate> EstimateKeepPlanWork(const PreparedModel& model,
                                                     const KeepPlanRequest& request) const;
   // The largest work a server should let one request of this backend do when its operator
-  // sets no limit: about half a minute of this backend on a small machine (the CPU backend on
+  // sets no limit: tens of seconds of this backend on a small machine (the CPU backend on
   // 2 cores, a GPU for the CUDA backend; work.h).
   virtual int64_t DefaultMaxRequestWork() const = 0;
 
