@@ -6,8 +6,11 @@
 
 namespace laprox::kernels {
 
-StopSignal::StopSignal(Clock::time_point deadline, std::function<bool()> cancelled)
-    : deadline_(deadline), cancelled_(std::move(cancelled)) {}
+StopSignal::StopSignal(Clock::time_point deadline, std::function<bool()> cancelled,
+                       std::chrono::microseconds poll_interval)
+    : deadline_(deadline),
+      cancelled_(std::move(cancelled)),
+      poll_interval_(std::chrono::duration_cast<Clock::duration>(poll_interval)) {}
 
 absl::Status StopSignal::StatusOf(int state, const char* doing) const {
   if (state == kCancelled) {
@@ -28,8 +31,11 @@ absl::Status StopSignal::Check(const char* doing) const {
     // across all threads, not at every check.
     const int64_t at = now.time_since_epoch().count();
     int64_t next = next_poll_.load(std::memory_order_relaxed);
-    const int64_t interval = std::chrono::duration_cast<Clock::duration>(kPollInterval).count();
-    if (at >= next && next_poll_.compare_exchange_strong(next, at + interval) && cancelled_()) {
+    if (poll_interval_.count() <= 0) {
+      if (cancelled_()) state = kCancelled;
+    } else if (at >= next &&
+               next_poll_.compare_exchange_strong(next, at + poll_interval_.count()) &&
+               cancelled_()) {
       state = kCancelled;
     }
   }

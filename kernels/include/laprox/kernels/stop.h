@@ -34,15 +34,17 @@ class StopSignal {
 
   // Never stops.
   StopSignal() = default;
-  // Stops once `deadline` has passed or `cancelled` (may be empty: never) returns true.
+  // Stops once `deadline` has passed or `cancelled` (may be empty: never) returns true, asked at
+  // most every `poll_interval` (0: at every check, for tests that stop at each check in turn).
   // `cancelled` must be safe to call from any thread while the signal is in use.
-  StopSignal(Clock::time_point deadline, std::function<bool()> cancelled);
+  StopSignal(Clock::time_point deadline, std::function<bool()> cancelled,
+             std::chrono::microseconds poll_interval = kPollInterval);
   StopSignal(const StopSignal&) = delete;
   StopSignal& operator=(const StopSignal&) = delete;
 
   // OK while the work may go on; CANCELLED ("the call was cancelled; <doing> stopped") or
   // DEADLINE_EXCEEDED ("the call's deadline passed; <doing> stopped") once it must stop. Costs
-  // one clock read, plus the `cancelled` callback at most every kPollInterval.
+  // one clock read, plus the `cancelled` callback at most every poll interval.
   absl::Status Check(const char* doing = "computing") const;
   // Whether a check has seen the signal (latched).
   bool stopped() const { return state_.load(std::memory_order_relaxed) != kRunning; }
@@ -56,6 +58,7 @@ class StopSignal {
 
   Clock::time_point deadline_ = Clock::time_point::max();
   std::function<bool()> cancelled_;
+  Clock::duration poll_interval_ = kPollInterval;
   mutable std::atomic<int> state_{kRunning};
   // Clock::time_point::rep of the next time `cancelled_` may be asked.
   mutable std::atomic<int64_t> next_poll_{0};
