@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <exception>
 #include <limits>
 #include <new>
 #include <utility>
@@ -41,7 +42,9 @@ int64_t BudgetShares::BytesFor(const kernels::ModelGeometry& g) const noexcept {
   const int64_t L = std::max(g.num_layers, 1), Hkv = std::max(g.num_kv_heads, 1);
   const int64_t pairs =
       L > std::numeric_limits<int64_t>::max() / Hkv ? std::numeric_limits<int64_t>::max() : L * Hkv;
-  const int64_t head_groups = std::min(pairs, caps_.per_model);
+  // Whatever the allowance Add finds: every pair when they fit the per-model cap, else at most
+  // one series per layer (fewer when the allowance is smaller).
+  const int64_t head_groups = pairs <= caps_.per_model ? pairs : std::min(L, caps_.per_model);
   const int64_t layer_groups = std::min(L, caps_.per_model);
   // A group, its gauge and its histogram (vectors sized exactly by Build), with room for the
   // allocator's headers and a layer label too long for the string's inline buffer.
@@ -132,12 +135,18 @@ absl::Status BudgetShares::Add(uint64_t model_id, const std::string& name,
     }
     it->second = std::move(model);
     return absl::OkStatus();
-  } catch (const std::exception& e) {  // std::bad_alloc, or std::length_error
-    absl::MutexLock lock(&mu_);
-    head_series_ -= reserved;
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cannot create the metrics series of model ", model_id, " (", reserved,
-        " head series): ", e.what()));
+  } catch (const std::exception& e) {  // std::bad_alloc
+    {
+      absl::MutexLock lock(&mu_);
+      head_series_ -= reserved;
+    }
+    try {
+      return absl::ResourceExhaustedError(absl::StrCat("cannot create the metrics series of model ",
+                                                       model_id, " (", reserved,
+                                                       " head series): ", e.what()));
+    } catch (...) {
+      return absl::Status(absl::StatusCode::kResourceExhausted, "");  // allocates nothing
+    }
   }
 }
 
@@ -151,7 +160,7 @@ void BudgetShares::Remove(uint64_t model_id) noexcept {
   models_.erase(it);
 }
 
-void BudgetShares::Observe(Histogram& histogram, double value) {
+void BudgetShares::Observe(Histogram& histogram, double value) noexcept {
   size_t b = 0;
   while (b < kShareBounds.size() && value > kShareBounds[b]) ++b;
   ++histogram.buckets[b];
@@ -159,32 +168,25 @@ void BudgetShares::Observe(Histogram& histogram, double value) {
   ++histogram.count;
 }
 
-void BudgetShares::Record(uint64_t model_id, const kernels::KeepPlan& plan) {
+void BudgetShares::Record(uint64_t model_id, const kernels::KeepPlan& plan) noexcept {
   const int64_t L = plan.num_layers, Hkv = plan.num_kv_heads;
   if (L <= 0 || Hkv <= 0 || static_cast<int64_t>(plan.counts.size()) != L * Hkv) return;
-  std::vector<int64_t> layer_kept(L, 0);
   int64_t kept = 0;
-  for (int64_t l = 0; l < L; ++l) {
-    for (int64_t h = 0; h < Hkv; ++h) layer_kept[l] += plan.counts[l * Hkv + h];
-    kept += layer_kept[l];
-  }
-  if (kept == 0) return;  // no share to speak of
+  for (int32_t c : plan.counts) kept += c;
+  if (kept <= 0) return;  // no share to speak of
   const double even = static_cast<double>(kept) / static_cast<double>(L * Hkv);  // per pair
   absl::MutexLock lock(&mu_);
   auto it = models_.find(model_id);
   if (it == models_.end()) return;  // unregistered while the request ran
   Model& model = *it->second;
   if (model.geometry.num_layers != L || model.geometry.num_kv_heads != Hkv) return;
+  // Each series set covers every pair once: O(L * Hkv) in all, and nothing allocated.
   for (Series* s : {&model.heads, &model.layers}) {
     for (size_t i = 0; i < s->groups.size(); ++i) {
       const Group& g = s->groups[i];
       int64_t sum = 0;
-      for (int32_t l = g.layer_begin; l < g.layer_end; ++l) {
-        if (g.head_end - g.head_begin == Hkv) {
-          sum += layer_kept[l];
-        } else {
-          for (int32_t h = g.head_begin; h < g.head_end; ++h) sum += plan.counts[l * Hkv + h];
-        }
+      for (int64_t l = g.layer_begin; l < g.layer_end; ++l) {
+        for (int64_t h = g.head_begin; h < g.head_end; ++h) sum += plan.counts[l * Hkv + h];
       }
       const double pairs =
           static_cast<double>(g.layer_end - g.layer_begin) * (g.head_end - g.head_begin);

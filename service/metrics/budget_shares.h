@@ -110,7 +110,7 @@ class BudgetShares : public prometheus::Collectable {
   // The model's series for an allowance of `allow` head series.
   static std::unique_ptr<Model> Build(uint64_t model_id, const std::string& name,
                                       const kernels::ModelGeometry& geometry, int64_t allow);
-  static void Observe(Histogram& histogram, double value);
+  static void Observe(Histogram& histogram, double value) noexcept;
 
   const Caps caps_;
   mutable absl::Mutex mu_;

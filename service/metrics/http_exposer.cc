@@ -1,7 +1,7 @@
 #include "service/metrics/http_exposer.h"
 
 #include <cstring>
-#include <exception>
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -18,16 +18,41 @@ namespace {
 
 constexpr char kContentType[] = "text/plain; version=0.0.4; charset=utf-8";
 constexpr size_t kStackBytes = size_t{1} << 20;  // the thread serialises the whole registry
+// A reply holds its body until the client has read it (or the connection is idle for the
+// timeout), so the connections bound the memory scrapes hold: kMaxConnections bodies at most
+// (8-16 MB each at the default series caps), however many clients connect and do not read.
+// Further clients wait in the listen backlog. Without the limit, 100 clients that sent
+// GET /metrics and never read made laproxd hold 1.4 GB.
+constexpr unsigned int kMaxConnections = 16;
+constexpr unsigned int kConnectionTimeoutSeconds = 10;
+constexpr char kRenderFailed[] =
+    "laproxd could not render its metrics (out of memory?); counted in "
+    "laprox_metrics_scrape_failures_total, the next scrape tries again\n";
 
-MHD_Result Reply(MHD_Connection* connection, unsigned int code, const std::string& body,
+MHD_Result Queue(MHD_Connection* connection, unsigned int code, MHD_Response* response,
                  const char* content_type) {
-  MHD_Response* response = MHD_create_response_from_buffer(
-      body.size(), const_cast<char*>(body.data()), MHD_RESPMEM_MUST_COPY);
-  if (response == nullptr) return MHD_NO;
+  if (response == nullptr) return MHD_NO;  // out of memory: libmicrohttpd closes the connection
   MHD_add_response_header(response, MHD_HTTP_HEADER_CONTENT_TYPE, content_type);
   const MHD_Result result = MHD_queue_response(connection, code, response);
   MHD_destroy_response(response);
   return result;
+}
+
+// A reply of static text: nothing to allocate on our side.
+MHD_Result Reply(MHD_Connection* connection, unsigned int code, const char* text) {
+  return Queue(connection, code,
+               MHD_create_response_from_buffer(std::strlen(text), const_cast<char*>(text),
+                                               MHD_RESPMEM_PERSISTENT),
+               "text/plain");
+}
+
+// A reply of `body`, handed to libmicrohttpd (no second copy of a large page).
+MHD_Result Reply(MHD_Connection* connection, std::unique_ptr<std::string> body) {
+  MHD_Response* response = MHD_create_response_from_buffer_with_free_callback_cls(
+      body->size(), body->data(), [](void* owned) { delete static_cast<std::string*>(owned); },
+      body.get());
+  if (response != nullptr) body.release();  // now the response's; else freed here
+  return Queue(connection, MHD_HTTP_OK, response, kContentType);
 }
 
 MHD_Result Dispatch(void* cls, MHD_Connection* connection, const char* url, const char* method,
@@ -35,28 +60,25 @@ MHD_Result Dispatch(void* cls, MHD_Connection* connection, const char* url, cons
                     size_t* /*upload_data_size*/, void** /*state*/) {
   if (std::strcmp(method, MHD_HTTP_METHOD_GET) != 0 &&
       std::strcmp(method, MHD_HTTP_METHOD_HEAD) != 0) {
-    return Reply(connection, MHD_HTTP_METHOD_NOT_ALLOWED, "only GET\n", "text/plain");
+    return Reply(connection, MHD_HTTP_METHOD_NOT_ALLOWED, "only GET\n");
   }
   if (std::strcmp(url, "/metrics") == 0) {
     // The body is built whole: a host short of memory (std::bad_alloc) fails this scrape, never
-    // the process.
-    std::string body;
+    // the process (no exception may leave this C callback).
+    const auto* exposer = static_cast<const HttpExposer*>(cls);
+    std::unique_ptr<std::string> body;
     try {
-      body = static_cast<const HttpExposer*>(cls)->Render();
-    } catch (const std::exception& e) {
-      static_cast<const HttpExposer*>(cls)->CountFailure();
-      std::string text = "laproxd could not render its metrics: ";
-      text += e.what();
-      text += "\n";
-      return Reply(connection, MHD_HTTP_INTERNAL_SERVER_ERROR, text, "text/plain");
+      body = std::make_unique<std::string>(exposer->Render());
+    } catch (...) {
+      exposer->CountFailure();
+      return Reply(connection, MHD_HTTP_INTERNAL_SERVER_ERROR, kRenderFailed);
     }
-    return Reply(connection, MHD_HTTP_OK, body, kContentType);
+    return Reply(connection, std::move(body));
   }
   if (std::strcmp(url, "/") == 0) {
-    return Reply(connection, MHD_HTTP_OK, "laproxd: metrics are at /metrics\n", "text/plain");
+    return Reply(connection, MHD_HTTP_OK, "laproxd: metrics are at /metrics\n");
   }
-  return Reply(connection, MHD_HTTP_NOT_FOUND, "not found; metrics are at /metrics\n",
-               "text/plain");
+  return Reply(connection, MHD_HTTP_NOT_FOUND, "not found; metrics are at /metrics\n");
 }
 
 // "host:port" -> socket address; IPv4 dotted quad or "[v6]".
@@ -110,7 +132,8 @@ absl::StatusOr<std::unique_ptr<HttpExposer>> HttpExposer::Start(const std::strin
   exposer->daemon_ = MHD_start_daemon(
       flags, 0, nullptr, nullptr, &Dispatch, exposer.get(), MHD_OPTION_SOCK_ADDR,
       reinterpret_cast<const sockaddr*>(&parsed->storage), MHD_OPTION_THREAD_STACK_SIZE,
-      kStackBytes, MHD_OPTION_CONNECTION_TIMEOUT, static_cast<unsigned int>(30), MHD_OPTION_END);
+      kStackBytes, MHD_OPTION_CONNECTION_TIMEOUT, kConnectionTimeoutSeconds,
+      MHD_OPTION_CONNECTION_LIMIT, kMaxConnections, MHD_OPTION_END);
   if (exposer->daemon_ == nullptr) {
     return absl::UnavailableError(
         absl::StrCat("cannot serve metrics on ", address, ": ", std::strerror(errno)));

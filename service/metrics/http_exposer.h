@@ -31,8 +31,11 @@ class HttpExposer {
   HttpExposer& operator=(const HttpExposer&) = delete;
 
   int port() const { return port_; }
-  // The page /metrics serves now. An exception from `body()` (std::bad_alloc) becomes an HTTP
-  // 500 for that scrape (counted in failures()); the next scrape tries again.
+  // The page /metrics serves now. Any exception from `body()` (std::bad_alloc) becomes an HTTP
+  // 500 with a short static text for that scrape (counted in failures()); the next scrape tries
+  // again. At most 16 connections at once (more wait in the listen backlog), each closed after
+  // 10 s without progress: a reply holds its body until it is read, so scrapes hold at most 16
+  // bodies.
   std::string Render() const { return body_(); }
   int64_t failures() const { return failures_.load(std::memory_order_relaxed); }
   void CountFailure() const { failures_.fetch_add(1, std::memory_order_relaxed); }

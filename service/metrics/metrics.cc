@@ -242,6 +242,13 @@ Metrics::Metrics(std::shared_ptr<prometheus::Registry> registry, MetricsOptions 
                      .Help("Fraction of the KV entries a keep-plan kept, per request.")
                      .Register(r)
                      .Add({}, RatioBuckets());
+  scrape_failures_ = &BuildCounter()
+                          .Name("laprox_metrics_scrape_failures_total")
+                          .Help(
+                              "Scrapes of /metrics that failed to render (host out of memory): "
+                              "answered with HTTP 500; laproxd goes on.")
+                          .Register(r)
+                          .Add({});
   auto& limits = BuildGauge()
                      .Name("laprox_limit")
                      .Help("Configured limits: regions, models (--max_regions, --max_models).")
@@ -269,12 +276,17 @@ Metrics::~Metrics() = default;
 std::shared_ptr<prometheus::Collectable> Metrics::state_collectable() const { return state_; }
 
 std::string Metrics::SerializeText() const {
-  std::vector<prometheus::MetricFamily> families = registry_->Collect();
-  for (auto& f : state_->Collect()) families.push_back(std::move(f));
-  for (auto& f : shares_->Collect()) families.push_back(std::move(f));
-  std::ostringstream out;
-  prometheus::TextSerializer().Serialize(out, families);
-  return out.str();
+  try {
+    std::vector<prometheus::MetricFamily> families = registry_->Collect();
+    for (auto& f : state_->Collect()) families.push_back(std::move(f));
+    for (auto& f : shares_->Collect()) families.push_back(std::move(f));
+    std::ostringstream out;
+    prometheus::TextSerializer().Serialize(out, families);
+    return out.str();
+  } catch (...) {
+    scrape_failures_->Increment();  // an atomic add: allocates nothing
+    throw;
+  }
 }
 
 void Metrics::RecordCall(Method method, int grpc_code, double seconds) {
@@ -311,13 +323,13 @@ void Metrics::RecordPlan(uint64_t model_id, const kernels::KeepPlan& plan) {
 }
 
 absl::Status Metrics::AddModel(uint64_t model_id, const std::string& name,
-                               const kernels::ModelGeometry& g) {
+                               const kernels::ModelGeometry& g) noexcept {
   return shares_->Add(model_id, name, g);
 }
 
-void Metrics::RemoveModel(uint64_t model_id) { shares_->Remove(model_id); }
+void Metrics::RemoveModel(uint64_t model_id) noexcept { shares_->Remove(model_id); }
 
-int64_t Metrics::ModelSeriesBytes(const kernels::ModelGeometry& g) const {
+int64_t Metrics::ModelSeriesBytes(const kernels::ModelGeometry& g) const noexcept {
   return shares_->BytesFor(g);
 }
 

@@ -94,8 +94,10 @@ class Metrics {
   const std::shared_ptr<prometheus::Registry>& registry() const { return registry_; }
   // The scrape-time state (regions, models, memory); an exposer registers it beside registry().
   std::shared_ptr<prometheus::Collectable> state_collectable() const;
-  // Everything, in Prometheus' text format (what /metrics serves). May throw std::bad_alloc
-  // (the HTTP exposer answers that scrape with 500).
+  // Everything, in Prometheus' text format (what /metrics serves). At most the capped number of
+  // budget-share series (budget_shares.h). May throw std::bad_alloc (or whatever the snapshot
+  // callback throws): the failure is counted in laprox_metrics_scrape_failures_total, which the
+  // next scrape reports, and rethrown (the HTTP exposer answers that scrape with 500).
   std::string SerializeText() const;
 
   // A finished call: its method, gRPC status code (0..16) and wall time from arrival to reply.
@@ -113,14 +115,20 @@ class Metrics {
   // share of every (layer, KV head) and layer.
   void RecordPlan(uint64_t model_id, const kernels::KeepPlan& plan);
 
-  // The budget-share series exist only while their model is registered: AddModel and
-  // RemoveModel cost O(that model's series) (BudgetShares::Add / Remove; AddModel answers
-  // RESOURCE_EXHAUSTED, keeping nothing, when the host has no memory for them). ModelSeriesBytes
-  // bounds what AddModel keeps, for the model memory budget.
+  // The budget-share series exist only while their model is registered (BudgetShares):
+  //  - ModelSeriesBytes(g): the most host bytes AddModel keeps for a model of geometry g, at
+  //    most ~0.6 MB at the default caps whatever g is; reserve it with the model's memory before
+  //    AddModel. O(1).
+  //  - AddModel: creates them, O(that model's series), at a granularity fixed now from the caps.
+  //    OK; RESOURCE_EXHAUSTED when the host has no memory for them, or INVALID_ARGUMENT for a
+  //    geometry without layers or KV heads, and then nothing is kept. Never throws. Adding an
+  //    id again replaces its series.
+  //  - RemoveModel: drops them, O(that model's series); an unknown id is a no-op.
+  // All three are thread-safe.
   absl::Status AddModel(uint64_t model_id, const std::string& name,
-                        const kernels::ModelGeometry& g);
-  void RemoveModel(uint64_t model_id);
-  int64_t ModelSeriesBytes(const kernels::ModelGeometry& g) const;
+                        const kernels::ModelGeometry& g) noexcept;
+  void RemoveModel(uint64_t model_id) noexcept;
+  int64_t ModelSeriesBytes(const kernels::ModelGeometry& g) const noexcept;
   const BudgetShares& budget_shares() const { return *shares_; }
 
   // 1 while the server accepts calls, 0 while it drains or after a fatal backend error.
@@ -147,6 +155,7 @@ class Metrics {
   prometheus::Counter* tokens_received_ = nullptr;
   prometheus::Counter* tokens_kept_ = nullptr;
   prometheus::Histogram* kept_ratio_ = nullptr;
+  prometheus::Counter* scrape_failures_ = nullptr;
 
   std::shared_ptr<BudgetShares> shares_;
 };

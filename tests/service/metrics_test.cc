@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstdlib>
 #include <memory>
 #include <random>
@@ -19,6 +18,7 @@
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <malloc.h>
 #include <netinet/in.h>
 #include <prometheus/registry.h>
 #include <sys/socket.h>
@@ -67,16 +67,18 @@ class MetricsTest : public ::testing::Test {
                        .device = "",
                        .max_regions = 8,
                        .max_models = 64,
-                       .snapshot = [this] {
-                         StateSnapshot s;
-                         for (const RegionInfo& r : core_->regions().List()) {
-                           ++s.regions_by_kind["shm"].count;
-                           s.regions_by_kind["shm"].bytes += r.byte_size;
-                         }
-                         s.models = core_->model_totals().count;
-                         s.prepared_bytes = core_->model_totals().prepared_bytes;
-                         return s;
-                       }});
+                       .snapshot =
+                           [this] {
+                             StateSnapshot s;
+                             for (const RegionInfo& r : core_->regions().List()) {
+                               ++s.regions_by_kind["shm"].count;
+                               s.regions_by_kind["shm"].bytes += r.byte_size;
+                             }
+                             s.models = core_->model_totals().count;
+                             s.prepared_bytes = core_->model_totals().prepared_bytes;
+                             return s;
+                           },
+                       .share_caps = {}});
     service_ = std::make_unique<LaproxService>(
         *core_, *work_, "test",
         ServiceOptions{.metrics = metrics_.get(), .models_changed = [this](int64_t models) {
@@ -249,8 +251,19 @@ double MeanShare(const kernels::KeepPlan& plan, int l0, int l1, int h0, int h1) 
 }
 
 Metrics MakeMetrics(BudgetShares::Caps caps) {
-  return Metrics(std::make_shared<prometheus::Registry>(),
-                 MetricsOptions{.version = "test", .share_caps = caps});
+  MetricsOptions options;
+  options.version = "test";
+  options.share_caps = caps;
+  return Metrics(std::make_shared<prometheus::Registry>(), std::move(options));
+}
+
+// Children of prometheus-cpp families in the registry (not the budget shares, kept apart).
+size_t RegistryChildren(const Metrics& metrics) {
+  size_t children = 0;
+  for (const prometheus::MetricFamily& f : metrics.registry()->Collect()) {
+    children += f.metric.size();
+  }
+  return children;
 }
 
 std::string HeadSeries(uint64_t id, const std::string& layer, const std::string& head) {
@@ -332,11 +345,77 @@ TEST(BudgetSharesTest, TheTotalCapIsSharedByTheModels) {
   EXPECT_EQ(metrics.budget_shares().head_series(), 11);
   metrics.RemoveModel(1);
   EXPECT_EQ(metrics.budget_shares().head_series(), 3);
+  ASSERT_TRUE(metrics.budget_shares().Describe(3, &granularity, &series));
+  EXPECT_EQ(granularity, BudgetShares::Granularity::kBand);  // fixed when it registered
   metrics.RemoveModel(2);
   ASSERT_TRUE(metrics.AddModel(4, "m4", g).ok());  // room again: 9 left
   ASSERT_TRUE(metrics.budget_shares().Describe(4, &granularity, &series));
   EXPECT_EQ(granularity, BudgetShares::Granularity::kHead);
   EXPECT_EQ(series, 8);
+}
+
+// Registrations racing each other cannot pass the total together: each takes its series from
+// the total before it builds them.
+TEST(BudgetSharesTest, ConcurrentRegistrationsShareTheTotalCap) {
+  // Models large enough that building their series takes a while (the race's window).
+  constexpr int64_t kPerModel = 8192;
+  Metrics metrics = MakeMetrics({.per_model = kPerModel, .total = 2 * kPerModel});
+  const kernels::ModelGeometry g = {64, 128, 128, 1, 1, 0.f};  // 8192 pairs: the per-model cap
+  constexpr int kThreads = 8, kModelsPerThread = 8;
+  std::vector<std::thread> threads;
+  std::atomic<int> waiting{kThreads};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&metrics, &g, &waiting, t] {
+      waiting.fetch_sub(1);
+      while (waiting.load() > 0) std::this_thread::yield();  // all start together
+      for (int i = 0; i < kModelsPerThread; ++i) {
+        const uint64_t id = 1 + t * kModelsPerThread + i;
+        EXPECT_TRUE(metrics.AddModel(id, absl::StrCat("m", id), g).ok());
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  // Two models whole, every later one a single band of its 64 layers.
+  int whole = 0;
+  for (uint64_t id = 1; id <= kThreads * kModelsPerThread; ++id) {
+    BudgetShares::Granularity granularity;
+    int64_t series = 0;
+    ASSERT_TRUE(metrics.budget_shares().Describe(id, &granularity, &series));
+    whole += granularity == BudgetShares::Granularity::kHead ? 1 : 0;
+    EXPECT_EQ(series, granularity == BudgetShares::Granularity::kHead ? kPerModel : 1) << id;
+  }
+  EXPECT_EQ(whole, 2);
+  EXPECT_EQ(metrics.budget_shares().head_series(), 2 * kPerModel + kThreads * kModelsPerThread - 2);
+}
+
+// ModelSeriesBytes bounds what AddModel keeps (glibc's count of bytes in use; 0 under a
+// sanitizer's allocator, where only the bound's size is checked), and a model's memory stays
+// small whatever its geometry.
+TEST(BudgetSharesTest, ModelSeriesBytesBoundsWhatAModelKeeps) {
+  Metrics metrics = MakeMetrics({});
+  const kernels::ModelGeometry geometries[] = {{3, 4, 2, 1, 1, 0.f},
+                                               {32, 32, 8, 1, 1, 0.f},
+                                               {126, 128, 8, 1, 1, 0.f},
+                                               {128, 128, 128, 1, 1, 0.f},
+                                               {1 << 20, 1, 1, 1, 1, 0.f}};
+  uint64_t id = 0;
+  for (const kernels::ModelGeometry& g : geometries) {
+    const int64_t bound = metrics.ModelSeriesBytes(g);
+    EXPECT_LE(bound, 1 << 20) << g.num_layers << " x " << g.num_kv_heads;
+    const size_t before = mallinfo2().uordblks;
+    ASSERT_TRUE(metrics.AddModel(++id, std::string(128, 'x'), g).ok());
+    const size_t after = mallinfo2().uordblks;
+    EXPECT_LE(static_cast<int64_t>(after - before), bound)
+        << g.num_layers << " x " << g.num_kv_heads;
+  }
+  // No layers or KV heads: refused, nothing kept, nothing thrown.
+  EXPECT_EQ(metrics.AddModel(++id, "none", {0, 1, 1, 1, 1, 0.f}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(metrics.AddModel(++id, "none", {-4, 1, -1, 1, 1, 0.f}).code(),
+            absl::StatusCode::kInvalidArgument);
+  BudgetShares::Granularity granularity;
+  int64_t series = 0;
+  EXPECT_FALSE(metrics.budget_shares().Describe(id, &granularity, &series));
 }
 
 // Row 3 of issue 34: 64 models of 128 layers x 128 KV heads, a plan each, then a scrape. Before:
@@ -350,20 +429,28 @@ TEST(BudgetSharesTest, WideModelsKeepTheScrapeBounded) {
     ASSERT_TRUE(metrics.AddModel(id, absl::StrCat("m", id), g).ok());
     metrics.RecordPlan(id, FakePlan(128, 128, static_cast<uint32_t>(id)));
   }
-  EXPECT_LE(metrics.budget_shares().head_series(), BudgetShares::Caps{}.total + 64);
+  // The first 16 models one series per layer (16 x 128 = the 2048 of the total), the 48 later
+  // ones one band each.
+  EXPECT_EQ(metrics.budget_shares().head_series(), BudgetShares::Caps{}.total + 48);
   const std::string text = metrics.SerializeText();
-  EXPECT_LT(text.size(), size_t{10} << 20);
+  EXPECT_LT(text.size(), size_t{10} << 20);  // 3c17d78: ~2 GB, which it could not build
   EXPECT_TRUE(Sample(text, HeadSeries(1, "0", "all")).has_value());       // one per layer
   EXPECT_TRUE(Sample(text, HeadSeries(64, "0-127", "all")).has_value());  // one band
 }
 
-// Row 4 of issue 34: the series of a 256 x 256 model go with it, the others stay.
+// Row 4 of issue 34: the series of a 256 x 256 model (uncapped here: 65536 of them) go with it,
+// the others stay. They are no prometheus-cpp children: Family::Remove searches its children
+// linearly, so removing a model's 131072 children one by one took 49-91 s at 3c17d78; the time
+// of RemoveModel itself is measured by bench/metrics_benchmark.py, not here.
 TEST(BudgetSharesTest, RemovingAModelRemovesOnlyItsSeries) {
   Metrics metrics = MakeMetrics({.per_model = 1 << 20, .total = 1 << 20});
+  const size_t children = RegistryChildren(metrics);
   ASSERT_TRUE(metrics.AddModel(1, "m1", {3, 4, 2, 1, 1, 0.f}).ok());
   ASSERT_TRUE(metrics.AddModel(2, "m2", {256, 256, 256, 1, 1, 0.f}).ok());
   metrics.RecordPlan(2, FakePlan(256, 256, 2));
   EXPECT_EQ(metrics.budget_shares().head_series(), 6 + 256 * 256);
+  EXPECT_EQ(RegistryChildren(metrics), children);
+  EXPECT_TRUE(Sample(metrics.SerializeText(), HeadSeries(2, "255", "255")).has_value());
   metrics.RemoveModel(2);
   EXPECT_EQ(metrics.budget_shares().head_series(), 6);
   const std::string text = metrics.SerializeText();
@@ -371,9 +458,10 @@ TEST(BudgetSharesTest, RemovingAModelRemovesOnlyItsSeries) {
   EXPECT_TRUE(Sample(text, HeadSeries(1, "2", "1")).has_value());
 }
 
-// Through the service: unregistering a 256 x 256 model after a plan answers at once, and
-// another client registers a model meanwhile. Before: 49-91 s, and every other client's
-// RegisterModel and ComputeKeepMask missed its 5 s deadline.
+// Through the service: a 256 x 256 model registers, plans and unregisters while another client
+// registers a model, and its series go with it. Before: its unregistration took 49-91 s and
+// every other client's calls missed their 5 s deadlines (the time is the benchmark's to
+// measure: bench/metrics_benchmark.py).
 TEST_F(MetricsTest, UnregisteringAWideModelDoesNotStallOthers) {
   constexpr int kWide = 256;
   const std::vector<float> w(kWide, 0.5f);
@@ -395,14 +483,15 @@ TEST_F(MetricsTest, UnregisteringAWideModelDoesNotStallOthers) {
   policy.budget = kernels::Budget::TokensPerHead(2);
   const auto plan = client_->ComputeKeepPlan(*wide, kTokens, layers, policy);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THAT(Text(), ::testing::HasSubstr("model=\"wide\""));
   std::atomic<bool> other_ok{false};
   std::thread other([&] { other_ok = RegisterModel() != 0; });
   EXPECT_TRUE(client_->UnregisterModel(*wide).ok());
   other.join();
   EXPECT_TRUE(other_ok);
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
-  EXPECT_THAT(Text(), ::testing::Not(::testing::HasSubstr("model=\"wide\"")));
+  const std::string text = Text();
+  EXPECT_THAT(text, ::testing::Not(::testing::HasSubstr("model=\"wide\"")));
+  EXPECT_THAT(text, ::testing::HasSubstr("model=\"tiny\""));
 }
 
 // A GET /metrics over a real socket: the HTTP status code and the body.
@@ -428,23 +517,34 @@ std::pair<int, std::string> HttpGet(int port, const std::string& path) {
   return {code, body == std::string::npos ? "" : response.substr(body + 4)};
 }
 
-// A body that throws std::bad_alloc (the host out of memory) fails that scrape with 500; the
-// next scrape is served. Before: std::terminate took laproxd down.
+// A scrape that throws (std::bad_alloc: the host out of memory; or anything else) fails with
+// HTTP 500 and a short text; laproxd's metrics count it and the next scrape is served. Before:
+// std::terminate took laproxd down. The failure is planted in the scrape-time snapshot.
 TEST(HttpExposerTest, AnAllocationFailureFailsTheScrapeNotTheServer) {
-  std::atomic<bool> fail{true};
-  auto exposer = HttpExposer::Start("127.0.0.1:0", [&fail]() -> std::string {
-    if (fail) throw std::bad_alloc();
-    return "x_total 1\n";
-  });
+  enum class Fail { kNone, kBadAlloc, kOther };
+  std::atomic<Fail> fail{Fail::kBadAlloc};
+  MetricsOptions options;
+  options.version = "test";
+  options.snapshot = [&fail] {
+    if (fail == Fail::kBadAlloc) throw std::bad_alloc();
+    if (fail == Fail::kOther) throw 7;
+    return StateSnapshot{};
+  };
+  Metrics metrics(std::make_shared<prometheus::Registry>(), std::move(options));
+  auto exposer = HttpExposer::Start("127.0.0.1:0", [&metrics] { return metrics.SerializeText(); });
   ASSERT_TRUE(exposer.ok()) << exposer.status();
   const auto [code, body] = HttpGet((*exposer)->port(), "/metrics");
   EXPECT_EQ(code, 500);
   EXPECT_THAT(body, ::testing::HasSubstr("could not render"));
   EXPECT_EQ((*exposer)->failures(), 1);
-  fail = false;
+  fail = Fail::kOther;
+  EXPECT_EQ(HttpGet((*exposer)->port(), "/metrics").first, 500);
+  EXPECT_EQ((*exposer)->failures(), 2);
+  fail = Fail::kNone;
   const auto [again, text] = HttpGet((*exposer)->port(), "/metrics");
   EXPECT_EQ(again, 200);
-  EXPECT_EQ(text, "x_total 1\n");
+  EXPECT_EQ(Sample(text, "laprox_metrics_scrape_failures_total"), 2);
+  EXPECT_EQ(Sample(text, "laprox_build_info{version=\"test\"}"), 1);
 }
 
 TEST(HttpExposerTest, ServesTheBodyAndRefusesBadAddresses) {
