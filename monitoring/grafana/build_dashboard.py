@@ -150,7 +150,13 @@ def build():
     panel("barchart", "Budget share per layer, latest request",
           "The latest request's per-layer share, layer by layer.",
           [(f"laprox_layer_budget_share{{{share}}}", "layer {{layer}}", True)],
-          x=0, w=12)
+          x=0, w=9)
+    panel("stat", "Series of $model",
+          "How many budget-share series the model has and what one covers: head (a layer and "
+          "KV head), layer (all KV heads of a layer: H all) or band (a band of layers). Fixed "
+          "when the model registered, by --max_share_series_per_model and --max_share_series.",
+          [(f"laprox_budget_share_series{{{share}}}", "{{granularity}}", True)],
+          x=9, w=3)
     panel("timeseries", "Per-layer budget share, median over requests",
           "Median of each layer's share over the requests in the interval.",
           [(f"histogram_quantile(0.5, sum by (le, layer) "
