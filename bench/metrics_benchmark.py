@@ -2,12 +2,18 @@
 """metrics_benchmark: what wide models cost laproxd's metrics (issue 34, rows 3 and 4), against
 real laproxd binaries with the Python client and a real HTTP scrape.
 
-  scrape      register MODELS models of 128 layers x 128 KV heads (d = 1), one plan each, then
+  ordinary    one model of Llama-3.1-8B's 32 layers x 8 KV heads (d = 1), one plan, then
               GET /metrics: body bytes, series lines and seconds (median of 5 scrapes).
+  scrape      the same with MODELS models of 128 layers x 128 KV heads; --long-names gives
+              them names of 128 characters (the longest laproxd accepts: the largest body).
+  slow        with --slow-clients N, after the last scrape case: N clients send GET /metrics
+              and never read (4 KiB receive buffers): laproxd's RSS, then how long a normal
+              scrape and a RegisterModel take meanwhile.
   unregister  a 256 x 256 model after one plan: seconds UnregisterModel takes, while another
               client's RegisterModel runs beside it.
 
-    /usr/bin/python3 bench/metrics_benchmark.py [--models 1,16,64] NAME=PATH/TO/laproxd ...
+    /usr/bin/python3 bench/metrics_benchmark.py [--models 1,16,64] [--long-names] \
+        [--slow-clients N] NAME=PATH/TO/laproxd[:--flag=value...] ...
 
 Results go to stdout; bench/RESULTS.md ("Metrics at the cap") has the runs.
 """
@@ -15,6 +21,7 @@ Results go to stdout; bench/RESULTS.md ("Metrics at the cap") has the runs.
 import argparse
 import os
 import re
+import socket
 import statistics
 import sys
 import threading
@@ -60,33 +67,81 @@ def metrics_port(server):
     return int(m.group(1))
 
 
+def measure(name, what, port):
+    times, body = [], b""
+    for _ in range(5):
+        seconds, body = scrape(port)
+        times.append(seconds)
+    lines = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
+    print(f"{name}: {what}: scrape {len(body) / 1e6:.2f} MB, {lines} series lines, "
+          f"{statistics.median(times) * 1e3:.0f} ms (median of 5)", flush=True)
+
+
+def rss_mb(pid):
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1)) / 1024
+
+
+def slow_clients(name, count, server, client, port):
+    before = rss_mb(server.process.pid)
+    clients = []
+    for _ in range(count):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", port))
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: laproxd\r\n\r\n")
+        clients.append(s)
+    try:
+        time.sleep(5)  # let laproxd render what it will
+        held = rss_mb(server.process.pid)
+        t0 = time.monotonic()
+        wide_model(client, "beside-slow", 2, 2)
+        register = time.monotonic() - t0
+        seconds, body = scrape(port)
+        print(f"{name}: {count} clients that never read: RSS {before:.0f} -> {held:.0f} MB; "
+              f"RegisterModel meanwhile {register * 1e3:.1f} ms; a normal scrape "
+              f"{len(body) / 1e6:.2f} MB after {seconds:.1f} s", flush=True)
+    finally:
+        for s in clients:
+            s.close()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="1,16,64")
+    parser.add_argument("--long-names", action="store_true")
+    parser.add_argument("--slow-clients", type=int, default=0)
     parser.add_argument("servers", nargs="+")
     args = parser.parse_args()
     for spec in args.servers:
-        name, path = spec.split("=", 1)
+        name, rest = spec.split("=", 1)
+        path, *flags = rest.split(":")
         os.environ["LAPROXD"] = os.path.abspath(path)
-        for count in (int(c) for c in args.models.split(",")):
-            server = support.Laproxd("--metrics_listen=127.0.0.1:0", "--max_models=100")
+        server = support.Laproxd("--metrics_listen=127.0.0.1:0", *flags)
+        try:
+            client = laprox.Client(server.target, timeout=600)
+            model = wide_model(client, "llama-3.1-8b", 32, 8)
+            wide_plan(client, model, 32, 8)
+            measure(name, "1 model of 32 x 8", metrics_port(server))
+        finally:
+            server.stop()
+        counts = [int(c) for c in args.models.split(",")]
+        for count in counts:
+            server = support.Laproxd("--metrics_listen=127.0.0.1:0", "--max_models=100", *flags)
             try:
                 client = laprox.Client(server.target, timeout=600)
                 for i in range(count):
-                    model = wide_model(client, f"wide{i}", 128, 128)
+                    label = f"{i:03d}" + "w" * 125 if args.long_names else f"wide{i}"
+                    model = wide_model(client, label, 128, 128)
                     wide_plan(client, model, 128, 128, seed=i)
-                port = metrics_port(server)
-                times, body = [], b""
-                for _ in range(5):
-                    seconds, body = scrape(port)
-                    times.append(seconds)
-                lines = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
-                print(f"{name}: {count} models of 128 x 128: scrape {len(body) / 1e6:.2f} MB, "
-                      f"{lines} series lines, {statistics.median(times) * 1e3:.0f} ms "
-                      f"(median of 5)", flush=True)
+                measure(name, f"{count} models of 128 x 128"
+                        + (" named with 128 characters" if args.long_names else ""),
+                        metrics_port(server))
+                if args.slow_clients and count == counts[-1]:
+                    slow_clients(name, args.slow_clients, server, client, metrics_port(server))
             finally:
                 server.stop()
-        server = support.Laproxd("--metrics_listen=127.0.0.1:0")
+        server = support.Laproxd("--metrics_listen=127.0.0.1:0", *flags)
         try:
             client = laprox.Client(server.target, timeout=600)
             other = laprox.Client(server.target, timeout=600)
