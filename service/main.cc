@@ -356,8 +356,9 @@ int main(int argc, char** argv) {
              s.models = models.count;
              s.prepared_bytes = models.prepared_bytes;
              for (const laprox::kernels::DeviceDescription& d : core.backend().Devices()) {
-               if (d.used_memory_bytes >= 0)
+               if (d.used_memory_bytes >= 0) {
                  s.device_memory_used_bytes[d.uuid] = d.used_memory_bytes;
+               }
              }
              return s;
            },

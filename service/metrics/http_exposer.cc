@@ -51,7 +51,7 @@ MHD_Result Reply(MHD_Connection* connection, std::unique_ptr<std::string> body) 
   MHD_Response* response = MHD_create_response_from_buffer_with_free_callback_cls(
       body->size(), body->data(), [](void* owned) { delete static_cast<std::string*>(owned); },
       body.get());
-  if (response != nullptr) body.release();  // now the response's; else freed here
+  if (response != nullptr) (void)body.release();  // now the response's; else freed here
   return Queue(connection, MHD_HTTP_OK, response, kContentType);
 }
 
