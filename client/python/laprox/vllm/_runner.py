@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from ..client import PLAN_DEADLINE_S, plan_deadline
-from . import _metrics
+from . import _compact, _metrics
 
 logger = logging.getLogger("laprox.vllm")
 
@@ -63,6 +63,24 @@ class Config:
     # Seconds for each registration call (made off the steps), and the longest the engine's
     # start-up waits for the first registration.
     register_deadline: float = REGISTER_DEADLINE_S
+    # "compact": a planned sequence's evicted entries leave the cache and its blocks go back to
+    # vLLM (LAYER_UNIFORM plans; _compact); "mask": they stay and decode leaves them out.
+    mode: str = "compact"
+
+    @property
+    def compacts(self) -> bool:
+        return self.mode == "compact"
+
+    @property
+    def layer_uniform(self) -> bool:
+        shape = str(self.plan_policy().get("plan_shape", "")).lower()
+        return shape in ("layer_uniform", "plan_shape_layer_uniform")
+
+    def plan_policy(self) -> Dict[str, Any]:
+        """The policy options sent: compaction applies LAYER_UNIFORM plans."""
+        if self.compacts:
+            return {"plan_shape": "layer_uniform", **self.policy}
+        return dict(self.policy)
 
     @staticmethod
     def from_env() -> "Config":
@@ -71,7 +89,17 @@ class Config:
         policy = json.loads(os.environ.get("LAPROX_VLLM_POLICY", "{}"))
         if not isinstance(policy, dict):
             raise ValueError("LAPROX_VLLM_POLICY must be a JSON object of policy options")
+        mode = os.environ.get("LAPROX_VLLM_MODE", "compact")
+        if mode not in ("compact", "mask"):
+            raise ValueError(f"LAPROX_VLLM_MODE must be compact or mask, not {mode!r}")
+        shape = str(policy.get("plan_shape", "layer_uniform")).lower()
+        if mode == "compact" and shape not in ("layer_uniform", "plan_shape_layer_uniform"):
+            logger.warning("laprox: LAPROX_VLLM_POLICY asks for plan_shape %s; compaction "
+                           "applies layer_uniform plans only, so the plugin masks instead",
+                           policy["plan_shape"])
+            mode = "mask"
         return Config(target=os.environ["LAPROX_VLLM_TARGET"], budget=budget, policy=policy,
+                      mode=mode,
                       window=int(os.environ.get("LAPROX_VLLM_WINDOW", "32")),
                       model_name=os.environ.get("LAPROX_VLLM_MODEL", ""),
                       deadline=_seconds("LAPROX_VLLM_DEADLINE_SECONDS", PLAN_DEADLINE_S),
@@ -100,6 +128,7 @@ class _Prefill:
     prompt_len: int
     queries: np.ndarray                   # [L, H, w, d] float32, rows of the last w positions
     block_ids: Optional[np.ndarray] = None
+    computed: int = 0                     # positions in the cache after the last prefill step
 
 
 @dataclass
@@ -134,6 +163,13 @@ class _State:
         # (request id, first position, count).
         self.compressed: Dict[str, "_Compressed"] = {}
         self.decode_rows: Dict[int, Tuple[str, int, int]] = {}
+        # Compaction (_compact): plans waiting for the scheduler's order, the requests reported
+        # ready on the next ModelRunnerOutput, the compacted requests, and this step's rows of
+        # them.
+        self.pending: Dict[str, _compact.Pending] = {}
+        self.ready: Dict[str, _compact.Ready] = {}
+        self.compacted: Dict[str, _compact.Compacted] = {}
+        self.shift: Optional[_compact.Shift] = None
         self.plans: "OrderedDict[str, Any]" = OrderedDict()  # the last MAX_PLANS requests
         self.metrics = _metrics.Metrics()
         # Seconds of this step's capture and masked decode, observed at its end (_execute_model).
@@ -389,6 +425,7 @@ def _prepare_inputs(original: Any) -> Any:
         result = original(self, scheduler_output, num_scheduled_tokens)
         STATE.step = {}
         STATE.decode_rows = {}
+        STATE.shift = None
         if STATE.geometry is None or STATE.segment is None:
             return result
         try:
@@ -398,6 +435,8 @@ def _prepare_inputs(original: Any) -> Any:
             STATE.step, STATE.decode_rows = {}, {}
             STATE.prefills.clear()
             STATE.compressed.clear()
+        # Compacted requests cannot go back: their positions are no longer their slots.
+        STATE.shift = _shift(self.input_batch, num_scheduled_tokens)
         return result
 
     return prepare_inputs
@@ -405,12 +444,13 @@ def _prepare_inputs(original: Any) -> Any:
 
 def _note_rows(batch: Any, num_scheduled_tokens: np.ndarray) -> None:
     """STATE.step and STATE.decode_rows of this step's batch (prepare_inputs)."""
-    # Requests no longer in the batch (finished, aborted, preempted) lose their captures.
+    # Prefills no longer in the batch (finished, aborted, preempted, or not scheduled in this
+    # step) lose their captures; planned requests are forgotten when they end (_update_states).
     for req_id in set(STATE.prefills) - set(batch.req_ids):
         del STATE.prefills[req_id]
-    for req_id in set(STATE.compressed) - set(batch.req_ids):
-        del STATE.compressed[req_id]
     for i, req_id in enumerate(batch.req_ids):
+        if req_id in STATE.compacted:
+            continue
         start = int(batch.num_computed_tokens_cpu[i])
         prompt_len = int(batch.num_prompt_tokens[i])
         if start >= prompt_len:
@@ -431,12 +471,117 @@ def _note_rows(batch: Any, num_scheduled_tokens: np.ndarray) -> None:
         STATE.metrics.prefill_steps += 1
 
 
+def _shift(batch: Any, num_scheduled_tokens: np.ndarray) -> Optional[_compact.Shift]:
+    """This step's slots and lengths of the compacted requests' rows (_compact.shift)."""
+    if not STATE.compacted:
+        return None
+    rows = []
+    for i, req_id in enumerate(batch.req_ids):
+        compacted = STATE.compacted.get(req_id)
+        if compacted is not None and num_scheduled_tokens[i] > 0:
+            rows.append((i, int(batch.num_computed_tokens_cpu[i]), int(num_scheduled_tokens[i]),
+                         compacted.drops))
+    table = batch.block_table.block_tables[0]
+    starts = np.concatenate([[0], np.cumsum(num_scheduled_tokens)])
+    return _compact.shift(rows, starts, table.block_table.np, table.block_size,
+                          STATE.geometry.num_layers, len(batch.req_ids))
+
+
+def _update_states(original: Any) -> Any:
+    """After vLLM's update of the batch: forgets requests that ended or restart, and carries
+    out the scheduler's compaction orders (_compact.move) before anything of the step is
+    written."""
+
+    def update_states(self: Any, scheduler_output: Any) -> Any:
+        result = original(self, scheduler_output)
+        ended = set(scheduler_output.finished_req_ids)
+        ended |= set(scheduler_output.preempted_req_ids or ())
+        ended |= set(scheduler_output.scheduled_cached_reqs.resumed_req_ids or ())
+        for req_id in ended:
+            for table in (STATE.compressed, STATE.pending, STATE.ready, STATE.compacted):
+                table.pop(req_id, None)
+        for req_id, order in (getattr(scheduler_output, "_laprox_compact", None) or {}).items():
+            _carry_out(self, req_id, order)
+        return result
+
+    return update_states
+
+
+def _carry_out(runner: Any, req_id: str, order: _compact.Order) -> None:
+    pending = STATE.pending.pop(req_id, None)
+    state = runner.requests.get(req_id)
+    if pending is None or state is None:
+        # The scheduler released the blocks after a plan this worker no longer has: that is a
+        # bug, and the request's cache is no longer what it reads.
+        raise RuntimeError(f"laprox: a compaction order for request {req_id}, which has no "
+                           f"pending plan here")
+    block_ids = state.block_ids[0]
+    context = runner.compilation_config.static_forward_context
+    caches = [_cache_views(context[name], context[name].kv_cache) for name in _layer_names(runner)]
+    drops = _compact.move(pending, block_ids, order, caches)
+    block_ids[:] = list(order.dest) + block_ids[order.sources:]
+    row = runner.input_batch.req_id_to_index.get(req_id)
+    if row is not None:
+        runner.input_batch.block_table.block_tables[0].add_row(block_ids, row)
+    STATE.compressed.pop(req_id, None)
+    STATE.compacted[req_id] = _compact.Compacted(pending.prompt_len, drops)
+    STATE.metrics.compactions += 1
+    STATE.metrics.blocks_released += order.released
+
+
+def _layer_names(runner: Any) -> List[str]:
+    context = runner.compilation_config.static_forward_context
+    return sorted((name for name in context if _LAYER.search(name)),
+                  key=lambda name: int(_LAYER.search(name).group(1)))
+
+
+def _do_kv_cache_update(original: Any) -> Any:
+    """Writes the tokens of compacted requests to their layer's slots (_compact.Shift)."""
+
+    def do_kv_cache_update(self: Any, layer: Any, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> Any:
+        shift = STATE.shift
+        if shift is not None:
+            slot_mapping = slot_mapping.clone()
+            slot_mapping[shift.tokens] = shift.slots[_layer_index(layer)].to(slot_mapping.dtype)
+        return original(self, layer, key, value, kv_cache, slot_mapping)
+
+    return do_kv_cache_update
+
+
+def _shifted(impl: Any, layer: Any, query: torch.Tensor, attn_metadata: Any) -> Any:
+    """attn_metadata with this layer's lengths for the compacted rows (and the kernel's work
+    split made for them)."""
+    import dataclasses
+
+    from vllm import _custom_ops as ops
+    from vllm import envs
+
+    shift = STATE.shift
+    index = _layer_index(layer)
+    seq_lens = attn_metadata.seq_lens.clone()
+    seq_lens[:shift.delta.shape[1]] -= shift.delta[index]
+    num_reqs = shift.delta.shape[1]
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=num_reqs, num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
+        head_dim=impl.head_size, seq_lens=seq_lens, dtype=query.dtype,
+        query_start_loc=attn_metadata.query_start_loc, causal=attn_metadata.causal,
+        sliding_window_size=impl.sliding_window, isa=layer.isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=attn_metadata.dynamic_causal,
+        kv_cache_dtype=impl.kv_cache_dtype)
+    return dataclasses.replace(attn_metadata, seq_lens=seq_lens, scheduler_metadata=metadata)
+
+
 def _forward(original: Any) -> Any:
     def forward(self: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any,
                 output: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        shifted = attn_metadata
+        if attn_metadata is not None and STATE.shift is not None:
+            shifted = _shifted(self, layer, query, attn_metadata)
+
         def kernel() -> torch.Tensor:
-            return original(self, layer, query, key, value, kv_cache, attn_metadata, output,
+            return original(self, layer, query, key, value, kv_cache, shifted, output,
                             *args, **kwargs)
 
         if attn_metadata is not None and STATE.step:
@@ -623,16 +768,39 @@ def _execute_model(original: Any) -> Any:
                 STATE.metrics.observe(stage, seconds)
                 STATE.step_seconds[stage] = 0.0
         step, STATE.step = STATE.step, {}
-        done = [(req_id, STATE.prefills.pop(req_id)) for req_id, start, count in step.values()
-                if req_id in STATE.prefills and start + count >= STATE.prefills[req_id].prompt_len]
+        done = []
+        for req_id, start, count in step.values():
+            prefill = STATE.prefills.get(req_id)
+            if prefill is not None and start + count >= prefill.prompt_len:
+                prefill.computed = start + count
+                done.append((req_id, STATE.prefills.pop(req_id)))
         if done:
             try:
                 _plan(self, done)
             except Exception as e:  # never the engine's failure: no plans this step
                 STATE.warn(f"planning failed ({e!r})", len(done))
-        return result
+        return _report_ready(result)
 
     return execute_model
+
+
+def _sample_tokens(original: Any) -> Any:
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return _report_ready(original(self, *args, **kwargs))
+
+    return sample_tokens
+
+
+def _report_ready(output: Any) -> Any:
+    """Puts the requests ready for compaction on the step's ModelRunnerOutput, which the
+    scheduler reads (_compact.install_scheduler_hooks); None (sample_tokens follows) or the
+    shared empty output carry nothing."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+    if STATE.ready and isinstance(output, ModelRunnerOutput) \
+            and output is not EMPTY_MODEL_RUNNER_OUTPUT:
+        output._laprox_ready, STATE.ready = STATE.ready, {}
+    return output
 
 
 def _plan(runner: Any, done: List[Tuple[str, _Prefill]]) -> None:
@@ -646,8 +814,7 @@ def _plan(runner: Any, done: List[Tuple[str, _Prefill]]) -> None:
         return
     started = time.perf_counter()
     context = runner.compilation_config.static_forward_context
-    names = sorted((name for name in context if _LAYER.search(name)),
-                   key=lambda name: int(_LAYER.search(name).group(1)))
+    names = _layer_names(runner)
     sequences = []
     deadline = plan_deadline(sum(prefill.prompt_len for _, prefill in done),
                              STATE.config.deadline)
@@ -661,7 +828,7 @@ def _plan(runner: Any, done: List[Tuple[str, _Prefill]]) -> None:
                 values.append(v)
             sequences.append(laprox.SequenceInputs(
                 keys, values, list(prefill.queries), budget=STATE.config.budget,
-                **STATE.config.policy))
+                **STATE.config.plan_policy()))
         plans = link.client.compute_keep_plans(link.model_id, sequences, timeout=deadline)
     except Exception as e:
         code = _code(e)
@@ -683,8 +850,15 @@ def _plan(runner: Any, done: List[Tuple[str, _Prefill]]) -> None:
     for (req_id, prefill), plan in zip(done, plans):
         STATE.plans[req_id] = plan
         STATE.metrics.plans += 1
-        STATE.compressed[req_id] = _Compressed(prefill.prompt_len, plan.to_masks(),
-                                               prefill.block_ids)
+        masks = plan.to_masks()
+        if STATE.config.layer_uniform:
+            # Padded to one length per layer in both modes, so that they apply the same sets.
+            pending, masks = _compact.note_plan(masks, prefill.prompt_len, prefill.computed)
+            if STATE.config.compacts:
+                STATE.pending[req_id] = pending
+                STATE.ready[req_id] = _compact.ready(pending)
+        # Masked until compacted (or for good in mask mode, or when no order comes).
+        STATE.compressed[req_id] = _Compressed(prefill.prompt_len, masks, prefill.block_ids)
     while len(STATE.plans) > MAX_PLANS:
         STATE.plans.popitem(last=False)
 
@@ -719,3 +893,8 @@ def install(config: Config) -> None:
     base.execute_model = _execute_model(base.execute_model)
     impl = cpu_attn.CPUAttentionBackendImpl
     impl.forward = _forward(impl.forward)
+    if config.compacts:
+        base._update_states = _update_states(base._update_states)
+        base.sample_tokens = _sample_tokens(base.sample_tokens)
+        impl.do_kv_cache_update = _do_kv_cache_update(impl.do_kv_cache_update)
+        _compact.install_scheduler_hooks()

@@ -1,0 +1,279 @@
+"""Compaction: a sequence decoding under a plan gives its evicted entries' blocks back to vLLM.
+
+The plan of a sequence (LAYER_UNIFORM: every KV head of layer l keeps C_l prompt entries) is
+applied by moving, in every layer, the kept entries of each head to the front of the sequence's
+own blocks, slots 0 .. C_l - 1 in position order, followed by the entries after the prompt; the
+blocks past the longest layer's length go back to vLLM's pool. From then on position p >= P
+(P: the prompt length) of layer l lives in slot p - drop_l, drop_l = P - C_l, while RoPE keeps
+counting positions as before; each layer's attention reads seq_len - drop_l slots. DESIGN.md
+section 6 gives the reasoning; these are the moving parts, in the order they act:
+
+  worker, step t (the last prefill step)   the plan arrives (_runner._plan); the heads of a
+      layer that keep one entry fewer than its longest head are padded with their most recent
+      evicted prompt entry (note_plan), the request is reported as ready on the step's
+      ModelRunnerOutput (`_laprox_ready`: prompt length, longest layer, cache length), and
+      decodes masked until compacted;
+  scheduler, update_from_output(t)         decide(): the blocks the compacted request keeps
+      (its private blocks, ref_cnt 1, the last ones first, so that a shared or reusable prefix
+      stays in the prefix cache; fresh blocks when too few are private), their prefix-cache
+      hashes evicted, the request's block list cut to them; from now on its allocations count
+      drop = P - C_max fewer tokens; the other blocks wait, held, until the move is done;
+  scheduler, schedule(t + 1)                the order travels to the worker on the
+      SchedulerOutput (`_laprox_compact`);
+  worker, _update_states(t + 1)             apply(): the entries move (before any block of
+      this step is written), the worker's block list and block-table row become the kept
+      blocks plus those appended this step;
+  scheduler, update_from_output(t + 1)      the held blocks return to the pool (or at once when
+      the request ends or is preempted first);
+  worker, every later step                  shift(): per layer, the slots the step's tokens of
+      compacted requests are written to, and the seq_lens the kernel reads (_runner).
+Scheduler and worker may run in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0) or two (the
+"mp" executor); both objects are pickled between them, so the two attributes travel either way.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("laprox.vllm")
+
+# Never cache blocks of a compacted request again: its slots no longer hold the positions their
+# hashes would name.
+_NEVER = 1 << 62
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Worker -> scheduler: a planned request whose entries can be compacted."""
+    prompt_len: int   # P: positions the plan covers
+    longest: int      # C_max: the longest layer's kept prompt entries per head
+    computed: int     # N: positions in the cache when planned (>= P after a preemption)
+
+
+@dataclass(frozen=True)
+class Order:
+    """Scheduler -> worker: compact a request into `dest`."""
+    sources: int         # blocks of the request's list the kept entries are read from
+    dest: Tuple[int, ...]  # the block ids they go to, in slot order
+    released: int        # blocks given back to the pool
+
+
+@dataclass
+class Pending:
+    """Worker: a plan waiting for its order. kept[l] [Hkv, C_l] are the prompt positions each
+    head of layer l keeps, ascending (padded to the layer's longest head)."""
+    prompt_len: int
+    computed: int
+    kept: List[np.ndarray]
+
+
+@dataclass
+class Compacted:
+    """Worker: a compacted request. drops [L] = P - C_l."""
+    prompt_len: int
+    drops: np.ndarray
+
+
+# --- the worker ---------------------------------------------------------------------------------
+
+def note_plan(masks: np.ndarray, prompt_len: int, computed: int) -> Tuple[Pending, np.ndarray]:
+    """The compaction of a LAYER_UNIFORM plan `masks` [L, Hkv, P]: the heads of a layer with one
+    entry fewer than its longest head keep their most recent evicted prompt entry too (the
+    kernel reads one length per layer). Returns the pending compaction and the padded masks
+    (which the masked decode applies until the order arrives)."""
+    masks = masks.copy()
+    kept = []
+    for layer in masks:
+        counts = layer.sum(axis=1)
+        longest = int(counts.max())
+        for h in np.flatnonzero(counts < longest):
+            evicted = np.flatnonzero(~layer[h])
+            layer[h, evicted[len(evicted) - (longest - counts[h]):]] = True
+        kept.append(np.stack([np.flatnonzero(row) for row in layer]).astype(np.int64))
+    return Pending(prompt_len, computed, kept), masks
+
+
+def ready(pending: Pending) -> Ready:
+    return Ready(pending.prompt_len, max(k.shape[1] for k in pending.kept), pending.computed)
+
+
+def move(pending: Pending, block_ids: List[int], order: Order,
+         caches: List[Tuple[torch.Tensor, torch.Tensor]]) -> np.ndarray:
+    """Moves every layer's kept entries (and those after the prompt) to slots 0.. of
+    order.dest, reading them through the request's old blocks. caches[l] are layer l's keys
+    [blocks, Hkv, d, bs] and values [blocks, Hkv, bs, d] (the "vec" layout). Returns drops."""
+    sources = torch.tensor(block_ids[:order.sources], dtype=torch.int64)
+    dest = torch.tensor(order.dest, dtype=torch.int64)
+    after = np.arange(pending.prompt_len, pending.computed, dtype=np.int64)
+    drops = np.empty(len(caches), np.int64)
+    for l, (keys, values) in enumerate(caches):
+        kept = pending.kept[l]
+        heads, block_size = kept.shape[0], keys.shape[3]
+        positions = torch.from_numpy(np.concatenate(
+            [kept, np.broadcast_to(after, (heads, len(after)))], axis=1))  # [Hkv, S]
+        h = torch.arange(heads)[:, None]
+        src_blocks, src_slots = sources[positions // block_size], positions % block_size
+        k = keys[src_blocks, h, :, src_slots]   # [Hkv, S, d] (gathered before any write)
+        v = values[src_blocks, h, src_slots, :]
+        j = torch.arange(positions.shape[1])
+        dst_blocks, dst_slots = dest[j // block_size][None, :], (j % block_size)[None, :]
+        keys[dst_blocks, h, :, dst_slots] = k
+        values[dst_blocks, h, dst_slots, :] = v
+        drops[l] = pending.prompt_len - kept.shape[1]
+    return drops
+
+
+@dataclass
+class Shift:
+    """One step's rows of compacted requests: tokens (indices into the step's tokens) are
+    written to slots[l] in layer l, and request row i's kernel reads seq_lens[i] - delta[l, i]
+    slots."""
+    tokens: torch.Tensor   # [m] int64
+    slots: torch.Tensor    # [L, m] int64
+    delta: torch.Tensor    # [L, num_reqs] int32
+    metadata: Dict[int, Any] = field(default_factory=dict)  # per-layer kernel metadata, by l
+
+
+def shift(rows: List[Tuple[int, int, int, np.ndarray]], token_starts: np.ndarray,
+          block_table: np.ndarray, block_size: int, num_layers: int,
+          num_reqs: int) -> Optional[Shift]:
+    """rows: (batch row, first position, count, drops) of this step's compacted requests;
+    token_starts[i]: the step's first token index of row i; block_table: the worker's rows."""
+    if not rows:
+        return None
+    delta = np.zeros((num_layers, num_reqs), np.int32)
+    tokens, slots = [], []
+    for i, start, count, drops in rows:
+        delta[:, i] = drops
+        j = np.arange(start, start + count)[None, :] - drops[:, None]  # [L, count]
+        slots.append(block_table[i][j // block_size].astype(np.int64) * block_size
+                     + j % block_size)
+        tokens.append(np.arange(token_starts[i], token_starts[i] + count))
+    return Shift(torch.from_numpy(np.concatenate(tokens)),
+                 torch.from_numpy(np.concatenate(slots, axis=1)), torch.from_numpy(delta))
+
+
+# --- the scheduler ------------------------------------------------------------------------------
+
+class _SchedulerSide:
+    def __init__(self) -> None:
+        self.drops: Dict[str, int] = {}       # request -> tokens its allocations leave out
+        self.pending: Dict[str, Order] = {}   # decided, not yet sent
+        self.held: Dict[str, List[Any]] = {}  # released blocks waiting for the worker's move
+        self.skipped = 0                      # planned requests not compacted (no blocks)
+
+
+SCHED = _SchedulerSide()
+
+
+def _manager(scheduler: Any) -> Any:
+    """The single full-attention manager of the scheduler's KV cache, or None (hybrid models,
+    several groups: not compacted)."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    if len(managers) != 1 or type(managers[0]) is not FullAttentionManager:
+        return None
+    return managers[0]
+
+
+def decide(scheduler: Any, req_id: str, found: Ready) -> None:
+    """The blocks `req_id` keeps once compacted (module docstring), or nothing when it ended,
+    was preempted, or compaction frees no block."""
+    from vllm.v1.request import RequestStatus
+
+    manager = _manager(scheduler)
+    request = scheduler.requests.get(req_id)
+    if (manager is None or request is None or request.status != RequestStatus.RUNNING
+            or req_id not in manager.req_to_blocks or req_id in SCHED.drops
+            or request.num_computed_tokens != found.computed):
+        return
+    blocks = manager.req_to_blocks[req_id]
+    block_size = manager.block_size
+    need = -(-(found.longest + found.computed - found.prompt_len) // block_size)
+    if need > len(blocks):
+        return
+    private = [b for b in blocks if b.ref_cnt == 1 and not b.is_null]
+    dest = private[len(private) - need:] if len(private) >= need else private
+    if len(dest) < need:
+        pool = manager.block_pool
+        if pool.get_num_free_blocks() < need - len(dest):
+            SCHED.skipped += 1
+            logger.warning("laprox: no free block to compact request %s into; it decodes with "
+                           "its full blocks, masked", req_id)
+            return
+        dest = dest + pool.get_new_blocks(need - len(dest))
+    kept_ids = {id(b) for b in dest}
+    released = [b for b in blocks if id(b) not in kept_ids]
+    # Rewritten in place: their hashes would name positions they no longer hold.
+    manager.block_pool.evict_blocks({b.block_id for b in dest if b.block_hash is not None})
+    SCHED.pending[req_id] = Order(len(blocks), tuple(b.block_id for b in dest), len(released))
+    SCHED.held[req_id] = released
+    SCHED.drops[req_id] = found.prompt_len - found.longest
+    blocks[:] = dest
+    manager.num_cached_block[req_id] = _NEVER
+
+
+def _release(manager: Any, req_id: str) -> None:
+    held = SCHED.held.pop(req_id, None)
+    if held:
+        manager.block_pool.free_blocks(reversed(held))
+
+
+def install_scheduler_hooks() -> None:
+    """Wraps Scheduler.schedule / update_from_output and the full-attention manager's block
+    accounting (scheduler process)."""
+    from vllm.v1.core import single_type_kv_cache_manager as stm
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    base = stm.SingleTypeKVCacheManager
+    update, schedule = Scheduler.update_from_output, Scheduler.schedule
+    count, allocate, pop = (base.get_num_blocks_to_allocate, base.allocate_new_blocks,
+                            base.pop_blocks_for_free)
+
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+        manager = _manager(self)
+        for req_id in getattr(scheduler_output, "_laprox_compact", ()):
+            _release(manager, req_id)  # the worker moved their entries
+        result = update(self, scheduler_output, model_runner_output)
+        for req_id, found in (getattr(model_runner_output, "_laprox_ready", None) or {}).items():
+            try:
+                decide(self, req_id, found)
+            except Exception as e:  # noqa: BLE001 - never the engine's failure
+                logger.warning("laprox: compacting %s failed (%r); it decodes masked", req_id, e)
+        return result
+
+    def schedule_(self: Any, *args: Any, **kwargs: Any) -> Any:
+        output = schedule(self, *args, **kwargs)
+        if SCHED.pending:
+            output._laprox_compact, SCHED.pending = SCHED.pending, {}
+        return output
+
+    def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
+                                   *args: Any, **kwargs: Any) -> int:
+        return count(self, request_id, num_tokens - SCHED.drops.get(request_id, 0),
+                     *args, **kwargs)
+
+    def allocate_new_blocks(self: Any, request_id: str, num_tokens: int,
+                            num_tokens_main_model: int, *args: Any, **kwargs: Any) -> Any:
+        drop = SCHED.drops.get(request_id, 0)
+        return allocate(self, request_id, num_tokens - drop, num_tokens_main_model - drop,
+                        *args, **kwargs)
+
+    def pop_blocks_for_free(self: Any, request_id: str) -> Any:
+        # Finished, aborted or preempted: nothing of its compaction outlives it.
+        SCHED.drops.pop(request_id, None)
+        SCHED.pending.pop(request_id, None)
+        _release(self, request_id)
+        return pop(self, request_id)
+
+    Scheduler.update_from_output = update_from_output
+    Scheduler.schedule = schedule_
+    base.get_num_blocks_to_allocate = get_num_blocks_to_allocate
+    base.allocate_new_blocks = allocate_new_blocks
+    base.pop_blocks_for_free = pop_blocks_for_free

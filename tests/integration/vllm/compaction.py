@@ -1,0 +1,262 @@
+#!/usr/bin/env python3
+"""Compaction in a real vLLM engine: a compressed sequence's evicted entries leave the KV cache
+and its blocks go back to vLLM's pool (laprox.vllm, LAPROX_VLLM_MODE=compact), checked against
+the masked engine (LAPROX_VLLM_MODE=mask) under the same plans.
+
+    compaction.py --laproxd build/service/laproxd --model build/vllm-model/SmolLM2-135M-Instruct
+                  [--prompts 3] [--budget 128] [--continuation 32] [--checks parity,prefix,preempt]
+
+Each engine runs in a process of its own (the plugin's settings are read once per process),
+with the same prompts (a needle question and 1-3K tokens of seeded text), policy
+(plan_shape LAYER_UNIFORM, the compacting plugin's default) and greedy sampling:
+  parity   the compacting engine's greedy tokens equal the masked engine's and their log-probs
+           agree within --logprob-tolerance; every planned sequence was compacted, blocks were
+           released, and once every request ended the pool's free blocks are back at their
+           count before the first request; the needle is answered alike;
+  prefix   prefix caching on, prefills cut into chunks of 256 tokens: request B is added while
+           request A is half prefilled, so B's first blocks are A's (ref_cnt 2) when A is
+           compacted; both decode as in the masked engine, B's prefix-cache hit is real, and
+           A's shared blocks keep their prefix-cache hashes;
+  preempt  a pool of --preempt-blocks blocks and more sequences than fit: at least one
+           compacted request is preempted, prefilled again, planned again and compacted again;
+           every request's tokens equal the masked engine's, and the pool is whole at the end.
+Exits 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+from laproxd_support import Laproxd, use_laproxd
+from parity import prompt_text
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def prompts_for(args: argparse.Namespace):
+    """The needle prompt, then --prompts seeded texts of 1-3K tokens; and the two prompts of
+    the prefix check (one shared 1,024-token prefix, different tails)."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
+    rng = np.random.default_rng(args.seed)
+    text = prompt_text(rng, 700) + " The secret code of the harbour is 4821. " + \
+        prompt_text(rng, 700) + " What is the secret code of the harbour?"
+    needle = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                           add_generation_prompt=True, tokenize=True)
+    if isinstance(needle, dict) or hasattr(needle, "input_ids"):
+        needle = needle["input_ids"]
+    prompts = [[int(x) for x in needle]]
+    for i in range(args.prompts):
+        n = 1000 + (2000 * i) // max(args.prompts - 1, 1)
+        prompts.append([int(x) for x in tokenizer(prompt_text(rng, n))["input_ids"][:n]])
+    shared = [int(x) for x in tokenizer(prompt_text(rng, 1100))["input_ids"][:1024]]
+    tails = [[int(x) for x in tokenizer(prompt_text(rng, 400))["input_ids"][:300]]
+             for _ in range(2)]
+    return tokenizer, prompts, [shared + tail for tail in tails]
+
+
+def engine_core(llm):
+    return llm.llm_engine.engine_core.engine_core
+
+
+def completion(output) -> dict:
+    c = output.outputs[0]
+    return {"tokens": list(c.token_ids),
+            "logprobs": [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]}
+
+
+def child(args: argparse.Namespace, scenario: str, out_path: str) -> int:
+    """One engine: runs `scenario` and writes what it saw to out_path (JSON)."""
+    from vllm import LLM, SamplingParams
+
+    import laprox.vllm
+    from laprox.vllm import _compact
+
+    laprox.vllm.register()
+    _, prompts, pair = prompts_for(args)
+    greedy = SamplingParams(max_tokens=args.continuation, temperature=0.0, logprobs=1)
+    engine = dict(model=args.model, dtype="float32", enforce_eager=True, max_model_len=4096,
+                  seed=0)
+    result: dict = {}
+    if scenario in ("parity", "mask"):
+        llm = LLM(enable_prefix_caching=False, **engine)
+        pool = engine_core(llm).scheduler.kv_cache_manager.block_pool
+        result["free_before"] = pool.get_num_free_blocks()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts + pair], greedy)
+        result["completions"] = [completion(o) for o in outputs]
+        result["free_after"] = pool.get_num_free_blocks()
+        result["kept"] = [[int(c) for c in plan.counts.max(axis=1)]
+                          for plan in laprox.vllm.plans().values()]
+    elif scenario == "prefix":
+        llm = LLM(enable_prefix_caching=True, enable_chunked_prefill=True,
+                  max_num_batched_tokens=256, **engine)
+        core = engine_core(llm)
+        manager = core.scheduler.kv_cache_manager
+        pool = manager.block_pool
+        result["free_before"] = pool.get_num_free_blocks()
+        seen: dict = {"shared_at_compaction": 0}
+        decide = _compact.decide
+
+        def watching(scheduler, req_id, found):
+            blocks = manager.coordinator.single_type_managers[0].req_to_blocks.get(req_id, [])
+            shared = [b for b in blocks if b.ref_cnt > 1]
+            seen["shared_at_compaction"] += len(shared)
+            seen.setdefault("shared_blocks", []).extend(b.block_id for b in shared)
+            decide(scheduler, req_id, found)
+            seen["hashed_after"] = sum(pool.blocks[i].block_hash is not None
+                                       for i in seen.get("shared_blocks", []))
+
+        _compact.decide = watching
+        engine_ = llm.llm_engine
+        engine_.add_request("A", {"prompt_token_ids": pair[0]}, greedy)
+        finished: dict = {}
+        steps = 0
+        while engine_.has_unfinished_requests() or steps == 0:
+            for output in engine_.step():
+                if output.finished:
+                    finished[output.request_id] = output
+            steps += 1
+            if steps == 2:  # A has 512 of its 1,324 positions: four full, cached blocks
+                engine_.add_request("B", {"prompt_token_ids": pair[1]}, greedy)
+        result["completions"] = [completion(finished["A"]), completion(finished["B"])]
+        result["cached_tokens_B"] = int(finished["B"].num_cached_tokens or 0)
+        result.update(seen)
+        result["free_after"] = pool.get_num_free_blocks()
+    elif scenario == "preempt":
+        llm = LLM(enable_prefix_caching=False, num_gpu_blocks_override=args.preempt_blocks,
+                  **engine)
+        core = engine_core(llm)
+        scheduler = core.scheduler
+        pool = scheduler.kv_cache_manager.block_pool
+        result["free_before"] = pool.get_num_free_blocks()
+        preempted: list = []
+        original = type(scheduler)._preempt_request
+
+        def preempt(self, request, *a, **k):
+            preempted.append([request.request_id, request.request_id in _compact.SCHED.drops])
+            return original(self, request, *a, **k)
+
+        type(scheduler)._preempt_request = preempt
+        long = SamplingParams(max_tokens=args.preempt_tokens, temperature=0.0, logprobs=1)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], long)
+        result["completions"] = [completion(o) for o in outputs]
+        result["preempted"] = preempted
+        result["free_after"] = pool.get_num_free_blocks()
+    result["metrics"] = {name: getattr(laprox.vllm.metrics(), name)
+                         for name in ("plans", "failures", "compactions", "blocks_released")}
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def run_child(args: argparse.Namespace, scenario: str, target: str, mode: str) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    env = dict(os.environ, LAPROX_VLLM_TARGET=target, LAPROX_VLLM_BUDGET=str(args.budget),
+               LAPROX_VLLM_MODE=mode, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               LAPROX_VLLM_POLICY=json.dumps({"plan_shape": "layer_uniform"}),
+               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    command = [sys.executable, __file__, "--child", scenario, "--out", out] + args.passthrough
+    print(f"== {scenario} ({mode})", flush=True)
+    subprocess.run(command, env=env, check=True)
+    with open(out) as f:
+        result = json.load(f)
+    os.unlink(out)
+    print(f"   {json.dumps({k: v for k, v in result.items() if k != 'completions'})}")
+    return result
+
+
+def same_decode(name: str, got: list, want: list, tolerance: float) -> bool:
+    ok = True
+    for i, (a, b) in enumerate(zip(got, want)):
+        n = len(b["tokens"])
+        same = next((j for j, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), n)
+        diff = max((abs(x - y) for x, y in zip(a["logprobs"][:same], b["logprobs"][:same])),
+                   default=0.0)
+        good = same == n == len(a["tokens"]) and diff <= tolerance
+        ok = ok and good
+        print(f"   {name} {i}: {same} of {n} greedy tokens equal, largest |log-prob "
+              f"difference| {diff:.2e} {'' if good else ' <- FAIL'}")
+    return ok and len(got) == len(want)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--laproxd")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--budget", type=int, default=128)
+    ap.add_argument("--continuation", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--logprob-tolerance", type=float, default=1e-3)
+    ap.add_argument("--checks", default="parity,prefix,preempt")
+    ap.add_argument("--preempt-blocks", type=int, default=24)
+    ap.add_argument("--preempt-tokens", type=int, default=160)
+    ap.add_argument("--child")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.child:
+        return child(args, args.child, args.out)
+    args.passthrough = ["--model", args.model, "--prompts", str(args.prompts),
+                        "--budget", str(args.budget), "--continuation", str(args.continuation),
+                        "--seed", str(args.seed), "--preempt-blocks", str(args.preempt_blocks),
+                        "--preempt-tokens", str(args.preempt_tokens)]
+    checks = args.checks.split(",")
+    use_laproxd(args.laproxd)
+    server = Laproxd()
+    ok = True
+    try:
+        masked = run_child(args, "mask", server.target, "mask")
+        sequences = args.prompts + 1 + 2
+        if "parity" in checks:
+            got = run_child(args, "parity", server.target, "compact")
+            m = got["metrics"]
+            good = (m["compactions"] == m["plans"] == sequences and m["blocks_released"] > 0
+                    and got["free_after"] == got["free_before"])
+            print(f"   compactions {m['compactions']} of {m['plans']} plans ({sequences} "
+                  f"sequences), {m['blocks_released']} blocks released, free blocks "
+                  f"{got['free_before']} before, {got['free_after']} after"
+                  f"{'' if good else ' <- FAIL'}")
+            ok = same_decode("parity", got["completions"], masked["completions"],
+                             args.logprob_tolerance) and good and ok
+        if "prefix" in checks:
+            got = run_child(args, "prefix", server.target, "compact")
+            good = (got["cached_tokens_B"] >= 512 and got["shared_at_compaction"] > 0
+                    and got["hashed_after"] == len(got["shared_blocks"])
+                    and got["free_after"] == got["free_before"]
+                    and got["metrics"]["compactions"] == 2)
+            print(f"   B's prefix-cache hit {got['cached_tokens_B']} tokens; shared blocks when "
+                  f"compacted {got['shared_at_compaction']}, still hashed after "
+                  f"{got['hashed_after']}; free blocks {got['free_before']} before, "
+                  f"{got['free_after']} after{'' if good else ' <- FAIL'}")
+            ok = same_decode("prefix", got["completions"], masked["completions"][-2:],
+                             args.logprob_tolerance) and good and ok
+        if "preempt" in checks:
+            got = run_child(args, "preempt", server.target, "compact")
+            reference = run_child(args, "preempt", server.target, "mask")
+            compacted_preempted = [r for r, compacted in got["preempted"] if compacted]
+            # A compacted request that is preempted is planned and compacted again.
+            good = (bool(compacted_preempted) and got["free_after"] == got["free_before"]
+                    and got["metrics"]["compactions"] >= len(got["completions"]) + 1)
+            print(f"   preempted {got['preempted']} (compacted ones: {compacted_preempted}); "
+                  f"compactions {got['metrics']['compactions']} for "
+                  f"{len(got['completions'])} requests; free blocks {got['free_before']} "
+                  f"before, {got['free_after']} after{'' if good else ' <- FAIL'}")
+            ok = same_decode("preempt", got["completions"], reference["completions"],
+                             args.logprob_tolerance) and good and ok
+    finally:
+        server.stop()
+    print("compaction: all checks passed" if ok else "compaction: FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
