@@ -17,9 +17,10 @@ with the same prompts (a needle question and 1-3K tokens of seeded text), policy
            request A is half prefilled, so B's first blocks are A's (ref_cnt 2) when A is
            compacted; both decode as in the masked engine, B's prefix-cache hit is real, and
            A's shared blocks keep their prefix-cache hashes;
-  preempt  a pool of --preempt-blocks blocks and more sequences than fit: at least one
-           compacted request is preempted, prefilled again, planned again and compacted again;
-           every request's tokens equal the masked engine's, and the pool is whole at the end.
+  preempt  a pool of --preempt-blocks blocks and more sequences than fit (twelve prompts of
+           about 1,000 tokens): at least one compacted request is preempted, prefilled again, planned again
+           and compacted again; every request's tokens equal those of the masked engine with a
+           pool that preempts nothing, and the pool is whole at the end.
 Exits 1 when a check fails.
 """
 
@@ -131,8 +132,10 @@ def child(args: argparse.Namespace, scenario: str, out_path: str) -> int:
         result.update(seen)
         result["free_after"] = pool.get_num_free_blocks()
     elif scenario == "preempt":
-        llm = LLM(enable_prefix_caching=False, num_gpu_blocks_override=args.preempt_blocks,
-                  **engine)
+        # A small pool (none for the reference run) and twelve sequences of 1,000 tokens:
+        # compacted, all of them run at once, and their decodes outgrow the pool.
+        pool_size = {"num_gpu_blocks_override": args.preempt_blocks} if args.preempt_blocks else {}
+        llm = LLM(enable_prefix_caching=False, **dict(engine, max_model_len=2432, **pool_size))
         core = engine_core(llm)
         scheduler = core.scheduler
         pool = scheduler.kv_cache_manager.block_pool
@@ -146,7 +149,8 @@ def child(args: argparse.Namespace, scenario: str, out_path: str) -> int:
 
         type(scheduler)._preempt_request = preempt
         long = SamplingParams(max_tokens=args.preempt_tokens, temperature=0.0, logprobs=1)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], long)
+        outputs = llm.generate([{"prompt_token_ids": prompts[1][:1000 - i]} for i in range(12)],
+                               long)
         result["completions"] = [completion(o) for o in outputs]
         result["preempted"] = preempted
         result["free_after"] = pool.get_num_free_blocks()
@@ -165,6 +169,8 @@ def run_child(args: argparse.Namespace, scenario: str, target: str, mode: str) -
                LAPROX_VLLM_POLICY=json.dumps({"plan_shape": "layer_uniform"}),
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     command = [sys.executable, __file__, "--child", scenario, "--out", out] + args.passthrough
+    if scenario == "preempt" and mode == "mask":
+        command += ["--preempt-blocks", "0"]  # the reference: nothing preempted
     print(f"== {scenario} ({mode})", flush=True)
     subprocess.run(command, env=env, check=True)
     with open(out) as f:
@@ -174,17 +180,21 @@ def run_child(args: argparse.Namespace, scenario: str, target: str, mode: str) -
     return result
 
 
-def same_decode(name: str, got: list, want: list, tolerance: float) -> bool:
+def same_decode(name: str, got: list, want: list, tolerance: float,
+                tokens_only: frozenset = frozenset()) -> bool:
+    """Greedy tokens equal, and log-probs within `tolerance` except for the sequences of
+    tokens_only (whose log-probs are reported)."""
     ok = True
     for i, (a, b) in enumerate(zip(got, want)):
         n = len(b["tokens"])
         same = next((j for j, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), n)
         diff = max((abs(x - y) for x, y in zip(a["logprobs"][:same], b["logprobs"][:same])),
                    default=0.0)
-        good = same == n == len(a["tokens"]) and diff <= tolerance
+        good = same == n == len(a["tokens"]) and (diff <= tolerance or i in tokens_only)
         ok = ok and good
         print(f"   {name} {i}: {same} of {n} greedy tokens equal, largest |log-prob "
-              f"difference| {diff:.2e} {'' if good else ' <- FAIL'}")
+              f"difference| {diff:.2e}{' (tokens only)' if i in tokens_only else ''}"
+              f"{'' if good else ' <- FAIL'}")
     return ok and len(got) == len(want)
 
 
@@ -198,8 +208,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--logprob-tolerance", type=float, default=1e-3)
     ap.add_argument("--checks", default="parity,prefix,preempt")
-    ap.add_argument("--preempt-blocks", type=int, default=24)
-    ap.add_argument("--preempt-tokens", type=int, default=160)
+    ap.add_argument("--preempt-blocks", type=int, default=40)
+    ap.add_argument("--preempt-tokens", type=int, default=300)
     ap.add_argument("--child")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -250,8 +260,12 @@ def main() -> int:
                   f"compactions {got['metrics']['compactions']} for "
                   f"{len(got['completions'])} requests; free blocks {got['free_before']} "
                   f"before, {got['free_after']} after{'' if good else ' <- FAIL'}")
+            # vLLM recomputes a preempted request by prefilling its prompt and generated tokens
+            # with full attention: the generated tokens' entries are then those of the full
+            # cache, not those computed under the plan, so only its tokens must be the same.
+            recomputed = frozenset(int(r.split("-")[0]) for r, _ in got["preempted"])
             ok = same_decode("preempt", got["completions"], reference["completions"],
-                             args.logprob_tolerance) and good and ok
+                             args.logprob_tolerance, recomputed) and good and ok
     finally:
         server.stop()
     print("compaction: all checks passed" if ok else "compaction: FAILED")
