@@ -180,6 +180,7 @@ POLICY_DEFAULTS = {
     "sinks": 0,
     "min_per_head": 0,
     "head_uniform_layers": False,
+    "max_layer_share": None,         # None: no per-layer cap (SEMANTICS.md, "Selection")
     "plan_shape": None,              # None: RAGGED (LAPROX's head_uniform_layers: LAYER_UNIFORM)
     "block_size": None,              # None or 0: not set (a block shape then reads the table's)
     "tokens_per_head": None,
@@ -315,6 +316,19 @@ def validate_policy(policy):
     if not isinstance(p["head_uniform_layers"], (bool, np.bool_)):
         raise ValueError("policy.head_uniform_layers must be a bool")
     p["plan_shape"], p["block_size"] = _validate_plan_shape(p)
+    s = p["max_layer_share"]
+    if s is not None:
+        if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, float, np.integer,
+                                                                 np.floating)):
+            raise ValueError(f"policy.max_layer_share must be a number, got {s!r}")
+        if not (math.isfinite(float(s)) and float(s) >= 1.0):
+            raise ValueError(f"policy.max_layer_share = {s!r} must be finite and >= 1")
+        if kind != "LAPROX":
+            raise ValueError(f"policy.max_layer_share is a LAPROX option, not for kind {kind}")
+        if p["plan_shape"] in BLOCK_SHAPES:
+            raise ValueError(f"policy.max_layer_share is invalid with plan_shape "
+                             f"{p['plan_shape']}")
+        p["max_layer_share"] = float(s)
     tph, cr = p["tokens_per_head"], p["compression_ratio"]
     if (tph is None) == (cr is None):
         raise ValueError("policy: exactly one of tokens_per_head and compression_ratio "
@@ -580,6 +594,27 @@ def select_best(s, eligible, k):
     order = np.lexsort((i, g, l, -s[l, g, i]))      # last key is the primary key
     chosen = order[:k]
     out[l[chosen], g[chosen], i[chosen]] = True
+    return out
+
+
+def select_capped(s, eligible, k, taken, cap):
+    """SEMANTICS.md "Selection", max_layer_share: walks the eligible candidates in the
+    selection order and takes each unless its layer already holds `cap` (counting `taken[l]`
+    selected before), until k are taken or none is left.  A literal walk, no shortcut."""
+    out = np.zeros(eligible.shape, dtype=bool)
+    if k <= 0:
+        return out
+    held = np.array(taken, dtype=np.int64).copy()
+    l, g, i = np.nonzero(eligible)
+    order = np.lexsort((i, g, l, -s[l, g, i]))
+    for j in order:
+        if k == 0:
+            break
+        if held[l[j]] >= cap:
+            continue
+        out[l[j], g[j], i[j]] = True
+        held[l[j]] += 1
+        k -= 1
     return out
 
 
@@ -863,7 +898,12 @@ def keep_plan(geometry, policy, layers, n):
                                   candidate, q_head, Hkv)
     if alloc in ("GLOBAL_NORMALIZED", "GLOBAL_RAW"):
         selected = _reserve_per_head(scores, candidate, r)
-        selected |= select_best(scores, candidate & ~selected, K - L * Hkv * r)
+        if pol["max_layer_share"] is None:
+            selected |= select_best(scores, candidate & ~selected, K - L * Hkv * r)
+        else:
+            cap = min(math.floor(pol["max_layer_share"] * float(Hkv * q_head)), K)
+            selected |= select_capped(scores, candidate & ~selected, K - L * Hkv * r,
+                                      selected.sum(axis=(1, 2)), cap)
     elif alloc == "PER_LAYER":
         selected = _reserve_per_head(scores, candidate, r)
         for l in range(L):

@@ -455,6 +455,70 @@ class Allocation(unittest.TestCase):
         self.assertEqual(kept_sets(p)[1], [[0, 1, 2, 4], [0, 4]])
 
 
+class MaxLayerShare(unittest.TestCase):
+    """max_layer_share (SEMANTICS.md, "Selection") on Allocation's two layers: q = 2, Hkv = 2,
+    K = 8, the average layer's share Hkv * q = 4.  Uncapped (GLOBAL_NORMALIZED) layer 0 takes 5
+    (.2 .2 .15 .15 .1) and layer 1 three (.6 .25 .12)."""
+
+    layers = Allocation.layers
+
+    def plan(self, **kw):
+        return ref.keep_plan(geo(L=2, H=2, Hkv=2, D=2), pol(tokens_per_head=3, **kw),
+                             self.layers(), 5)
+
+    def test_unset_and_loose_caps_change_nothing(self):
+        base = self.plan()
+        for share in (None, 1.25 * 1.0001, 1.5, 2.0, 1e300):  # caps 5, 6, 8, 8 (<= K)
+            p = self.plan(max_layer_share=share)
+            np.testing.assert_array_equal(p["kept"], base["kept"])
+
+    def test_cap_moves_the_leftover_to_the_next_best_layer(self):
+        # s = 1: cap 4.  Walk (layer in brackets): .6 [1] .25 [1] .2 [0] .2 [0] .15 [0] .15 [0]
+        # (layer 0 full) .12 [1], .1 .1 .05 .05 of layer 0 skipped, .03 [1]: K = 8 reached.
+        # Layer 1 = head 0's .6 .25 .12 .03: the slots layer 0 could not use went to layer 1.
+        p = self.plan(max_layer_share=1.0)
+        self.assertEqual(kept_sets(p), [[[0, 1, 4], [0, 1, 4]], [[0, 1, 2, 3, 4], [4]]])
+        self.assertEqual(p["selected"].sum(axis=(1, 2)).tolist(), [4, 4])
+        # s = 1 with GLOBAL_NORMALIZED is the PER_LAYER plan.
+        np.testing.assert_array_equal(p["kept"], self.plan(allocation="PER_LAYER")["kept"])
+
+    def test_with_min_per_head_and_layer_uniform(self):
+        # min_per_head 1: reservations (0,0,0) (0,1,0) (1,0,0) (1,1,0), then with cap 4 layer 0
+        # takes .15 .15 and is full, layer 1 takes .25 .12: [[0,1],[0,1]] / [[0,1,2],[0]].
+        p = self.plan(max_layer_share=1.0, min_per_head=1)
+        self.assertEqual(kept_sets(p), [[[0, 1, 4], [0, 1, 4]], [[0, 1, 2, 4], [0, 4]]])
+        # A reservation of q per head fills every layer to exactly its cap at s = 1: UNIFORM.
+        p = self.plan(max_layer_share=1.0, min_per_head=2)
+        np.testing.assert_array_equal(p["kept"], self.plan(allocation="UNIFORM")["kept"])
+        # LAYER_UNIFORM spreads the capped totals (4, 4) evenly: 2 per head.
+        p = self.plan(max_layer_share=1.0, plan_shape="LAYER_UNIFORM")
+        self.assertEqual(kept_sets(p), [[[0, 1, 4], [0, 1, 4]], [[0, 1, 4], [0, 1, 4]]])
+
+    def test_ignored_by_per_layer_and_uniform(self):
+        for alloc in ("PER_LAYER", "UNIFORM"):
+            np.testing.assert_array_equal(self.plan(allocation=alloc, max_layer_share=1.0)["kept"],
+                                          self.plan(allocation=alloc)["kept"])
+
+    def test_global_raw(self):
+        # s = p: uncapped layer 0 takes 6 (.4 .4 .3 .3 .2 .2) and layer 1 two (.6 .25); cap 5
+        # (s = 1.25): layer 0 stops at .2 (0,0,2), layer 1 takes .12 next.
+        p = self.plan(allocation="GLOBAL_RAW", max_layer_share=1.25)
+        self.assertEqual(p["selected"].sum(axis=(1, 2)).tolist(), [5, 3])
+        self.assertEqual(kept_sets(p), [[[0, 1, 2, 4], [0, 1, 4]], [[0, 1, 2, 4], [4]]])
+
+    def test_invalid_values(self):
+        for bad in (float("nan"), float("inf"), -float("inf"), 0.5, 0.0, -1.0, True, "2"):
+            with self.assertRaisesRegex(ValueError, "max_layer_share"):
+                self.plan(max_layer_share=bad)
+        with self.assertRaisesRegex(ValueError, "max_layer_share"):
+            self.plan(max_layer_share=2.0, plan_shape="BLOCKS_SHARED", block_size=2)
+        with self.assertRaisesRegex(ValueError, "max_layer_share"):
+            ref.validate_policy({"kind": "SNAPKV", "max_layer_share": 2.0,
+                                 "tokens_per_head": 3})
+        self.assertEqual(ref.validate_policy(pol(tokens_per_head=3,
+                                                 max_layer_share=1))["max_layer_share"], 1.0)
+
+
 class TiesAndEdges(unittest.TestCase):
 
     def test_ties_lowest_layer_head_position(self):
