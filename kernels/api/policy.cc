@@ -1,7 +1,10 @@
 #include "laprox/kernels/policy.h"
 
+#include <charconv>
 #include <cmath>
+#include <iterator>
 #include <limits>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 
@@ -68,7 +71,47 @@ absl::Status ValidatePlanShape(const PolicySpec& p) {
   return absl::OkStatus();
 }
 
+// max_layer_share (SEMANTICS.md, "Selection"): finite and >= 1, LAPROX only, not with a block
+// shape.
+absl::Status ValidateMaxLayerShare(const PolicySpec& p) {
+  if (!p.max_layer_share) return absl::OkStatus();
+  // The shortest text that reads back as the value (0.9999999 is not printed as "1").
+  char text[32];
+  const std::to_chars_result end =
+      std::to_chars(std::begin(text), std::end(text), *p.max_layer_share);
+  const std::string s(text, end.ptr);
+  if (!(std::isfinite(*p.max_layer_share) && *p.max_layer_share >= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("policy.max_layer_share = ", s, " must be finite and >= 1"));
+  }
+  if (p.kind != PolicyKind::kLaprox) {
+    return absl::InvalidArgumentError(absl::StrCat("policy.max_layer_share = ", s,
+                                                   " is a LAPROX option, not defined for ",
+                                                   "policy.kind = ", PolicyKindName(p.kind)));
+  }
+  const PlanShape shape = p.EffectivePlanShape();
+  if (IsBlockShape(shape)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("policy.max_layer_share = ", s, " is not defined for policy.plan_shape = ",
+                     PlanShapeName(shape), " (RAGGED and LAYER_UNIFORM take it)"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+std::optional<int64_t> PolicySpec::LayerSelectionCap(int64_t num_layers, int64_t num_kv_heads,
+                                                     int64_t quota) const {
+  if (!max_layer_share || kind != PolicyKind::kLaprox ||
+      (allocation != Allocation::kGlobalNormalized && allocation != Allocation::kGlobalRaw)) {
+    return std::nullopt;
+  }
+  const int64_t average = num_kv_heads * quota;  // K / L
+  const int64_t total = num_layers * average;    // K
+  const double cap = std::floor(*max_layer_share * static_cast<double>(average));
+  if (!(cap < static_cast<double>(total))) return total;
+  return static_cast<int64_t>(cap);
+}
 
 absl::string_view PolicyKindName(PolicyKind k) {
   switch (k) {
@@ -238,6 +281,7 @@ absl::Status PolicySpec::Validate() const {
         IndicatorName(Indicator::kAttentionXProjectedValue), ", got ", IndicatorName(indicator)));
   }
   if (absl::Status s = ValidatePlanShape(*this); !s.ok()) return s;
+  if (absl::Status s = ValidateMaxLayerShare(*this); !s.ok()) return s;
   switch (budget.kind) {
     case Budget::Kind::kTokensPerHead:
       if (budget.tokens_per_head < 0 || budget.tokens_per_head > kMaxTokensPerHead) {

@@ -238,9 +238,13 @@ absl::StatusOr<KeepPlan> CudaBackend::ComputeKeepPlanImpl(const PreparedModel& m
   const Clock::time_point scored = Clock::now();
 
   absl::StatusOr<KeepPlan> plan;
-  if (IsBlockShape(request.policy.EffectivePlanShape())) {
-    // Block plans are selected on the host from the raw scores (L * Hkv * n floats read back):
-    // the device selector knows only token-granular competitions.
+  const bool layer_cap =
+      request.policy.LayerSelectionCap(shape.num_layers, shape.num_kv_heads, shape.quota)
+          .has_value();
+  if (IsBlockShape(request.policy.EffectivePlanShape()) || layer_cap) {
+    // Block plans, and plans under max_layer_share, are selected on the host from the raw scores
+    // (L * Hkv * n floats read back): the device selector knows only token-granular competitions
+    // without a per-layer cap. The plan is then exactly the CPU backend's for these raw scores.
     std::vector<float> raw(raw_bytes / sizeof(float));
     LAPROX_RETURN_IF_ERROR(
         Track(CudaStatus(cudaMemcpyAsync(raw.data(), raw_.as<float>(), raw_bytes,

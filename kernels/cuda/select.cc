@@ -85,6 +85,14 @@ absl::StatusOr<KeepPlan> DeviceSelector::Select(const DeviceContext& context,
     return absl::InternalError("DeviceSelector: raw scores are null");
   }
 
+  // max_layer_share: the capped walk (SelectKeepPlan's TakeCapped) has no device version; the
+  // backend selects such plans on the host (CudaBackend::ComputeKeepPlanImpl).
+  if (policy.LayerSelectionCap(num_layers, heads, q).has_value()) {
+    return absl::UnimplementedError(
+        "DeviceSelector: policy.max_layer_share has no device selection (the CUDA backend "
+        "selects such plans on the host)");
+  }
+
   KeepPlan plan = policy::PlanHeader(shape);
   plan.selected_total = num_layers * heads * q;
   plan.layer_sums.assign(static_cast<size_t>(num_layers), 0.0);

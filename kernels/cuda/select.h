@@ -26,8 +26,9 @@ class DeviceSelector {
   // [shape.sinks, shape.n - shape.window). Fills every KeepPlan field SelectKeepPlan fills
   // (counts, offsets, positions / bitmask / scores as `outputs` asks, layer_sums, quota,
   // selected_total, window, sinks), in host memory, and synchronises the stream. Every
-  // allocation, min_per_head and head_uniform_layers are handled. Layer sums are fp64,
-  // reduced in a fixed order (no float atomics): the same input gives the same plan.
+  // allocation, min_per_head and head_uniform_layers are handled; a policy whose
+  // max_layer_share applies is UNIMPLEMENTED (the backend selects it on the host). Layer sums are
+  // fp64, reduced in a fixed order (no float atomics): the same input gives the same plan.
   // RESOURCE_EXHAUSTED when the device is full; INTERNAL for CUDA errors, and (in
   // SelectKeepPlan's words) when a candidate's raw score is NaN or infinite.
   // Not thread-safe: the selector keeps its workspace between calls.

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -43,8 +44,9 @@ class Selector {
   std::vector<uint8_t> TakeSelected() { return std::move(selected_); }
 
   // Selects the best `k` not-yet-selected candidates of rows [row_begin, row_end), all of them
-  // when there are at most k.
-  void Take(int64_t row_begin, int64_t row_end, int64_t k) {
+  // when there are at most k, marking them `mark`. Rows of closed layers (TakeCapped) are
+  // skipped.
+  void Take(int64_t row_begin, int64_t row_end, int64_t k, uint8_t mark = 1) {
     if (k <= 0 || !stopped_.ok()) return;
     uint32_t prefix = 0, prefix_mask = 0;
     int64_t needed = k;  // among the candidates whose key starts with `prefix`
@@ -66,13 +68,50 @@ class Selector {
       prefix_mask |= digit_mask << shift;
     }
     if (available <= k) {
-      ForEachOpen(row_begin, row_end, [&](int64_t i, uint32_t) { selected_[i] = 1; });
+      ForEachOpen(row_begin, row_end, [&](int64_t i, uint32_t) { selected_[i] = mark; });
       return;
     }
     // `prefix` is the k-th best key: every better candidate and the first `needed` tied ones.
     ForEachOpen(row_begin, row_end, [&](int64_t i, uint32_t key) {
-      if (key > prefix || (key == prefix && needed-- > 0)) selected_[i] = 1;
+      if (key > prefix || (key == prefix && needed-- > 0)) selected_[i] = mark;
     });
+  }
+
+  // The global selection of `k` more candidates under a per-layer cap (max_layer_share,
+  // SEMANTICS.md "Selection"): candidates in the selection order, skipping those of a layer that
+  // already holds `cap` selected ones. Each round selects the best k of the open layers
+  // tentatively; a layer holding more than its room there would reach its cap in the ordered
+  // walk too (the walk goes at least as far down the order as the uncapped k), so it takes its
+  // best `room` for good and closes, and the round is redone for the rest with k less those.
+  // A round where no layer overflows is the walk's result. At most L + 1 rounds.
+  void TakeCapped(int64_t k, int64_t cap) {
+    const int64_t L = shape_.num_layers, Hkv = shape_.num_kv_heads;
+    std::vector<int64_t> room(L);
+    closed_.assign(L, 0);
+    for (int64_t l = 0; l < L; ++l) {
+      room[l] = std::max<int64_t>(0, cap - CountInLayer(l));
+      closed_[l] = room[l] == 0;
+    }
+    constexpr uint8_t kTentative = 2;
+    while (k > 0 && stopped_.ok()) {
+      Take(0, L * Hkv, k, kTentative);
+      if (!stopped_.ok()) break;
+      std::vector<int64_t> full;
+      for (int64_t l = 0; l < L; ++l) {
+        if (!closed_[l] && CountInLayer(l, kTentative) > room[l]) full.push_back(l);
+      }
+      if (full.empty()) {
+        std::replace(selected_.begin(), selected_.end(), kTentative, uint8_t{1});
+        break;
+      }
+      std::replace(selected_.begin(), selected_.end(), kTentative, uint8_t{0});
+      for (const int64_t l : full) {
+        Take(l * Hkv, (l + 1) * Hkv, room[l]);
+        k -= room[l];
+        closed_[l] = 1;
+      }
+    }
+    closed_.clear();
   }
 
   // Each head of `layer` selects its own best k (head 0..Hkv-1 get `per_head` plus one for the
@@ -84,9 +123,9 @@ class Selector {
     }
   }
 
-  int64_t CountInLayer(int64_t layer) const {
+  int64_t CountInLayer(int64_t layer, uint8_t mark = 1) const {
     const auto begin = selected_.begin() + layer * shape_.num_kv_heads * shape_.n;
-    return std::count(begin, begin + shape_.num_kv_heads * shape_.n, 1);
+    return std::count(begin, begin + shape_.num_kv_heads * shape_.n, mark);
   }
 
   void ClearLayer(int64_t layer) {
@@ -102,6 +141,7 @@ class Selector {
     for (int64_t row = row_begin; row < row_end; ++row) {
       if (stopped_.ok()) stopped_ = CheckStop(stop_);
       if (!stopped_.ok()) return;
+      if (!closed_.empty() && closed_[row / shape_.num_kv_heads]) continue;
       const int64_t begin = row * shape_.n + shape_.sinks, end = begin + shape_.candidates;
       for (int64_t i = begin; i < end; ++i) {
         if (!selected_[i]) visit(i, OrderKey(scores_[i]));
@@ -114,6 +154,7 @@ class Selector {
   const StopSignal* stop_;
   absl::Status stopped_;
   std::vector<uint8_t> selected_;
+  std::vector<uint8_t> closed_;  // per layer, during TakeCapped only: skipped by ForEachOpen
   std::vector<int64_t> histogram_ = std::vector<int64_t>(2048);
 };
 
@@ -198,7 +239,11 @@ absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicyS
       if (reserve > 0) {
         for (int64_t l = 0; l < L; ++l) selector.TakePerHead(l, reserve, 0);
       }
-      selector.Take(0, L * Hkv, L * Hkv * (q - reserve));
+      if (const std::optional<int64_t> cap = policy.LayerSelectionCap(L, Hkv, q)) {
+        selector.TakeCapped(L * Hkv * (q - reserve), *cap);
+      } else {
+        selector.Take(0, L * Hkv, L * Hkv * (q - reserve));
+      }
       break;
     case Allocation::kPerLayer:
       for (int64_t l = 0; l < L; ++l) {

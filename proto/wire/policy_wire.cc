@@ -87,6 +87,7 @@ void PolicyToProto(const kernels::PolicySpec& policy, Policy* p) {
   p->set_head_uniform_layers(policy.head_uniform_layers);
   p->set_plan_shape(EnumToWire<PlanShape>(policy.EffectivePlanShape()));
   if (policy.block_size != 0) p->set_block_size(policy.block_size);
+  if (policy.max_layer_share) p->set_max_layer_share(*policy.max_layer_share);
   const kernels::BaselineParams& b = policy.baseline;
   p->set_pyramid_beta(b.pyramid_beta);
   p->set_alpha_safeguard(b.alpha_safeguard);
@@ -145,6 +146,7 @@ absl::StatusOr<kernels::PolicySpec> PolicyFromProto(const Policy& p, const Budge
     }
     spec.block_size = p.block_size();
   }
+  if (p.has_max_layer_share()) spec.max_layer_share = p.max_layer_share();
   kernels::BaselineParams& b = spec.baseline;
   if (p.has_pyramid_beta()) b.pyramid_beta = p.pyramid_beta();
   if (p.has_alpha_safeguard()) b.alpha_safeguard = p.alpha_safeguard();

@@ -65,6 +65,7 @@ struct Case {
         GqaValueName(policy.EffectiveGqaValue()), " ", PoolingName(policy.pooling),
         policy.pool_kernel, " pool ", PoolTargetName(policy.EffectivePoolTarget()), " sinks ",
         policy.sinks, " min ", policy.min_per_head, policy.head_uniform_layers ? " uniform" : "",
+        policy.max_layer_share ? absl::StrCat(" max_layer_share ", *policy.max_layer_share) : "",
         " B ", policy.budget.tokens_per_head, lse ? " lse" : "",
         std::isnan(lse_value) ? "" : absl::StrCat(" lse_value ", lse_value),
         tiny == Tiny::kNone ? "" : absl::StrCat(" tiny ", static_cast<int>(tiny)), " seed ", seed);
@@ -541,6 +542,20 @@ std::vector<Case> Cases() {
     c.lse = true;
     add(c);
     c.policy.budget = Budget::CompressionRatio(0.9);
+    add(c);
+  }
+  {
+    Case c;  // max_layer_share: selected on the host from the device's raw scores
+    c.L = 4;
+    c.Hkv = 2;
+    c.H = 8;
+    c.n = 900;
+    c.policy.max_layer_share = 1.25;
+    add(c);
+    c.policy.min_per_head = 3;
+    c.policy.head_uniform_layers = true;
+    add(c);
+    c.policy.allocation = Allocation::kGlobalRaw;
     add(c);
   }
   {

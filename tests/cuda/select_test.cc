@@ -502,6 +502,25 @@ TEST_F(DeviceSelectTest, NonFiniteRawScoreIsInternal) {
   }
 }
 
+// The capped walk of max_layer_share has no device selection: the backend selects such plans
+// on the host, and the device selector refuses them rather than ignore the cap.
+TEST_F(DeviceSelectTest, RefusesMaxLayerShare) {
+  RequestShape shape;
+  shape.n = 10;
+  shape.num_layers = 2;
+  shape.num_kv_heads = 1;
+  shape.window = 4;
+  shape.candidates = 6;
+  shape.quota = 2;
+  PolicySpec policy;
+  policy.max_layer_share = 1.5;
+  const float* d_raw = Upload(std::vector<float>(20, 1.f));
+  absl::StatusOr<KeepPlan> plan = selector_.Select(context_, shape, policy, d_raw, OutputOptions{},
+                                                   SelectAlgorithm::kRadixSort);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kUnimplemented) << plan.status();
+  EXPECT_NE(plan.status().message().find("max_layer_share"), std::string::npos);
+}
+
 TEST_F(DeviceSelectTest, RejectsInconsistentShape) {
   RequestShape shape;
   shape.n = 10;

@@ -3,8 +3,12 @@
 // step by (score descending, flat index ascending), the order RankedBefore defines, with the
 // per-head reserve (min_per_head) taken first.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
+#include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -38,10 +42,54 @@ std::vector<uint8_t> SortedSelection(const RequestShape& shape, const PolicySpec
   for (int64_t row = 0; row < L * Hkv; ++row) {
     take(row, row + 1, policy.allocation == Allocation::kUniform ? q : reserve);
   }
+  const bool global = policy.allocation == Allocation::kGlobalNormalized ||
+                      policy.allocation == Allocation::kGlobalRaw;
   if (policy.allocation == Allocation::kPerLayer) {
     for (int64_t l = 0; l < L; ++l) take(l * Hkv, (l + 1) * Hkv, Hkv * (q - reserve));
+  } else if (global && policy.max_layer_share) {
+    // max_layer_share: the literal walk of SEMANTICS.md, every open candidate in the order,
+    // skipped when its layer holds the cap (written without PolicySpec::LayerSelectionCap).
+    const int64_t cap = std::min<int64_t>(
+        static_cast<int64_t>(std::floor(*policy.max_layer_share * static_cast<double>(Hkv * q))),
+        L * Hkv * q);
+    std::vector<int64_t> held(L, 0);
+    std::vector<policy::ScoredToken> open;
+    for (int64_t row = 0; row < L * Hkv; ++row) {
+      for (int64_t i = shape.sinks; i < shape.sinks + shape.candidates; ++i) {
+        const int64_t flat = row * shape.n + i;
+        if (kept[flat]) {
+          ++held[row / Hkv];
+        } else {
+          open.push_back({scores[flat], static_cast<uint32_t>(flat)});
+        }
+      }
+    }
+    std::sort(open.begin(), open.end(), policy::RankedBefore<float>);
+    int64_t k = L * Hkv * (q - reserve);
+    for (const policy::ScoredToken& t : open) {
+      if (k == 0) break;
+      const int64_t layer = t.index / shape.n / Hkv;
+      if (held[layer] >= cap) continue;
+      kept[t.index] = 1;
+      ++held[layer];
+      --k;
+    }
   } else if (policy.allocation != Allocation::kUniform) {
     take(0, L * Hkv, L * Hkv * (q - reserve));
+  }
+  if (policy.EffectivePlanShape() == PlanShape::kLayerUniform) {
+    for (int64_t l = 0; l < L; ++l) {
+      int64_t total = 0;
+      for (int64_t row = l * Hkv; row < (l + 1) * Hkv; ++row) {
+        for (int64_t i = shape.sinks; i < shape.sinks + shape.candidates; ++i) {
+          total += kept[row * shape.n + i];
+          kept[row * shape.n + i] = 0;
+        }
+      }
+      for (int64_t g = 0; g < Hkv; ++g) {
+        take(l * Hkv + g, l * Hkv + g + 1, total / Hkv + (g < total % Hkv ? 1 : 0));
+      }
+    }
   }
   for (int64_t row = 0; row < L * Hkv; ++row) {
     for (int64_t i = 0; i < shape.n; ++i) {
@@ -97,6 +145,184 @@ TEST(SelectionTest, TiedScoresKeepTheBestByScoreThenIndex) {
     }
   }
   EXPECT_EQ(cases, 32);
+}
+
+// Random scores with ties, layers scaled apart (so that the heavy layers win several times
+// their share), under max_layer_share: the plan is the literal capped walk.
+TEST(SelectionTest, LayerShareCapIsTheOrderedWalkSkippingFullLayers) {
+  const float values[] = {0.f, -0.f, 1e-30f, 0.25f, 0.5f, 0.5f, 1.f, 3.f};
+  const float layer_scale[kLayers] = {0.01f, 1.f, 40.f};
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> pick(0, 7);
+  int cases = 0, binding = 0;
+  for (const Allocation allocation : {Allocation::kGlobalNormalized, Allocation::kGlobalRaw}) {
+    for (const PlanShape plan_shape : {PlanShape::kRagged, PlanShape::kLayerUniform}) {
+      for (const int64_t min_per_head : {0, 5, 1000}) {
+        for (const double share : {1.0, 1.01, 1.25, 1.5, 2.0, 2.99, 100.0}) {
+          for (const int64_t budget : {20, 77, 200, 299}) {
+            PolicySpec policy;
+            policy.window = 8;
+            policy.sinks = 4;
+            policy.allocation = allocation;
+            policy.plan_shape = plan_shape;
+            policy.min_per_head = min_per_head;
+            policy.max_layer_share = share;
+            policy.budget = Budget::TokensPerHead(budget);
+            ASSERT_TRUE(policy.Validate().ok());
+            RequestShape shape;
+            shape.n = kN;
+            shape.num_layers = kLayers;
+            shape.num_kv_heads = kHeads;
+            shape.group_size = 1;
+            shape.head_dim = 4;
+            shape.window_rows = 8;
+            policy::DeriveBudget(policy, shape);
+            std::vector<float> raw(kLayers * kHeads * kN);
+            for (size_t j = 0; j < raw.size(); ++j) {
+              raw[j] = values[pick(rng)] * layer_scale[j / (kHeads * kN)];
+            }
+            OutputOptions outputs;
+            outputs.scores = true;
+            outputs.bitmask = true;
+            const absl::StatusOr<KeepPlan> plan =
+                policy::SelectKeepPlan(shape, policy, raw, outputs);
+            ASSERT_TRUE(plan.ok()) << plan.status();
+            PolicySpec uncapped = policy;
+            uncapped.max_layer_share.reset();
+            const absl::StatusOr<KeepPlan> free =
+                policy::SelectKeepPlan(shape, uncapped, raw, outputs);
+            ASSERT_TRUE(free.ok()) << free.status();
+            binding += plan->bitmask != free->bitmask;
+            const std::vector<uint8_t> expected = SortedSelection(shape, policy, plan->scores);
+            const int64_t mask_bytes = (kN + 7) / 8;
+            int64_t selected = 0;
+            for (int64_t row = 0; row < kLayers * kHeads; ++row) {
+              for (int64_t i = 0; i < kN; ++i) {
+                const bool kept = (plan->bitmask[row * mask_bytes + i / 8] >> (i % 8)) & 1;
+                ASSERT_EQ(kept, expected[row * kN + i] != 0)
+                    << AllocationName(allocation) << " " << PlanShapeName(plan_shape)
+                    << ", min_per_head " << min_per_head << ", share " << share << ", budget "
+                    << budget << ": (layer, head) row " << row << ", position " << i << ", score "
+                    << plan->scores[row * kN + i];
+                selected += kept && i >= shape.sinks && i < shape.sinks + shape.candidates;
+              }
+            }
+            // Exactly K selected: a capped layer's slots went to the other layers.
+            EXPECT_EQ(selected, kLayers * kHeads * shape.quota);
+            EXPECT_EQ(plan->selected_total, kLayers * kHeads * shape.quota);
+            ++cases;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(cases, 336);
+  // The cap binds in 92 of them (never with min_per_head 1000, share 100 or budget 299, which
+  // keeps every candidate).
+  EXPECT_GT(binding, 60);
+}
+
+// A small hand-made case: 3 layers of 1 head, 10 candidates each, q = 4 (K = 12). Layer 2's
+// candidates are all better than the others', then layer 1's, then layer 0's. Uncapped layer 2
+// takes 10 and layer 1 two; with s = 1.5 (cap 6) layer 2 takes 6 and its leftover 4 go to
+// layer 1 (6 too, its cap) and the last 0 to layer 0; with s = 1.25 (cap 5) 5, 5, 2.
+TEST(SelectionTest, LayerShareCapGivesTheLeftoverToTheNextBestLayers) {
+  RequestShape shape;
+  shape.n = 10 + 1;
+  shape.num_layers = 3;
+  shape.num_kv_heads = 1;
+  shape.group_size = 1;
+  shape.head_dim = 4;
+  shape.window_rows = 1;
+  std::vector<float> raw(3 * 11, 0.f);
+  for (int l = 0; l < 3; ++l) {
+    for (int i = 0; i < 10; ++i) raw[l * 11 + i] = static_cast<float>(100 * (l + 1) + 10 - i);
+  }
+  auto counts = [&](std::optional<double> share, PlanShape plan_shape, int32_t min_per_head) {
+    PolicySpec policy;
+    policy.window = 1;
+    policy.allocation = Allocation::kGlobalRaw;
+    policy.budget = Budget::TokensPerHead(5);  // q = 5 - 1 window = 4
+    policy.max_layer_share = share;
+    policy.plan_shape = plan_shape;
+    policy.min_per_head = min_per_head;
+    EXPECT_TRUE(policy.Validate().ok());
+    RequestShape s = shape;
+    policy::DeriveBudget(policy, s);
+    EXPECT_EQ(s.quota, 4);
+    const absl::StatusOr<KeepPlan> plan = policy::SelectKeepPlan(s, policy, raw, OutputOptions());
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    std::vector<int32_t> selected;
+    for (int32_t c : plan->counts) selected.push_back(c - 1);  // less the window position
+    return selected;
+  };
+  using V = std::vector<int32_t>;
+  EXPECT_EQ(counts(std::nullopt, PlanShape::kRagged, 0), (V{0, 2, 10}));
+  EXPECT_EQ(counts(1.5, PlanShape::kRagged, 0), (V{0, 6, 6}));
+  EXPECT_EQ(counts(1.25, PlanShape::kRagged, 0), (V{2, 5, 5}));
+  EXPECT_EQ(counts(1.0, PlanShape::kRagged, 0), (V{4, 4, 4}));
+  EXPECT_EQ(counts(3.0, PlanShape::kRagged, 0), (V{0, 2, 10}));
+  EXPECT_EQ(counts(2.0, PlanShape::kRagged, 0), (V{0, 4, 8}));
+  // min_per_head reservations count toward the cap: 2 each reserved, then 6 more.
+  EXPECT_EQ(counts(1.25, PlanShape::kRagged, 2), (V{2, 5, 5}));
+  EXPECT_EQ(counts(1.5, PlanShape::kRagged, 2), (V{2, 4, 6}));
+  // The reservation is at most the cap (s >= 1, r <= q): at s = 1 with r = q every layer is
+  // exactly its reservation.
+  EXPECT_EQ(counts(1.0, PlanShape::kRagged, 4), (V{4, 4, 4}));
+  EXPECT_EQ(counts(1.5, PlanShape::kLayerUniform, 0), (V{0, 6, 6}));
+}
+
+TEST(SelectionTest, LayerShareCapValidation) {
+  for (const double bad : {std::nan(""), std::numeric_limits<double>::infinity(),
+                           -std::numeric_limits<double>::infinity(), 0.5, 0.0, -2.0, 0.9999999}) {
+    PolicySpec policy;
+    policy.max_layer_share = bad;
+    const absl::Status s = policy.Validate();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(s.message().find("policy.max_layer_share = "), std::string::npos) << s;
+  }
+  PolicySpec inf;
+  inf.max_layer_share = std::numeric_limits<double>::infinity();
+  EXPECT_NE(inf.Validate().message().find("inf"), std::string::npos) << inf.Validate();
+  PolicySpec half;
+  half.max_layer_share = 0.5;
+  EXPECT_NE(half.Validate().message().find("0.5"), std::string::npos) << half.Validate();
+
+  PolicySpec ok;
+  ok.max_layer_share = 1.0;
+  EXPECT_TRUE(ok.Validate().ok());
+  ok.plan_shape = PlanShape::kLayerUniform;
+  EXPECT_TRUE(ok.Validate().ok());
+  ok.allocation = Allocation::kPerLayer;  // accepted, ignored
+  EXPECT_TRUE(ok.Validate().ok());
+  EXPECT_FALSE(ok.LayerSelectionCap(4, 2, 10).has_value());
+  ok.allocation = Allocation::kUniform;
+  EXPECT_TRUE(ok.Validate().ok());
+  EXPECT_FALSE(ok.LayerSelectionCap(4, 2, 10).has_value());
+
+  PolicySpec blocks;
+  blocks.max_layer_share = 2.0;
+  blocks.plan_shape = PlanShape::kBlocksShared;
+  EXPECT_EQ(blocks.Validate().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(blocks.Validate().message().find("BLOCKS_SHARED"), std::string::npos);
+  blocks.plan_shape = PlanShape::kBlocksPerLayer;
+  EXPECT_EQ(blocks.Validate().code(), absl::StatusCode::kInvalidArgument);
+
+  PolicySpec snap = PolicySpec::ForKind(PolicyKind::kSnapKv);
+  snap.max_layer_share = 2.0;
+  EXPECT_EQ(snap.Validate().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(snap.Validate().message().find("SNAPKV"), std::string::npos);
+
+  // The cap: floor(s * Hkv * q), at most K.
+  PolicySpec p;
+  p.max_layer_share = 1.5;
+  EXPECT_EQ(p.LayerSelectionCap(30, 3, 224), 1008);
+  p.max_layer_share = 1.25;
+  EXPECT_EQ(p.LayerSelectionCap(30, 3, 7), 26);  // floor(26.25)
+  p.max_layer_share = 1e300;
+  EXPECT_EQ(p.LayerSelectionCap(30, 3, 7), 30 * 3 * 7);
+  p.max_layer_share.reset();
+  EXPECT_FALSE(p.LayerSelectionCap(30, 3, 7).has_value());
 }
 
 }  // namespace

@@ -44,6 +44,30 @@ TEST(PolicyWireTest, UnsetFieldsTakeTheLaproxDefaultsAndTheEchoShowsThem) {
   EXPECT_EQ(echo.window(), 32);
 }
 
+// max_layer_share: unset stays unset both ways; a value (even an invalid one: the kernels
+// validate it) decodes as given and the echo carries it.
+TEST(PolicyWireTest, MaxLayerShareTravelsBothWays) {
+  const PolicySpec unset = *FromProto(v1::Policy());
+  EXPECT_FALSE(unset.max_layer_share.has_value());
+  v1::Policy echo;
+  v1::PolicyToProto(unset, &echo);
+  EXPECT_FALSE(echo.has_max_layer_share());
+  for (const double value : {1.0, 1.25, 3.0, 0.5}) {
+    v1::Policy policy;
+    policy.set_max_layer_share(value);
+    const PolicySpec spec = *FromProto(policy);
+    ASSERT_TRUE(spec.max_layer_share.has_value());
+    EXPECT_EQ(*spec.max_layer_share, value);
+    v1::Policy back;
+    v1::PolicyToProto(spec, &back);
+    EXPECT_TRUE(back.has_max_layer_share());
+    EXPECT_EQ(back.max_layer_share(), value);
+  }
+  v1::Policy bad;
+  bad.set_max_layer_share(0.5);
+  EXPECT_THAT(FromProto(bad)->Validate().message(), HasSubstr("policy.max_layer_share = 0.5"));
+}
+
 // ATTENTION and ATTENTION_X_VALUE take only MEAN_HEAD_NORM: an unset gqa_value is that one, an
 // explicit other one is still INVALID_ARGUMENT naming both.
 TEST(PolicyWireTest, UnsetGqaValueWithAnotherIndicatorIsMeanHeadNorm) {

@@ -106,6 +106,32 @@ TEST_F(GrpcIntegrationTest, BaselineWithUnsetOptionsUsesTheKindsDefaults) {
   EXPECT_EQ(applied.cake_tau1(), 1.6);
 }
 
+// max_layer_share travels to the kernels (the plan is the library's under the cap) and the
+// response echoes it; unset, the echo leaves it unset; out of range, INVALID_ARGUMENT names it.
+TEST_F(GrpcIntegrationTest, MaxLayerShareIsAppliedAndEchoed) {
+  v1::Policy policy;
+  policy.set_max_layer_share(1.25);
+  policy.set_plan_shape(v1::PLAN_SHAPE_LAYER_UNIFORM);
+  kernels::PolicySpec capped;
+  capped.max_layer_share = 1.25;
+  capped.plan_shape = kernels::PlanShape::kLayerUniform;
+  const v1::Policy applied = PlanAsTheLibrary(9, policy, capped);
+  ASSERT_TRUE(applied.has_max_layer_share());
+  EXPECT_EQ(applied.max_layer_share(), 1.25);
+  EXPECT_EQ(applied.plan_shape(), v1::PLAN_SHAPE_LAYER_UNIFORM);
+  EXPECT_FALSE(PlanAsTheLibrary(9, v1::Policy(), kernels::PolicySpec()).has_max_layer_share());
+
+  Prefill prefill(9);
+  const uint64_t region = RegisterRegion(prefill);
+  const uint64_t model = RegisterModel(prefill);
+  v1::ComputeKeepMaskRequest request = GoodRequest(model, region, prefill);
+  request.mutable_policy()->set_max_layer_share(0.5);
+  v1::ComputeKeepMaskResponse response;
+  const grpc::Status s = Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), ::testing::HasSubstr("policy.max_layer_share = 0.5"));
+}
+
 // LAPROX with its options unset runs with the defaults chosen on bench/quality's dev grid
 // (MEAN_HEAD_PRODUCT, avg pool 31 of the score), which the response echoes; with indicator
 // ATTENTION an unset gqa_value is MEAN_HEAD_NORM, the only one it takes.

@@ -126,6 +126,12 @@ struct PolicySpec {
   int32_t min_per_head = 0;          // candidates each head reserves before the global competition
   bool head_uniform_layers = false;  // keep the layer's share but spread it evenly over heads
                                      // (LAPROX; the older spelling of kLayerUniform)
+  // A cap on one layer's share of the model-wide selection (LAPROX, GLOBAL_NORMALIZED and
+  // GLOBAL_RAW): a layer selects at most floor(s * Hkv * q) candidates, the slots it cannot use
+  // going to the next best candidates of other layers (SEMANTICS.md, "Selection"). Unset: no
+  // cap. Finite and >= 1; ignored by PER_LAYER and UNIFORM; invalid with a block shape or
+  // another kind. Backends read LayerSelectionCap, never this field.
+  std::optional<double> max_layer_share;
   PlanShape plan_shape = PlanShape::kRagged;
   int32_t block_size = 0;  // tokens per block of the block shapes, in [1, kMaxBlockSize];
                            // 0: the block size of layers[0].keys' block table
@@ -148,12 +154,20 @@ struct PolicySpec {
   // ATTENTION_X_VALUE take only MEAN_HEAD_NORM, or gqa_value unset); the plan shape with the
   // kind (block shapes: LAPROX, STREAMING_LLM, SNAPKV, ADAKV; LAYER_UNIFORM: every kind but
   // ADAKV and CRITICAL_ADAKV), with head_uniform_layers (not with a block shape) and with
-  // block_size (0 or in [1, kMaxBlockSize]; set only with a block shape).
+  // block_size (0 or in [1, kMaxBlockSize]; set only with a block shape); max_layer_share
+  // (finite and >= 1; LAPROX only, not with a block shape).
   absl::Status Validate() const;
 
   // The plan shape applied: plan_shape, or kLayerUniform when it is kRagged and LAPROX's
   // head_uniform_layers is set. Every backend reads this, never the two fields.
   PlanShape EffectivePlanShape() const;
+
+  // The most candidates one layer may select when max_layer_share applies (set, LAPROX, a global
+  // allocation): min(floor(max_layer_share * (num_kv_heads * quota)), num_layers * num_kv_heads
+  // * quota), the product in IEEE double; nullopt when it does not apply (no cap). Call it on a
+  // validated policy.
+  std::optional<int64_t> LayerSelectionCap(int64_t num_layers, int64_t num_kv_heads,
+                                           int64_t quota) const;
 
   // The GQA value combination: gqa_value, or when it is unset kMeanHeadProduct for LAPROX with
   // ATTENTION_X_PROJECTED_VALUE and kMeanHeadNorm otherwise (the only one the other indicators
