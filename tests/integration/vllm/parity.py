@@ -62,7 +62,10 @@ def main() -> int:
     server = Laproxd()
     try:
         target = server.target
+        # The masked path: the Hugging Face integration applies the same RAGGED plans
+        # (compaction.py checks the compacting path against this one).
         os.environ.update(LAPROX_VLLM_TARGET=target, LAPROX_VLLM_BUDGET=str(args.budget),
+                          LAPROX_VLLM_MODE="mask",
                           VLLM_ENABLE_V1_MULTIPROCESSING="0",
                           VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
         return compare(args, target)

@@ -7,7 +7,8 @@ Starts laproxd and `python -m vllm.entrypoints.openai.api_server` (the engine co
 of its own, as `vllm serve` runs it) with the plugin, then:
   1. sends PROMPTS completions of ~900 tokens: each is answered, and vLLM's /metrics shows
      laprox_vllm_plans_total = PROMPTS for the served model name beside vLLM's own `vllm:`
-     metrics, with the call stage's histogram counted, and laproxd's /metrics shows the
+     metrics, with the call stage's histogram counted, every sequence compacted (the scheduler
+     and the worker are processes of their own here), and laproxd's /metrics shows the
      model's budget shares;
   2. stops laproxd and sends one more: answered with its full cache, laprox_vllm_failures_total
      counts it and the server logged one laprox warning;
@@ -132,6 +133,13 @@ def main() -> int:
               f"vLLM's /metrics: laprox_vllm_plans_total {plans:g} (expected {PROMPTS}), "
               f"{calls:g} laproxd calls in {call_seconds:.3f} s, beside {vllm_lines} vllm: "
               f"samples")
+        # The scheduler (engine core) and the worker are processes of their own here: the
+        # compaction's report and order cross between them on vLLM's own messages.
+        compactions = metric(text, "laprox_vllm_compactions_total", model_name=MODEL_NAME)
+        released = metric(text, "laprox_vllm_blocks_released_total", model_name=MODEL_NAME)
+        check(compactions == PROMPTS and released > 0,
+              f"compaction across processes: laprox_vllm_compactions_total {compactions:g} "
+              f"(expected {PROMPTS}), laprox_vllm_blocks_released_total {released:g}")
         shares = [l for l in get(f"http://127.0.0.1:{laproxd_port}/metrics").splitlines()
                   if l.startswith("laprox_layer_budget_share") and MODEL_NAME in l]
         check(len(shares) > 0, f"laproxd's /metrics: {len(shares)} laprox_layer_budget_share "
