@@ -127,6 +127,9 @@ absl::StatusOr<kernels::PolicySpec> ParsePolicy(const json& p) {
   spec.sinks = p.value("sinks", spec.sinks);
   spec.min_per_head = p.value("min_per_head", spec.min_per_head);
   spec.head_uniform_layers = p.value("head_uniform_layers", false);
+  if (p.contains("max_layer_share") && !p.at("max_layer_share").is_null()) {
+    spec.max_layer_share = p.at("max_layer_share").get<double>();
+  }
   kernels::BaselineParams& b = spec.baseline;
   for (auto [key, field] : {std::pair{"pyramid_beta", &b.pyramid_beta},
                             {"alpha_safeguard", &b.alpha_safeguard},

@@ -21,14 +21,15 @@ Run it
     ctest -R reference_compare         (from the build tree), or
     /usr/bin/python3 tests/reference/compare_test.py --runner build/tests/reference/laprox_case_runner
     Options: --seed N, --only SUBSTRING (case names), --keep DIR (keep the case directories),
-    --plant-bug raw|reserve|pool|pool_target|defaults|blocks|block_competition|table (sends C++
-    a wrong policy: GLOBAL_RAW while the oracle normalises, min_per_head 10 while the oracle has
+    --plant-bug raw|reserve|pool|pool_target|defaults|blocks|block_competition|table|layer_cap
+    (sends C++ a wrong policy: GLOBAL_RAW while the oracle normalises, min_per_head 10 while the oracle has
     0, for baselines pool_kernel 1 while the oracle pools over 5 or 7, the other pool_target
     where a case sets one, the old LAPROX defaults MEAN_HEAD_NORM and pool_kernel 7 where a
     case leaves gqa_value out, BLOCKS_PER_LAYER where the oracle has BLOCKS_SHARED and the
     reverse, PER_LAYER competition where the oracle's BLOCKS_PER_LAYER plan competes model-wide
     with GLOBAL_NORMALIZED (the same scores: only the kept blocks change), or every block
-    table's ids rotated by one (C++ reads the pool's blocks in another order); the script then
+    table's ids rotated by one (C++ reads the pool's blocks in another order), or (layer_cap)
+    max_layer_share left out where a case sets it (C++ plans uncapped); the script then
     succeeds only if cases fail, which proves the score, kept-set, kept-block and paged
     comparisons can fail).
 
@@ -224,7 +225,66 @@ def build_grid():
                      expect_error=True))
     grid.append(case("bad-even-kernel", policy=dict(pool_kernel=4), expect_error=True))
     return (grid + build_baseline_grid() + build_tiny_attention_grid() + build_shape_grid()
-            + build_paged_grid())
+            + build_paged_grid() + build_cap_grid())
+
+
+def build_cap_grid():
+    """max_layer_share (SEMANTICS.md, "Selection"): cases named "cap-...". Layers of very
+    different attention peakiness (layer_logit_scales) so that the peaky layers win several
+    times their average share without the cap; `cap_binds` says whether the oracle's plan must
+    differ from its uncapped plan (True), equal it (False), or either (None); compare() checks
+    it, and that no layer selects more than the cap."""
+    grid = []
+    spread = dict(L=4, H=4, Hkv=2, n=300, layer_logit_scales=[0.3, 1.0, 4.0, 12.0])
+    for alloc in ("GLOBAL_NORMALIZED", "GLOBAL_RAW"):
+        for share in (1.0, 1.25, 1.5, 2.0, 3.0):
+            for mph in (0, 5, 100):
+                grid.append(case(f"cap-{alloc}-s{share}-mph{mph}", cap_binds=None, **spread,
+                                 policy=dict(allocation=alloc, max_layer_share=share,
+                                             min_per_head=mph)))
+        for share in (1.25, 2.0):
+            grid.append(case(f"cap-{alloc}-s{share}-layer_uniform", cap_binds=None, **spread,
+                             policy=dict(allocation=alloc, max_layer_share=share,
+                                         plan_shape="LAYER_UNIFORM", min_per_head=3)))
+            grid.append(case(f"cap-{alloc}-s{share}-hu", cap_binds=None, **spread,
+                             policy=dict(allocation=alloc, max_layer_share=share,
+                                         head_uniform_layers=True)))
+    # Binding for sure (a cap of 1 at unequal layers), not binding (a cap of L: every layer's
+    # total is at most K), the defaults (MEAN_HEAD_PRODUCT, pool 31) at a cap, sinks, MHA, a
+    # budget above n (q = m: every candidate kept whatever the cap), a compression ratio.
+    grid.append(case("cap-binds-s1", cap_binds=True, **spread,
+                     policy=dict(max_layer_share=1.0)))
+    grid.append(case("cap-free-sL", cap_binds=False, **spread, policy=dict(max_layer_share=4.0)))
+    grid.append(case("cap-free-huge", cap_binds=False, **spread,
+                     policy=dict(max_layer_share=1e300)))
+    grid.append(default_case("cap-defaults-s1.5", dict(max_layer_share=1.5), cap_binds=None,
+                             **spread))
+    grid.append(default_case("cap-defaults-s1.25-lu", dict(max_layer_share=1.25,
+                                                           plan_shape="LAYER_UNIFORM"),
+                             cap_binds=None, **spread))
+    grid.append(case("cap-sinks", cap_binds=None, **spread,
+                     policy=dict(max_layer_share=1.5, sinks=4, tokens_per_head=100)))
+    grid.append(case("cap-mha-L6", cap_binds=None, L=6, H=3, Hkv=3, n=200,
+                     layer_logit_scales=[0.2, 0.5, 1.0, 3.0, 8.0, 16.0],
+                     policy=dict(max_layer_share=1.3, tokens_per_head=50)))
+    grid.append(case("cap-all-kept", cap_binds=False, **spread,
+                     policy=dict(max_layer_share=1.0, tokens_per_head=1000)))
+    grid.append(case("cap-cr", cap_binds=None, **spread,
+                     policy=dict(max_layer_share=1.5, tokens_per_head=None,
+                                 compression_ratio=0.75)))
+    # Accepted and ignored: PER_LAYER and UNIFORM (plans as without the cap).
+    for alloc in ("PER_LAYER", "UNIFORM"):
+        grid.append(case(f"cap-ignored-{alloc}", cap_binds=False, **spread,
+                         policy=dict(allocation=alloc, max_layer_share=1.5)))
+    # Invalid: below 1, negative, a baseline kind, a block shape.
+    for share in (0.5, -1.0, 0.0):
+        grid.append(case(f"cap-bad-{share}", policy=dict(max_layer_share=share),
+                         expect_error=True))
+    grid.append(bcase("cap-bad-kind", "SNAPKV", dict(max_layer_share=2.0), expect_error=True))
+    grid.append(case("cap-bad-blocks", policy=dict(max_layer_share=2.0,
+                                                   plan_shape="BLOCKS_SHARED", block_size=16),
+                     expect_error=True))
+    return grid
 
 
 def build_tiny_attention_grid():
@@ -752,6 +812,8 @@ def write_case(case_dir, c, rng, plant_bug):
                 policy.get("kind", "LAPROX") == "LAPROX" and \
                 policy.get("allocation", "GLOBAL_NORMALIZED") == "GLOBAL_NORMALIZED":
             doc["policy"] = dict(policy, allocation="PER_LAYER")
+        if plant_bug == "layer_cap" and policy.get("max_layer_share") is not None:
+            doc["policy"] = {k: v for k, v in policy.items() if k != "max_layer_share"}
         if plant_bug == "table" and tables:
             doc["block_tables"] = [dict(t, ids=t["ids"][1:] + t["ids"][:1]) for t in tables]
         with open(os.path.join(case_dir, "case.json"), "w") as fh:
@@ -827,6 +889,8 @@ def compare(case_dir, c):
     if not np.all(np.isinf(scores[~cand])):
         failures.append("C++ scores of forced tokens are not +inf")
 
+    if policy["max_layer_share"] is not None:
+        failures += check_cap(c, geometry, policy, layers, n, ref)
     if "block_kept" in ref:
         return failures + compare_blocks(case_dir, ref, policy, kept, SCORE_RTOL,
                                          NEAR_TIE_RTOL)
@@ -854,6 +918,30 @@ def compare(case_dir, c):
                     failures.append(f"scope {key}: kept sets differ beyond near-ties "
                                     f"(scores {x:.9g} vs {y:.9g}, gap {gap:.2g})")
                     break
+    return failures
+
+
+def check_cap(c, geometry, policy, layers, n, ref):
+    """The oracle's own plan under max_layer_share: no layer above the cap (unless every
+    candidate is kept), K selected, and binding (or not) as the case says."""
+    failures = []
+    L, Hkv = geometry["L"], geometry["Hkv"]
+    q, K = ref["quota"], ref["total_selected"]
+    per_layer = ref["selected"].sum(axis=(1, 2))
+    if policy["allocation"] in ("GLOBAL_NORMALIZED", "GLOBAL_RAW"):
+        cap = min(int(np.floor(policy["max_layer_share"] * float(Hkv * q))), K)
+        if per_layer.max(initial=0) > cap:
+            failures.append(f"oracle: a layer selects {per_layer.max()} > cap {cap}")
+    if per_layer.sum() != K:
+        failures.append(f"oracle: {per_layer.sum()} selected, K = {K}")
+    binds = c.get("cap_binds")
+    if binds is not None:
+        uncapped = laprox_ref.keep_plan(geometry, dict(policy, max_layer_share=None), layers, n)
+        same = np.array_equal(uncapped["kept"], ref["kept"])
+        if binds and same:
+            failures.append("the cap was expected to bind, but the plan equals the uncapped one")
+        if not binds and not same:
+            failures.append("the cap was expected not to bind, but the plan changed")
     return failures
 
 
@@ -1048,7 +1136,8 @@ def main():
     ap.add_argument("--only", default="")
     ap.add_argument("--keep", default="")
     ap.add_argument("--plant-bug", choices=("raw", "reserve", "pool", "pool_target", "defaults",
-                                            "blocks", "block_competition", "table"),
+                                            "blocks", "block_competition", "table",
+                                            "layer_cap"),
                     default=None)
     args = ap.parse_args()
 
