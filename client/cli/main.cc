@@ -19,8 +19,9 @@
 // snapkv|pyramidkv|adakv|criticalkv|critical_adakv|cake, --allocation, --indicator,
 // --gqa_value (e.g. exact_block), --pool_target, --preset (default|paper), --pooling,
 // --numeric_mode, --plan_shape (ragged|layer_uniform|blocks_shared|blocks_per_layer); numbers
-// --block_size, --window, --pool_kernel, --sinks, --min_per_head, --pyramid_beta,
-// --alpha_safeguard, --epsilon, --first_stage_ratio, --cake_tau1, --cake_tau2, --cake_gamma;
+// --block_size, --window, --pool_kernel, --sinks, --min_per_head, --max_layer_share,
+// --pyramid_beta, --alpha_safeguard, --epsilon, --first_stage_ratio, --cake_tau1, --cake_tau2,
+// --cake_gamma;
 // --head_uniform_layers. A value that is not a name of its enum is an error naming the flag and
 // the accepted names.
 //
@@ -101,6 +102,9 @@ ABSL_FLAG(std::optional<int>, sinks, std::nullopt,
           "attention sinks (unset: the policy's default, 0 or 4 for streaming_llm)");
 ABSL_FLAG(std::optional<int>, min_per_head, std::nullopt,
           "LAPROX: candidates each head reserves before the global competition (unset: 0)");
+ABSL_FLAG(std::optional<double>, max_layer_share, std::nullopt,
+          "LAPROX: the most one layer may select, in multiples of the average layer's share "
+          "(unset: no cap)");
 ABSL_FLAG(bool, head_uniform_layers, false,
           "LAPROX: spread each layer's share evenly over its heads");
 ABSL_FLAG(std::optional<double>, pyramid_beta, std::nullopt, "PYRAMIDKV steepness (unset: 20)");
@@ -231,6 +235,7 @@ absl::StatusOr<kernels::PolicySpec> Policy() {
   if (auto s = absl::GetFlag(FLAGS_sinks)) policy.set_sinks(*s);
   if (auto m = absl::GetFlag(FLAGS_min_per_head)) policy.set_min_per_head(*m);
   if (auto b = absl::GetFlag(FLAGS_block_size)) policy.set_block_size(*b);
+  if (auto x = absl::GetFlag(FLAGS_max_layer_share)) policy.set_max_layer_share(*x);
   policy.set_head_uniform_layers(absl::GetFlag(FLAGS_head_uniform_layers));
   if (auto x = absl::GetFlag(FLAGS_pyramid_beta)) policy.set_pyramid_beta(*x);
   if (auto x = absl::GetFlag(FLAGS_alpha_safeguard)) policy.set_alpha_safeguard(*x);

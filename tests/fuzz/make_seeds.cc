@@ -250,6 +250,14 @@ void ComputeKeepMaskSeeds(SeedWriter& w) {
     p->set_pool_kernel(3);
     w.Write(t, "sinks_floor_layer_uniform", r);
   }
+  {
+    auto r = KeepMaskRequest({});
+    v1::Policy* p = r.mutable_policy();
+    p->set_min_per_head(2);
+    p->set_plan_shape(v1::PLAN_SHAPE_LAYER_UNIFORM);
+    p->set_max_layer_share(1.25);
+    w.Write(t, "max_layer_share_layer_uniform", r);
+  }
   for (auto [name, allocation] : {std::pair{"allocation_raw", v1::ALLOCATION_GLOBAL_RAW},
                                   std::pair{"allocation_per_layer", v1::ALLOCATION_PER_LAYER},
                                   std::pair{"allocation_uniform", v1::ALLOCATION_UNIFORM}}) {

@@ -173,6 +173,7 @@ class Policy:
     sinks: Optional[int] = None
     min_per_head: Optional[int] = None
     head_uniform_layers: Optional[bool] = None
+    max_layer_share: Optional[float] = None    # LAPROX global allocations: per-layer cap, >= 1
     pool_target: Optional[EnumLike] = None     # PoolTarget (LAPROX)
     preset: Optional[EnumLike] = None          # PolicyPreset (LAPROX): fills unset fields
     plan_shape: Optional[EnumLike] = None      # PlanShape; not set: RAGGED
