@@ -13,7 +13,8 @@
 #    equal, log-probs within 1e-3); again on 2 prompts with the prefill cut into chunks of 997
 #    tokens (the query window straddles two chunks); parity.py runs the plugin masking
 #    (LAPROX_VLLM_MODE=mask), the path the Hugging Face integration is checked against;
-# 3b. compaction.py: the compacting plugin (the default) against the masked one under the same
+# 3b. tests/python/test_vllm_compact.py (the padding, the move and the per-layer slots against
+#    brute force), then compaction.py: the compacting plugin (the default) against the masked one under the same
 #    LAYER_UNIFORM plans: greedy tokens equal and log-probs within 1e-3, every sequence
 #    compacted and the pool's free blocks back at their count; prefix caching with a request
 #    sharing the blocks of one being compacted; compacted requests preempted and compacted again;
@@ -26,7 +27,7 @@
 # 6. serve.py: vLLM's OpenAI server (engine core in its own process): the plugin's counters and
 #    stage histograms on vLLM's /metrics beside vLLM's own, before and after laproxd stops.
 # --smoke (what .ci/run runs): steps 1 and 2, platform_check and the chunked parity of step 3,
-# compaction.py's parity and block-return check, and steps 5 and 6.
+# test_vllm_compact.py and compaction.py's parity and block-return check, and steps 5 and 6.
 # Exit status 0 when every check passes. About 15 minutes on 2 cores once set up (--smoke: 5).
 set -euo pipefail
 
@@ -41,7 +42,7 @@ for arg in "$@"; do
   case "$arg" in
     --laproxd=*) laproxd="${arg#--laproxd=}" ;;
     --smoke) smoke=1 ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
     *) echo "unknown argument: $arg (see --help)" >&2; exit 1 ;;
   esac
 done
@@ -67,6 +68,8 @@ echo "== the same with a chunked prefill"
 "$python" "$here/parity.py" --laproxd "$laproxd" --model "$model" --prompts 2 \
   --decode-prompts 2 --max-num-batched-tokens 997
 echo "== compaction: blocks given back, the same tokens as masking"
+"$python" "$root/tests/python/run_tests.py" --installed --laproxd "$laproxd" \
+  -p test_vllm_compact.py
 if (( smoke )); then
   "$python" "$here/compaction.py" --laproxd "$laproxd" --model "$model" --checks parity
 else

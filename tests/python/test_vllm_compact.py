@@ -1,0 +1,128 @@
+"""laprox.vllm's compaction (laprox/vllm/_compact.py) without vLLM: the padding of a LAYER_UNIFORM
+plan to one length per layer, the move of kept entries into a request's blocks (the "vec" layout
+of vLLM's CPU cache), and the per-layer slots and lengths of a step, each against a brute-force
+reading of the same rules. Needs torch (the vLLM venv: tests/integration/vllm/run.sh runs it);
+skipped without."""
+
+import unittest
+
+import numpy as np
+
+import support
+
+support.prepare_package()
+
+try:
+    import torch
+except ImportError:  # Debian's python3 has no torch
+    raise unittest.SkipTest("torch not installed")
+
+from laprox.vllm import _compact  # noqa: E402
+
+
+def random_masks(rng, layers, heads, n, counts):
+    """[layers, heads, n] masks with counts[l] kept per head, some heads one fewer."""
+    masks = np.zeros((layers, heads, n), bool)
+    for l in range(layers):
+        for h in range(heads):
+            c = counts[l] - (1 if h > 0 and rng.random() < 0.5 else 0)
+            masks[l, h, rng.choice(n, size=c, replace=False)] = True
+    return masks
+
+
+class NotePlanTest(unittest.TestCase):
+    def test_pads_each_head_to_its_layers_longest_with_its_latest_evicted_entries(self):
+        rng = np.random.default_rng(1)
+        masks = random_masks(rng, 4, 3, 50, [5, 9, 1, 20])
+        pending, padded = _compact.note_plan(masks, 50, 53)
+        for l in range(4):
+            longest = masks[l].sum(axis=1).max()
+            self.assertEqual(pending.kept[l].shape, (3, longest))
+            for h in range(3):
+                added = np.flatnonzero(padded[l, h] & ~masks[l, h])
+                missing = longest - masks[l, h].sum()
+                self.assertEqual(len(added), missing)
+                # The most recent evicted entries: every evicted one left is older.
+                left = np.flatnonzero(~padded[l, h])
+                if len(added) and len(left):
+                    self.assertLess(left.max(), added.min())
+                self.assertTrue(np.array_equal(pending.kept[l][h], np.flatnonzero(padded[l, h])))
+        self.assertTrue((padded | ~masks).all())  # nothing the plan keeps is dropped
+        self.assertEqual(_compact.ready(pending),
+                         _compact.Ready(50, max(k.shape[1] for k in pending.kept), 53))
+
+    def test_a_uniform_plan_is_unchanged(self):
+        masks = np.zeros((2, 2, 10), bool)
+        masks[:, :, [1, 4, 9]] = True
+        _, padded = _compact.note_plan(masks, 10, 10)
+        self.assertTrue(np.array_equal(padded, masks))
+
+
+def vec_cache(rng, blocks, heads, block_size, d):
+    """One layer's cache as vLLM's CPU backend holds it, [blocks, Hkv, bs, 2d], and its key
+    [blocks, Hkv, d, bs] and value [blocks, Hkv, bs, d] views (laprox.vllm._runner._cache_views)."""
+    cache = torch.from_numpy(rng.standard_normal((blocks, heads, block_size, 2 * d))
+                             .astype(np.float32))
+    halves = cache.view(blocks, heads, 2, block_size * d)
+    return cache, (halves[:, :, 0].view(blocks, heads, d, block_size),
+                   halves[:, :, 1].view(blocks, heads, block_size, d))
+
+
+class MoveTest(unittest.TestCase):
+    def test_kept_entries_and_those_after_the_prompt_land_in_slot_order(self):
+        rng = np.random.default_rng(2)
+        layers, heads, bs, d, pool = 3, 2, 4, 8, 20
+        prompt, computed = 21, 24  # three positions after the prompt (a recomputed request)
+        block_ids = [int(b) for b in rng.permutation(np.arange(1, pool))[:7]]  # 28 slots
+        masks = random_masks(rng, layers, heads, prompt, [6, 3, 9])
+        pending, _ = _compact.note_plan(masks, prompt, computed)
+        caches = [vec_cache(rng, pool, heads, bs, d) for _ in range(layers)]
+        before = [(k.clone(), v.clone()) for _, (k, v) in caches]
+        # The kept blocks: the last two of the request's own (overlapping the sources) and a
+        # fresh one; a block appended in the same step stays after them.
+        fresh = 0
+        order = _compact.Order(sources=7, dest=(block_ids[5], block_ids[6], fresh), released=5)
+        drops = _compact.move(pending, block_ids + [17], order, [views for _, views in caches])
+        for l in range(layers):
+            keys, values = caches[l][1]
+            old_k, old_v = before[l]
+            kept = pending.kept[l]
+            self.assertEqual(drops[l], prompt - kept.shape[1])
+            for h in range(heads):
+                positions = list(kept[h]) + list(range(prompt, computed))
+                for j, p in enumerate(positions):
+                    src_block, src_slot = block_ids[p // bs], p % bs
+                    dst_block, dst_slot = order.dest[j // bs], j % bs
+                    self.assertTrue(torch.equal(keys[dst_block, h, :, dst_slot],
+                                                old_k[src_block, h, :, src_slot]), (l, h, j))
+                    self.assertTrue(torch.equal(values[dst_block, h, dst_slot],
+                                                old_v[src_block, h, src_slot]), (l, h, j))
+        # Blocks outside dest are not written.
+        for l in range(layers):
+            untouched = [b for b in range(pool) if b not in order.dest]
+            self.assertTrue(torch.equal(caches[l][1][0][untouched], before[l][0][untouched]))
+
+
+class ShiftTest(unittest.TestCase):
+    def test_slots_and_lengths_per_layer(self):
+        rng = np.random.default_rng(3)
+        layers, bs, num_reqs = 4, 8, 3
+        table = rng.integers(1, 100, size=(num_reqs, 16)).astype(np.int32)
+        drops = [np.array([30, 12, 0, 41]), np.array([5, 5, 9, 1])]
+        rows = [(0, 60, 1, drops[0]), (2, 47, 3, drops[1])]  # row 1 is not compacted
+        starts = np.array([0, 1, 6, 9])                        # row 1 has 5 tokens
+        shift = _compact.shift(rows, starts, table, bs, layers, num_reqs)
+        self.assertEqual(shift.tokens.tolist(), [0, 6, 7, 8])
+        for l in range(layers):
+            expected = []
+            for i, start, count, drop in rows:
+                for t in range(count):
+                    j = start + t - drop[l]
+                    expected.append(int(table[i][j // bs]) * bs + j % bs)
+            self.assertEqual(shift.slots[l].tolist(), expected)
+            self.assertEqual(shift.delta[l].tolist(), [drops[0][l], 0, drops[1][l]])
+        self.assertIsNone(_compact.shift([], starts, table, bs, layers, num_reqs))
+
+
+if __name__ == "__main__":
+    unittest.main()
