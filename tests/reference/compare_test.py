@@ -22,15 +22,15 @@ Run it
     /usr/bin/python3 tests/reference/compare_test.py --runner build/tests/reference/laprox_case_runner
     Options: --seed N, --only SUBSTRING (case names), --keep DIR (keep the case directories),
     --plant-bug raw|reserve|pool|pool_target|defaults|blocks|block_competition|table|layer_cap
-    (sends C++ a wrong policy: GLOBAL_RAW while the oracle normalises, min_per_head 10 while the oracle has
-    0, for baselines pool_kernel 1 while the oracle pools over 5 or 7, the other pool_target
-    where a case sets one, the old LAPROX defaults MEAN_HEAD_NORM and pool_kernel 7 where a
-    case leaves gqa_value out, BLOCKS_PER_LAYER where the oracle has BLOCKS_SHARED and the
-    reverse, PER_LAYER competition where the oracle's BLOCKS_PER_LAYER plan competes model-wide
-    with GLOBAL_NORMALIZED (the same scores: only the kept blocks change), or every block
-    table's ids rotated by one (C++ reads the pool's blocks in another order), or (layer_cap)
-    max_layer_share left out where a case sets it (C++ plans uncapped); the script then
-    succeeds only if cases fail, which proves the score, kept-set, kept-block and paged
+    (sends C++ a wrong policy: GLOBAL_RAW while the oracle normalises, min_per_head 10 while
+    the oracle has 0, for baselines pool_kernel 1 while the oracle pools over 5 or 7, the other
+    pool_target where a case sets one, the old LAPROX defaults MEAN_HEAD_NORM and pool_kernel 7
+    where a case leaves gqa_value out, BLOCKS_PER_LAYER where the oracle has BLOCKS_SHARED and
+    the reverse, PER_LAYER competition where the oracle's BLOCKS_PER_LAYER plan competes
+    model-wide with GLOBAL_NORMALIZED (the same scores: only the kept blocks change), every
+    block table's ids rotated by one (C++ reads the pool's blocks in another order), or
+    (layer_cap) max_layer_share left out where a case sets it (C++ plans uncapped); the script
+    then succeeds only if cases fail, which proves the score, kept-set, kept-block and paged
     comparisons can fail).
 
     Baseline policies (cases named "bl-...", built by build_baseline_grid()) are compared the
