@@ -26,6 +26,12 @@ seeded ones), without the methods that have no twin:
 
     bench/quality/run.sh --blocks-only --prompts=64 --documents=12 --budgets=64,128,256,512 \
         --tag=blocks          # writes BLOCKS.md and blocks.json
+
+The layer-share cap (policy max_layer_share) at LAYER_UNIFORM against the default RAGGED plan,
+with the max / mean of the per-layer kept counts of every plan (methods.LAYERCAP):
+
+    bench/quality/run.sh --layer-cap --prompts=48 --documents=8 --budgets=128,256,512 \
+        --tag=layercap        # writes LAYERCAP.md and layercap.json
 """
 
 from __future__ import annotations
@@ -434,6 +440,14 @@ def span_stats(mask: np.ndarray, spans: List[Tuple[int, int]], window: int
             float(body.sum() / runs) if runs else 0.0)
 
 
+def layer_share(mask: np.ndarray) -> float:
+    """The longest layer's kept tokens over the mean layer's (window included) of a mask set
+    [L, Hkv, n]: what a paged engine that holds blocks for the longest layer pays over the
+    budget."""
+    per_layer = mask.sum(axis=(1, 2))
+    return float(per_layer.max() / per_layer.mean())
+
+
 def kept_per_head(mask: np.ndarray) -> float:
     """Mean kept tokens per (layer, KV head) of a mask set [L, Hkv, n], window included (B for a
     ragged plan; a block plan can keep fewer)."""
@@ -458,13 +472,14 @@ def run_prompt(ctx: Context, p: T.Prompt) -> Dict[str, Any]:
     _timed(ctx, "plans", t0)
     t0 = time.time()
     res: Dict[str, Dict[Any, Any]] = {k: {} for k in ("em", "lp", "recall", "cover", "run",
-                                                      "kept")}
+                                                      "kept", "lshare")}
     for key, out in forward_all(ctx, prefix, p.tail[:-1], masks).items():
         res["em"][key], res["lp"][key] = score(out)
     for key, m in masks.items():
         res["recall"][key], res["cover"][key], res["run"][key] = span_stats(m, p.gold_spans,
                                                                             M.WINDOW)
         res["kept"][key] = kept_per_head(m)
+        res["lshare"][key] = layer_share(m)
     _timed(ctx, "forward", t0)
     ctx.bar.update(1)
     return {"task": p.task, "source": p.source, "n": p.n, "depths": p.depths,
@@ -497,6 +512,7 @@ def run_document(ctx: Context, d: T.Document) -> Dict[str, Any]:
     res: Dict[str, Dict[Any, float]] = {k: {} for k in
                                         ("fid_cos", "fid_rel", "obj_dropped", "obj_renorm")}
     res["kept"] = {key: kept_per_head(m) for key, m in masks.items()}
+    res["lshare"] = {key: layer_share(m) for key, m in masks.items()}
     for i, keys in enumerate(groups.values()):
         for key in keys:
             res["fid_cos"][key], res["fid_rel"][key] = oos["cos"][i], oos["rel"][i]
@@ -535,6 +551,9 @@ def main() -> int:
                     "(debug)")
     ap.add_argument("--blocks-only", action="store_true",
                     help="only the methods with a BLOCKS_SHARED twin, and their twins")
+    ap.add_argument("--layer-cap", action="store_true",
+                    help="only the default (RAGGED) and its LAYER_UNIFORM twins without and "
+                    "with max_layer_share (methods.LAYERCAP)")
     ap.add_argument("--prompts", type=int, help="a subset of the mode's prompts: the first N of "
                     "its interleaved order (every task in proportion; the same seeded prompts)")
     ap.add_argument("--documents", type=int, help="the mode's first M documents")
@@ -576,6 +595,9 @@ def main() -> int:
     if args.blocks_only:
         paired = set(M.BLOCK_PAIRS) | set(M.BLOCK_PAIRS.values())
         methods, doc_methods = ([m for m in ms if m[0] in paired] for ms in (methods, doc_methods))
+    if args.layer_cap:
+        methods = [m for m in methods if m[0] == M.DEFAULT] + M.LAYERCAP
+        doc_methods = list(methods)
     if args.exclude:
         drop = [x for x in args.exclude.split(",") if x]
         methods, doc_methods = ([m for m in ms if m[0] == M.DEFAULT

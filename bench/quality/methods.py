@@ -91,6 +91,25 @@ BLOCKS: List[Method] = [block_twin(m) for name in BLOCK_TWINS_OF for m in MAIN i
 BLOCK_PAIRS: Dict[str, str] = {name + BLOCK_SUFFIX: name for name in BLOCK_TWINS_OF}
 MAIN += BLOCKS
 
+# The layer-share cap (policy max_layer_share) at the shape the vLLM plugin applies,
+# LAYER_UNIFORM, each beside the default RAGGED plan (run.sh --layer-cap; LAYERCAP.md). The
+# default's options plus plan_shape, so the same window w = 32; no cap, then caps of s times
+# the average layer's share.
+LAYER_CAPS = [None, 3.0, 2.0, 1.5, 1.25]
+LAYER_UNIFORM_NAME = "LaProx·layer_uniform"
+
+
+def cap_method(share: Any) -> Method:
+    options = {**DEFAULT_OPTIONS, "plan_shape": "layer_uniform"}
+    if share is None:
+        return (LAYER_UNIFORM_NAME, options)
+    return (f"{LAYER_UNIFORM_NAME} cap={share:g}", {**options, "max_layer_share": share})
+
+
+LAYERCAP: List[Method] = [cap_method(s) for s in LAYER_CAPS]
+# {capped (or uncapped) LAYER_UNIFORM method: its RAGGED method}
+LAYERCAP_PAIRS: Dict[str, str] = {name: DEFAULT for name, _ in LAYERCAP}
+
 # Methods of the language-model part only (each costs a keep-plan per budget and prompt, and
 # the teacher-forced forward of a 31-token continuation, ~0.1 s and ~0.22 s on 2 cores).
 LM_ONLY: List[Method] = [

@@ -380,18 +380,20 @@ def _diff_cell(x_block: np.ndarray, x_ragged: np.ndarray, digits: int) -> str:
     return text if text == "–" else f"{text} p={_fmt_p(p)}"
 
 
-def _retrieval_pair_table(data: Data, pairs, task: Optional[str], heading: str) -> List[str]:
-    """Each method beside its BLOCKS twin on the retrieval prompts of `task` (None: all):
-    kept tokens per head, exact match and gold log-prob, one row per budget that ran."""
+def _retrieval_pair_table(data: Data, pairs, task: Optional[str], heading: str,
+                          label: str = "BLOCKS", by_twin: bool = False) -> List[str]:
+    """Each method beside its BLOCKS twin (`label`) on the retrieval prompts of `task` (None:
+    all): kept tokens per head, exact match and gold log-prob, one row per budget that ran.
+    by_twin: the row is named by the twin instead of the RAGGED method."""
     lines = [heading, "",
-             "| method | B | kept/head | exact match, BLOCKS vs RAGGED | gold log-prob "
-             "RAGGED · BLOCKS | BLOCKS − RAGGED [95%] |", "|---|---|---|---|---|---|"]
+             f"| method | B | kept/head | exact match, {label} vs RAGGED | gold log-prob "
+             f"RAGGED · {label} | {label} − RAGGED [95%] |", "|---|---|---|---|---|---|"]
     for r, b in pairs:
         for x in data.budgets:
             lr, lb = data.prompt_values("lp", r, x, task), data.prompt_values("lp", b, x, task)
             if not _ran(lr, lb):
                 continue
-            lines.append(f"| {r} | {x} | {_kept_cell(data, r, b, x, False)} | "
+            lines.append(f"| {b if by_twin else r} | {x} | {_kept_cell(data, r, b, x, False)} | "
                          f"{_em_cell(data, r, b, x, task)} | {_mean_pair(lr, lb, 2)} | "
                          f"{_diff_cell(lb, lr, 2)} |")
     lines.append("")
@@ -656,13 +658,98 @@ def write_grid(data: Data, out: str) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def layercap_section(data: Data) -> List[str]:
+    """The layer-share cap: each LAYER_UNIFORM method (no cap, then max_layer_share s) beside
+    the default RAGGED plan, and the max / mean of the per-layer kept counts of every plan."""
+    pairs = [(r, c) for c, r in M.LAYERCAP_PAIRS.items()
+             if r in data.methods and c in data.methods]
+    if not pairs:
+        return []
+    label = "LU"
+    lines = [
+        f"Each row pairs the default LaProx plan (`{M.DEFAULT}`, RAGGED: a keep-set per layer "
+        f"and KV head) with its LAYER_UNIFORM twin (`{M.LAYER_UNIFORM_NAME}`, LU: the same "
+        "options, one count per layer spread evenly over its KV heads, the shape the vLLM "
+        "plugin's compaction applies), without and with `max_layer_share = s` (`cap=s`: a layer "
+        "selects at most floor(s · Hkv · q) candidates, the slots it cannot use going to the next "
+        "best candidates of the other layers; SEMANTICS.md \"Selection\"). Every plan keeps "
+        "the same number of tokens in all; the cap only bounds the longest layer, which is "
+        "what a paged engine that holds blocks for the longest layer pays.",
+        "",
+        "Differences are LU − RAGGED, paired over the same prompts or documents: gold log-prob "
+        "and top-1 (< 0: LU costs), KL and relative error (> 0: LU costs), 10,000-sample paired "
+        "bootstrap 95% intervals; exact match is LU vs RAGGED over the prompts the full cache "
+        "solves (+ LU only, − RAGGED only), exact McNemar. p-values are per cell, not corrected "
+        f"for the {len(pairs) * len(data.budgets)} comparisons of each column.",
+        "",
+        "**Longest layer over the mean layer** (kept tokens per layer, window included; "
+        "min / median / max over the retrieval prompts and, after the semicolon, the "
+        "documents):",
+        "",
+        "| method | " + " | ".join(f"B={x}" for x in data.budgets) + " |",
+        "|---" * (len(data.budgets) + 1) + "|",
+    ]
+
+    def spread(v: np.ndarray) -> str:
+        return (f"{v.min():.2f} / {np.median(v):.2f} / {v.max():.2f}" if v.size else "–")
+
+    for m in [pairs[0][0]] + [c for _, c in pairs]:
+        cells = []
+        for x in data.budgets:
+            vp = data.prompt_values("lshare", m, x) if data.prompts else np.array([])
+            vd = data.doc_values("lshare", m, x) if data.docs else np.array([])
+            cells.append(f"{spread(vp)}; {spread(vd)}")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines.append("")
+    if PRIMARY_TASK in data.tasks and data.prompts:
+        n_key = len(data.prompt_values("lp", pairs[0][0], data.budgets[0], PRIMARY_TASK))
+        solved_key = len(data.prompt_values("em", pairs[0][0], data.budgets[0], PRIMARY_TASK,
+                                            True))
+        lines += _retrieval_pair_table(
+            data, pairs, PRIMARY_TASK,
+            f"**The primary endpoint's task ({PRIMARY_TASK}: exact match over the "
+            f"{solved_key} prompts the full cache solves, gold log-prob over all {n_key})**",
+            label, True)
+    if data.prompts:
+        solved = len(data.prompt_values("em", pairs[0][0], data.budgets[0], None, True))
+        lines += _retrieval_pair_table(
+            data, pairs, None,
+            f"**Every retrieval prompt ({len(data.prompts)}; exact match over the {solved} "
+            "the full cache solves)**", label, True)
+    if data.docs:
+        lines += [f"**Language modelling ({len(data.docs)} documents): continuation KL, top-1 "
+                  "agreement, out-of-sample relative output error**", "",
+                  f"| method | B | kept/head | KL RAGGED · {label} | {label} − RAGGED [95%] | "
+                  f"top-1 RAGGED · {label} | {label} − RAGGED [95%] | rel. error RAGGED · "
+                  f"{label} | {label} − RAGGED [95%] |", "|---|---|---|---|---|---|---|---|---|"]
+        for r, c in pairs:
+            for x in data.budgets:
+                cells = []
+                for key, digits in (("kl", 3), ("top1", 3), ("fid_rel", 3)):
+                    vr, vc = data.doc_values(key, r, x), data.doc_values(key, c, x)
+                    cells += ([_mean_pair(vr, vc, digits), _diff_cell(vc, vr, digits)]
+                              if _ran(vr, vc) else ["–", "–"])
+                if cells[0] == "–":
+                    continue
+                lines.append(f"| {c} | {x} | {_kept_cell(data, r, c, x, True)} | "
+                             + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
 def write_blocks(data: Data, out: str) -> None:
     """TAG.md of a --tag run: the header and the block tables, then the per-task and
     language-model means of every method in it (no plots)."""
     tag = data.meta["tag"]
-    lines = _header(data, "Quality at engine shapes: BLOCKS_SHARED (block size 16) against "
-                    "RAGGED", "bench/quality/run.sh")
-    lines += blocks_section(data) or ["(no method with a BLOCKS_SHARED twin in this run)", ""]
+    if any(m in data.methods for m in M.LAYERCAP_PAIRS):
+        lines = _header(data, "The layer-share cap: LAYER_UNIFORM with max_layer_share against "
+                        "RAGGED", "bench/quality/run.sh")
+        lines += layercap_section(data)
+    else:
+        lines = _header(data, "Quality at engine shapes: BLOCKS_SHARED (block size 16) "
+                        "against RAGGED", "bench/quality/run.sh")
+        lines += blocks_section(data) or ["(no method with a BLOCKS_SHARED twin in this run)",
+                                          ""]
     lines += ["## Per task", ""] + per_task(data)
     if data.docs:
         lines += ["## Language modelling and layer-local metrics (means over documents)", ""]

@@ -23,6 +23,11 @@
 # full run's first 64 prompts and 12 documents; BLOCKS.md and blocks.json, ~30 min):
 #   bench/quality/run.sh --blocks-only --prompts=64 --documents=12 --budgets=64,128,256,512 \
 #     --tag=blocks
+# The layer-share cap (the default LaProx RAGGED plan against its LAYER_UNIFORM twin without and
+# with max_layer_share 3, 2, 1.5, 1.25, and each plan's longest layer over its mean layer;
+# LAYERCAP.md and layercap.json, ~30 min):
+#   bench/quality/run.sh --layer-cap --prompts=64 --documents=12 --budgets=128,256,512 \
+#     --tag=layercap
 set -euo pipefail
 
 # The command line and start time, for the report's header (evaluate.py reads them).
@@ -38,7 +43,7 @@ passthrough=()
 for arg in "$@"; do
   case "$arg" in
     --laproxd=*) laproxd="${arg#--laproxd=}" ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) passthrough+=("$arg") ;;
   esac
 done
