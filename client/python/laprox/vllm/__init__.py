@@ -13,6 +13,9 @@ Configuration (environment, read once per process; see Config):
     LAPROX_VLLM_POLICY    policy options as JSON, e.g. {"kind": "laprox", "window": 32}
     LAPROX_VLLM_WINDOW    post-RoPE query rows captured per layer (default 32)
     LAPROX_VLLM_MODEL     the model's name in laproxd's metrics (default: vLLM's model name)
+    LAPROX_VLLM_MODE      compact (default): evicted entries leave the cache and the blocks
+                          they free go back to vLLM (plans are asked for with plan_shape
+                          layer_uniform); mask: they stay and decode leaves them out
     LAPROX_VLLM_DEADLINE_SECONDS
                           how long a step waits for its plans (default 2; per call
                           laprox.client.plan_deadline: as much again per 32K prompt tokens);
@@ -30,15 +33,17 @@ What it does (vLLM 0.32, CPU attention backend; see DESIGN.md in this directory)
     prefill (chunked prefill included: each chunk adds its rows);
   - when a sequence's prefill completes, one ComputeKeepPlans call covers every sequence that
     completed in that step, and the plans are kept per request (`plans()`);
-  - in decode, the evicted prompt entries of a compressed sequence take no part in attention
-    (its rows are recomputed with them masked, as laprox.hf does);
+  - compact mode: the next step moves each layer's kept entries to the front of the sequence's
+    private blocks and gives the other blocks back to vLLM's pool; from then on each layer's
+    attention reads only its kept entries and the generated ones (DESIGN.md, section 6);
+  - mask mode (and a sequence not compacted): the evicted prompt entries take no part in
+    decode attention (its rows are recomputed with them masked, as laprox.hf does);
   - no step waits on laproxd longer than the plan deadline, nor on the disk: the registrations
     (and reading o_proj from the checkpoint) happen on the plugin's own thread; a sequence whose
     prefill ends while they are not made, or whose plan call times out, keeps its full cache
     (counted), and a laproxd that timed out is checked in the background until it answers;
   - its counters and stage times are on vLLM's /metrics (`laprox_vllm_*`, see _metrics.py) and
     in `metrics()`.
-Not yet: freeing the evicted blocks (DESIGN.md says what vLLM would need).
 """
 
 from __future__ import annotations
