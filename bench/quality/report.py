@@ -381,13 +381,14 @@ def _diff_cell(x_block: np.ndarray, x_ragged: np.ndarray, digits: int) -> str:
 
 
 def _retrieval_pair_table(data: Data, pairs, task: Optional[str], heading: str,
-                          label: str = "BLOCKS", by_twin: bool = False) -> List[str]:
+                          label: str = "BLOCKS", by_twin: bool = False,
+                          base: str = "RAGGED") -> List[str]:
     """Each method beside its BLOCKS twin (`label`) on the retrieval prompts of `task` (None:
     all): kept tokens per head, exact match and gold log-prob, one row per budget that ran.
-    by_twin: the row is named by the twin instead of the RAGGED method."""
+    by_twin: the row is named by the twin instead of the RAGGED method (`base`)."""
     lines = [heading, "",
-             f"| method | B | kept/head | exact match, {label} vs RAGGED | gold log-prob "
-             f"RAGGED · {label} | {label} − RAGGED [95%] |", "|---|---|---|---|---|---|"]
+             f"| method | B | kept/head | exact match, {label} vs {base} | gold log-prob "
+             f"{base} · {label} | {label} − {base} [95%] |", "|---|---|---|---|---|---|"]
     for r, b in pairs:
         for x in data.budgets:
             lr, lb = data.prompt_values("lp", r, x, task), data.prompt_values("lp", b, x, task)
@@ -701,6 +702,11 @@ def layercap_section(data: Data) -> List[str]:
             cells.append(f"{spread(vp)}; {spread(vd)}")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines.append("")
+    uncapped = M.LAYER_UNIFORM_NAME
+    for _, c in pairs:
+        if c != uncapped and uncapped in data.methods and same_values(data, c, uncapped):
+            lines += [f"`{c}` gives the same values as `{uncapped}` on every prompt, document "
+                      "and budget (the cap changed no value here).", ""]
     if PRIMARY_TASK in data.tasks and data.prompts:
         n_key = len(data.prompt_values("lp", pairs[0][0], data.budgets[0], PRIMARY_TASK))
         solved_key = len(data.prompt_values("em", pairs[0][0], data.budgets[0], PRIMARY_TASK,
@@ -710,6 +716,12 @@ def layercap_section(data: Data) -> List[str]:
             f"**The primary endpoint's task ({PRIMARY_TASK}: exact match over the "
             f"{solved_key} prompts the full cache solves, gold log-prob over all {n_key})**",
             label, True)
+        capped = [(uncapped, c) for _, c in pairs if c != uncapped and uncapped in data.methods]
+        if capped:
+            lines += _retrieval_pair_table(
+                data, capped, PRIMARY_TASK,
+                f"**The cap's own cost on {PRIMARY_TASK}: each capped LAYER_UNIFORM plan against "
+                f"the uncapped one (`{uncapped}`, LU), the same prompts**", "capped", True, "LU")
     if data.prompts:
         solved = len(data.prompt_values("em", pairs[0][0], data.budgets[0], None, True))
         lines += _retrieval_pair_table(
@@ -734,6 +746,22 @@ def layercap_section(data: Data) -> List[str]:
                 lines.append(f"| {c} | {x} | {_kept_cell(data, r, c, x, True)} | "
                              + " | ".join(cells) + " |")
         lines.append("")
+        capped = [c for _, c in pairs if c != uncapped and uncapped in data.methods]
+        if capped:
+            lines += ["**The cap's own cost on the documents: each capped plan against "
+                      f"`{uncapped}` (LU)**", "",
+                      "| method | B | KL LU · capped | capped − LU [95%] | top-1 LU · capped | "
+                      "capped − LU [95%] |", "|---|---|---|---|---|---|"]
+            for c in capped:
+                for x in data.budgets:
+                    cells = []
+                    for key, digits in (("kl", 3), ("top1", 3)):
+                        vu, vc = data.doc_values(key, uncapped, x), data.doc_values(key, c, x)
+                        cells += ([_mean_pair(vu, vc, digits), _diff_cell(vc, vu, digits)]
+                                  if _ran(vu, vc) else ["–", "–"])
+                    if cells[0] != "–":
+                        lines.append(f"| {c} | {x} | " + " | ".join(cells) + " |")
+            lines.append("")
     return lines
 
 
