@@ -15,7 +15,8 @@ Configuration (environment, read once per process; see Config):
     LAPROX_VLLM_MODEL     the model's name in laproxd's metrics (default: vLLM's model name)
     LAPROX_VLLM_MODE      compact (default): evicted entries leave the cache and the blocks
                           they free go back to vLLM (plans are asked for with plan_shape
-                          layer_uniform); mask: they stay and decode leaves them out
+                          layer_uniform and max_layer_share 1.25 unless LAPROX_VLLM_POLICY
+                          sets them; null unsets); mask: they stay and decode leaves them out
     LAPROX_VLLM_DEADLINE_SECONDS
                           how long a step waits for its plans (default 2; per call
                           laprox.client.plan_deadline: as much again per 32K prompt tokens);

@@ -46,6 +46,11 @@ RETRY_INTERVAL = 10.0  # seconds between two attempts to register with laproxd
 PROBE_INTERVAL = 1.0  # seconds between two checks of a laproxd that let a plan call time out
 REGISTER_DEADLINE_S = 30.0  # default deadline of a registration call (Config.register_deadline)
 MAX_PLANS = 1024  # plans kept for plans(), newest last
+# The compacting plugin's cap on a layer's share of the model-wide selection
+# (Policy.max_layer_share): bench/quality/LAYERSHARE.md and LAYERCAP.md (SmolLM2-135M, 4K
+# tokens) found the longest layer at up to 1.9x the mean uncapped, 1.23x at 1.25, and no
+# significant quality cost against the uncapped LAYER_UNIFORM plan.
+COMPACT_LAYER_SHARE = 1.25
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -77,10 +82,14 @@ class Config:
         return shape in ("layer_uniform", "plan_shape_layer_uniform")
 
     def plan_policy(self) -> Dict[str, Any]:
-        """The policy options sent: compaction applies LAYER_UNIFORM plans."""
+        """The policy options sent: compaction applies LAYER_UNIFORM plans, and no layer keeps
+        more than COMPACT_LAYER_SHARE times the mean layer (the engine holds blocks for the
+        longest layer); an option set to null in LAPROX_VLLM_POLICY is left unset."""
+        policy = dict(self.policy)
         if self.compacts:
-            return {"plan_shape": "layer_uniform", **self.policy}
-        return dict(self.policy)
+            policy = {"plan_shape": "layer_uniform", "max_layer_share": COMPACT_LAYER_SHARE,
+                      **policy}
+        return {key: value for key, value in policy.items() if value is not None}
 
     @staticmethod
     def from_env() -> "Config":
