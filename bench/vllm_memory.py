@@ -224,7 +224,7 @@ def main() -> int:
     server = Laproxd()
     results = []
     try:
-        configs = [("vanilla", 0)] + [(f"B={b}", int(b)) for b in args.budgets.split(",")]
+        configs = [("vanilla", 0)] + [(f"B={b}", int(b)) for b in args.budgets.split(",") if b]
         for _ in range(args.rounds):
             for name, budget in configs:
                 results.append(run(args, name, budget, server.target))
