@@ -8,7 +8,8 @@ the masked engine (LAPROX_VLLM_MODE=mask) under the same plans.
 
 Each engine runs in a process of its own (the plugin's settings are read once per process),
 with the same prompts (a needle question and 1-3K tokens of seeded text), policy
-(plan_shape LAYER_UNIFORM, the compacting plugin's default) and greedy sampling:
+(POLICY: plan_shape LAYER_UNIFORM, max_layer_share 1.25, the compacting plugin's defaults)
+and greedy sampling:
   parity   the compacting engine's greedy tokens equal the masked engine's and their log-probs
            agree within --logprob-tolerance; every planned sequence was compacted, blocks were
            released, and once every request ended the pool's free blocks are back at their
@@ -39,6 +40,9 @@ from laproxd_support import Laproxd, use_laproxd
 from parity import prompt_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The compacting plugin's default plan options, spelled out so that the masking engine (whose
+# default is the server's RAGGED plan) applies the very same plans.
+POLICY = {"plan_shape": "layer_uniform", "max_layer_share": 1.25}
 
 
 def prompts_for(args: argparse.Namespace):
@@ -166,7 +170,7 @@ def run_child(args: argparse.Namespace, scenario: str, target: str, mode: str) -
         out = f.name
     env = dict(os.environ, LAPROX_VLLM_TARGET=target, LAPROX_VLLM_BUDGET=str(args.budget),
                LAPROX_VLLM_MODE=mode, VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               LAPROX_VLLM_POLICY=json.dumps({"plan_shape": "layer_uniform"}),
+               LAPROX_VLLM_POLICY=json.dumps(POLICY),
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     command = [sys.executable, __file__, "--child", scenario, "--out", out] + args.passthrough
     if scenario == "preempt" and mode == "mask":
