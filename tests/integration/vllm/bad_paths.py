@@ -9,7 +9,8 @@ Five vLLM engines (one process each, the plugin reads its configuration once per
   down      LAPROX_VLLM_TARGET names no server: vLLM serves every prompt with its full cache,
             the plugin counts the failures (as not_ready: never registered) and logs one
             warning (its interval is 60 s);
-  broken    the masked decode attention raises (a planted failure): the engine goes on with
+  broken    the masked decode attention raises (a planted failure; LAPROX_VLLM_MODE=mask,
+            the path that masks): the engine goes on with
             the kernel's rows, the tokens of the full cache, the sequences counted;
   late      laproxd starts only after the engine, and later restarts: the plugin registers the
             KV pool and the model again each time and plans resume;
@@ -152,7 +153,9 @@ def main() -> int:
               f"{result['warnings'][:1]}")
 
         down_ids = result["ids"]
-        result = run_child("broken", args, dict(base, LAPROX_VLLM_TARGET=f"unix:{socket}"))
+        # The masked path (compaction reads no mask): LAPROX_VLLM_MODE=mask.
+        result = run_child("broken", args, dict(base, LAPROX_VLLM_TARGET=f"unix:{socket}",
+                                                LAPROX_VLLM_MODE="mask"))
         check(result["ids"] == down_ids and result["failures"] >= 1
               and len(result["warnings"]) == 1,
               f"masked decode failing in every step: the engine went on with the full cache "
