@@ -217,7 +217,6 @@ def main() -> int:
         with open(args.child, "w") as f:
             json.dump(child(args), f)
         return 0
-    sys.path.insert(0, os.path.join(ROOT, "tests", "integration", "vllm"))
     from laproxd_support import Laproxd, use_laproxd
 
     use_laproxd(args.laproxd)

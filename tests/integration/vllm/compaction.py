@@ -37,7 +37,7 @@ import tempfile
 import numpy as np
 
 from laproxd_support import Laproxd, use_laproxd
-from parity import prompt_text
+from parity import prompt_text, test_prompts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The compacting plugin's default plan options, spelled out so that the masking engine (whose
@@ -52,16 +52,7 @@ def prompts_for(args: argparse.Namespace):
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
     rng = np.random.default_rng(args.seed)
-    text = prompt_text(rng, 700) + " The secret code of the harbour is 4821. " + \
-        prompt_text(rng, 700) + " What is the secret code of the harbour?"
-    needle = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                           add_generation_prompt=True, tokenize=True)
-    if isinstance(needle, dict) or hasattr(needle, "input_ids"):
-        needle = needle["input_ids"]
-    prompts = [[int(x) for x in needle]]
-    for i in range(args.prompts):
-        n = 1000 + (2000 * i) // max(args.prompts - 1, 1)
-        prompts.append([int(x) for x in tokenizer(prompt_text(rng, n))["input_ids"][:n]])
+    prompts = test_prompts(tokenizer, rng, args.prompts)  # parity.py's: the same draws
     shared = [int(x) for x in tokenizer(prompt_text(rng, 1100))["input_ids"][:1024]]
     tails = [[int(x) for x in tokenizer(prompt_text(rng, 400))["input_ids"][:300]]
              for _ in range(2)]

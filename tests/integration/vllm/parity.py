@@ -42,6 +42,23 @@ def prompt_text(rng: np.random.Generator, words: int) -> str:
     return " ".join(sentences)
 
 
+def test_prompts(tokenizer, rng: np.random.Generator, count: int) -> list:
+    """Token ids of a needle in ~1.5K tokens of filler, asked for through the chat template
+    (first), then `count` seeded texts of 1-3K tokens."""
+    text = prompt_text(rng, 700) + " The secret code of the harbour is 4821. " + \
+        prompt_text(rng, 700) + " What is the secret code of the harbour?"
+    needle = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                           add_generation_prompt=True, tokenize=True)
+    if isinstance(needle, dict) or hasattr(needle, "input_ids"):
+        needle = needle["input_ids"]
+    prompts = [[int(x) for x in needle]]
+    for i in range(count):
+        target_tokens = 1000 + (2000 * i) // max(count - 1, 1)
+        ids = tokenizer(prompt_text(rng, target_tokens))["input_ids"][:target_tokens]
+        prompts.append([int(x) for x in ids])
+    return prompts
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--laproxd", required=True)
@@ -84,18 +101,7 @@ def compare(args: argparse.Namespace, target: str) -> int:
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
     rng = np.random.default_rng(args.seed)
-    # A needle in ~1.5K tokens of filler, asked for through the chat template: decoded first.
-    text = prompt_text(rng, 700) + " The secret code of the harbour is 4821. " + \
-        prompt_text(rng, 700) + " What is the secret code of the harbour?"
-    needle = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                           add_generation_prompt=True, tokenize=True)
-    if isinstance(needle, dict) or hasattr(needle, "input_ids"):
-        needle = needle["input_ids"]
-    prompts = [[int(x) for x in needle]]
-    for i in range(args.prompts):
-        target_tokens = 1000 + (2000 * i) // max(args.prompts - 1, 1)
-        ids = tokenizer(prompt_text(rng, target_tokens))["input_ids"][:target_tokens]
-        prompts.append([int(x) for x in ids])
+    prompts = test_prompts(tokenizer, rng, args.prompts)
 
     laprox.vllm.register()  # also when the entry point is not installed (PYTHONPATH)
     started = time.perf_counter()

@@ -34,7 +34,7 @@ Scheduler and worker may run in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0) o
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -136,7 +136,6 @@ class Shift:
     tokens: torch.Tensor   # [m] int64
     slots: torch.Tensor    # [L, m] int64
     delta: torch.Tensor    # [L, num_reqs] int32
-    metadata: Dict[int, Any] = field(default_factory=dict)  # per-layer kernel metadata, by l
 
 
 def shift(rows: List[Tuple[int, int, int, np.ndarray]], token_starts: np.ndarray,
@@ -165,7 +164,6 @@ class _SchedulerSide:
         self.drops: Dict[str, int] = {}       # request -> tokens its allocations leave out
         self.pending: Dict[str, Order] = {}   # decided, not yet sent
         self.held: Dict[str, List[Any]] = {}  # released blocks waiting for the worker's move
-        self.skipped = 0                      # planned requests not compacted (no blocks)
 
 
 SCHED = _SchedulerSide()
@@ -203,7 +201,6 @@ def decide(scheduler: Any, req_id: str, found: Ready) -> None:
     if len(dest) < need:
         pool = manager.block_pool
         if pool.get_num_free_blocks() < need - len(dest):
-            SCHED.skipped += 1
             logger.warning("laprox: no free block to compact request %s into; it decodes with "
                            "its full blocks, masked", req_id)
             return
