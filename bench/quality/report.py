@@ -484,19 +484,28 @@ def blocks_section(data: Data) -> List[str]:
                   "| method | B | kept/head | KL RAGGED · BLOCKS | BLOCKS − RAGGED [95%] | "
                   "top-1 RAGGED · BLOCKS | BLOCKS − RAGGED [95%] | rel. error RAGGED · BLOCKS | "
                   "BLOCKS − RAGGED [95%] |", "|---|---|---|---|---|---|---|---|---|"]
-        for r, b in pairs:
-            for x in data.budgets:
-                cells = []
-                for key, digits in (("kl", 3), ("top1", 3), ("fid_rel", 3)):
-                    vr, vb = data.doc_values(key, r, x), data.doc_values(key, b, x)
-                    cells += ([_mean_pair(vr, vb, digits), _diff_cell(vb, vr, digits)]
-                              if _ran(vr, vb) else ["–", "–"])
-                if cells[0] == "–":
-                    continue
-                lines.append(f"| {r} | {x} | {_kept_cell(data, r, b, x, True)} | "
-                             + " | ".join(cells) + " |")
+        lines += _doc_pair_rows(data, pairs, named_by_twin=False)
         lines.append("")
     return lines
+
+
+def _doc_pair_rows(data: Data, pairs: List[Tuple[str, str]], named_by_twin: bool) -> List[str]:
+    """The documents table's rows of (RAGGED method, twin) pairs: KL, top-1 agreement and
+    relative output error of each, the twin's paired difference; a row is named by the
+    RAGGED method or, named_by_twin, by the twin."""
+    rows = []
+    for r, t in pairs:
+        for x in data.budgets:
+            cells = []
+            for key, digits in (("kl", 3), ("top1", 3), ("fid_rel", 3)):
+                vr, vt = data.doc_values(key, r, x), data.doc_values(key, t, x)
+                cells += ([_mean_pair(vr, vt, digits), _diff_cell(vt, vr, digits)]
+                          if _ran(vr, vt) else ["–", "–"])
+            if cells[0] == "–":
+                continue
+            rows.append(f"| {t if named_by_twin else r} | {x} | "
+                        f"{_kept_cell(data, r, t, x, True)} | " + " | ".join(cells) + " |")
+    return rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -734,17 +743,7 @@ def layercap_section(data: Data) -> List[str]:
                   f"| method | B | kept/head | KL RAGGED · {label} | {label} − RAGGED [95%] | "
                   f"top-1 RAGGED · {label} | {label} − RAGGED [95%] | rel. error RAGGED · "
                   f"{label} | {label} − RAGGED [95%] |", "|---|---|---|---|---|---|---|---|---|"]
-        for r, c in pairs:
-            for x in data.budgets:
-                cells = []
-                for key, digits in (("kl", 3), ("top1", 3), ("fid_rel", 3)):
-                    vr, vc = data.doc_values(key, r, x), data.doc_values(key, c, x)
-                    cells += ([_mean_pair(vr, vc, digits), _diff_cell(vc, vr, digits)]
-                              if _ran(vr, vc) else ["–", "–"])
-                if cells[0] == "–":
-                    continue
-                lines.append(f"| {c} | {x} | {_kept_cell(data, r, c, x, True)} | "
-                             + " | ".join(cells) + " |")
+        lines += _doc_pair_rows(data, pairs, named_by_twin=True)
         lines.append("")
         capped = [c for _, c in pairs if c != uncapped and uncapped in data.methods]
         if capped:
