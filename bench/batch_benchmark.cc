@@ -47,7 +47,7 @@ void BM_Batch(benchmark::State& state) {
   const int64_t sequences = state.range(0), n = state.range(1);
   service::Core core(*kernels::CreateBackend("cpu", {.threads = 2}), {});
   service::WorkQueue work(2, 256);
-  service::LaproxService service(core, work, "bench");
+  service::LaproxService service(core, work, "bench", testing::ActAsLaproxd());
   auto server = testing::TestServer::Start(&service, "laprox-batch-bench", 256 << 20);
   auto client = *client::Client::Connect(server->target());
 

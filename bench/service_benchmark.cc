@@ -52,7 +52,7 @@ void BM_ServiceOverhead(benchmark::State& state) {
   // The server, in this process, on a private Unix socket.
   service::Core core(*kernels::CreateBackend("cpu"), {});
   service::WorkQueue work(1, 16);
-  service::LaproxService service(core, work, "bench");
+  service::LaproxService service(core, work, "bench", testing::ActAsLaproxd());
   // laproxd's default --max_request_bytes.
   auto server = testing::TestServer::Start(&service, "laprox-bench", 256 << 20);
   auto client = *client::Client::Connect(server->target());

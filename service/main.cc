@@ -1,6 +1,6 @@
 // laproxd: the laprox sidecar. Serves laprox.v1.Laprox, the standard grpc.health.v1 service and
-// server reflection on a Unix domain socket (mode 0660; /run/laprox/laproxd.sock as root,
-// $XDG_RUNTIME_DIR/laprox/laproxd.sock otherwise) by default, TCP only when asked for;
+// server reflection on a Unix domain socket (mode 0660; by default where the clients look:
+// proto/wire/laprox/v1/endpoint.h), TCP only when asked for;
 // Prometheus metrics over HTTP on --metrics_listen; optionally grpc.health.v1 alone on a TCP
 // port (--health_listen) for Kubernetes probes. Every flag can also be set through the
 // environment as LAPROXD_<FLAG> (LAPROXD_METRICS_LISTEN=...); the command line wins.
@@ -27,12 +27,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
-#include <grpcpp/grpcpp.h>
-#include <grpcpp/health_check_service_interface.h>
-
-#include <prometheus/registry.h>
-
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
@@ -40,26 +34,19 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "laprox/kernels/openblas_core.h"
-#include "laprox/kernels/registry.h"
-#include "service/core/core.h"
-#include "service/core/fault_guard.h"
-#include "service/core/work_queue.h"
-#include "service/grpc/laprox_service.h"
+#include "laprox/v1/endpoint.h"
 #include "service/grpc/peer_identity.h"
 #include "service/grpc/socket_path.h"
-#include "service/grpc/tcp_security.h"
-#include "service/health/serving_state.h"
-#include "service/metrics/http_exposer.h"
-#include "service/metrics/metrics.h"
+#include "service/server.h"
 
 ABSL_FLAG(std::string, socket, "auto",
           "Unix domain socket to listen on, created with --socket_mode (its directory with mode "
-          "0750 when missing); auto: /run/laprox/laproxd.sock as root, "
-          "$XDG_RUNTIME_DIR/laprox/laproxd.sock otherwise; empty to disable. A stale socket "
+          "0750 when missing); auto: $XDG_RUNTIME_DIR/laprox/laproxd.sock when not root and "
+          "XDG_RUNTIME_DIR is an absolute path, else /run/laprox/laproxd.sock (the clients' "
+          "default too: laprox/v1/endpoint.h); empty to disable. A stale socket "
           "there is replaced; a live one, or anything that is not a socket, stops start-up");
 ABSL_FLAG(std::string, socket_mode, "0660",
           "the socket's permission bits, octal (who may connect; see the README's security "
@@ -153,8 +140,6 @@ namespace {
 constexpr char kVersion[] = "0.1.0";
 // How long past --shutdown_timeout the watchdog waits for in-flight work to end.
 constexpr absl::Duration kWatchdogSlack = absl::Seconds(3);
-// The health service name that reports readiness (a model is registered).
-constexpr char kReadinessService[] = "laprox.v1.Laprox";
 
 // Sets every flag defined in this file that is not on the command line from LAPROXD_<FLAG>.
 // Returns false (after printing why) when a variable holds a value the flag does not take.
@@ -182,18 +167,12 @@ bool ApplyEnvironment(int argc, char** argv) {
   return true;
 }
 
-// Prints "laproxd: " and the status's message (without its code); returns main's exit status 1.
 // Where this start's region and model ids begin: 1 + a random multiple of 2^20 below 2^51
 // (ids stay exact in a JSON double), so ids from before a restart name nothing now.
 uint64_t RandomFirstId() {
   uint32_t r = 0;
   if (getrandom(&r, sizeof(r), 0) != static_cast<ssize_t>(sizeof(r))) r = 0;
   return (static_cast<uint64_t>(r & 0x7fffffffu) << 20) + 1;
-}
-
-int Fail(const absl::Status& status) {
-  std::fprintf(stderr, "laproxd: %s\n", absl::StrCat(status.message()).c_str());
-  return 1;
 }
 
 // An octal permission mode ("0660", "660") in [0, 0777].
@@ -208,11 +187,80 @@ std::optional<mode_t> ParseMode(const std::string& text) {
   return mode;
 }
 
-// Blocks SIGTERM and SIGINT in every thread (call before any thread starts) and waits for one.
-int WaitForStopSignal(const sigset_t& signals) {
-  int signal = 0;
-  sigwait(&signals, &signal);
-  return signal;
+// The flags as ServerOptions; INVALID_ARGUMENT (naming the flag) for what only the command line
+// can get wrong. Server::Start checks the rest.
+absl::StatusOr<laprox::service::ServerOptions> OptionsFromFlags() {
+  laprox::service::ServerOptions o;
+  o.version = kVersion;
+  const int64_t cpu_window_mb = absl::GetFlag(FLAGS_cpu_window_mb);
+  if (cpu_window_mb < 1 || cpu_window_mb > (int64_t{1} << 20)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cpu_window_mb=", cpu_window_mb, " is outside [1, 2^20]"));
+  }
+  o.backend = absl::GetFlag(FLAGS_backend);
+  o.backend_options = {.threads = absl::GetFlag(FLAGS_threads),
+                       .cpu_window_bytes = cpu_window_mb << 20,
+                       .device = absl::GetFlag(FLAGS_device),
+                       .cuda_kernels = absl::GetFlag(FLAGS_cuda_kernels)};
+  o.limits = {.max_regions = absl::GetFlag(FLAGS_max_regions),
+              .max_models = absl::GetFlag(FLAGS_max_models),
+              .max_tokens = absl::GetFlag(FLAGS_max_tokens),
+              .max_batch_sequences = absl::GetFlag(FLAGS_max_batch_sequences),
+              .max_request_memory = absl::GetFlag(FLAGS_max_request_memory),
+              .max_model_memory = absl::GetFlag(FLAGS_max_model_memory),
+              .max_request_work = absl::GetFlag(FLAGS_max_request_work),
+              .heavy_request_work = absl::GetFlag(FLAGS_heavy_request_work)};
+  o.core = {.shared_models = absl::GetFlag(FLAGS_shared_models), .first_id = RandomFirstId()};
+  o.workers = absl::GetFlag(FLAGS_workers);
+  o.heavy_workers = absl::GetFlag(FLAGS_heavy_workers);
+  if (o.heavy_workers < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--heavy_workers=", o.heavy_workers, " is outside [1, 1024]"));
+  }
+  o.max_pending = absl::GetFlag(FLAGS_max_pending);
+
+  o.socket = absl::GetFlag(FLAGS_socket);
+  if (o.socket == "auto") o.socket = laprox::v1::DefaultSocketPath();
+  const std::optional<mode_t> socket_mode = ParseMode(absl::GetFlag(FLAGS_socket_mode));
+  if (!socket_mode) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--socket_mode=", absl::GetFlag(FLAGS_socket_mode), " is not an octal mode in [0, 0777]"));
+  }
+  o.socket_mode = *socket_mode;
+  for (const auto& [name, flag, ids] :
+       {std::tuple{"allowed_uids", &FLAGS_allowed_uids, &o.access.uids},
+        std::tuple{"allowed_gids", &FLAGS_allowed_gids, &o.access.gids}}) {
+    const std::string text = absl::GetFlag(*flag);
+    if (text.empty()) continue;  // the default: laproxd's own
+    absl::StatusOr<std::vector<uint32_t>> parsed =
+        laprox::service::AccessPolicy::ParseIds(text, name);
+    if (!parsed.ok()) return parsed.status();
+    ids->assign(parsed->begin(), parsed->end());
+  }
+  const double lease_seconds = absl::GetFlag(FLAGS_lease_seconds);
+  if (!(lease_seconds >= 0.0 && lease_seconds <= 1e9)) {  // NaN too
+    return absl::InvalidArgumentError(
+        absl::StrCat("--lease_seconds=", lease_seconds, " must be in [0, 1e9] (0: never reclaim)"));
+  }
+  o.lease = absl::Seconds(lease_seconds);
+  o.listen = absl::GetFlag(FLAGS_listen);
+  o.tls = {.cert_file = absl::GetFlag(FLAGS_tls_cert_file),
+           .key_file = absl::GetFlag(FLAGS_tls_key_file),
+           .client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file),
+           .allow_insecure = absl::GetFlag(FLAGS_allow_insecure_tcp)};
+  o.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
+  o.max_response_bytes = absl::GetFlag(FLAGS_max_response_bytes);
+  o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  o.health_listen = absl::GetFlag(FLAGS_health_listen);
+  o.share_caps = {.per_model = absl::GetFlag(FLAGS_max_share_series_per_model),
+                  .total = absl::GetFlag(FLAGS_max_share_series)};
+  return o;
+}
+
+// Prints "laproxd: " and the status's message (without its code); returns main's exit status 1.
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "laproxd: %s\n", absl::StrCat(status.message()).c_str());
+  return 1;
 }
 
 }  // namespace
@@ -232,63 +280,15 @@ int main(int argc, char** argv) {
   if (!ApplyEnvironment(argc, argv)) return 1;
   absl::ParseCommandLine(argc, argv);
 
+  // Blocks SIGTERM and SIGINT in every thread (before any starts); main waits for one below.
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGTERM);
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
-  const int64_t cpu_window_mb = absl::GetFlag(FLAGS_cpu_window_mb);
-  if (cpu_window_mb < 1 || cpu_window_mb > (int64_t{1} << 20)) {
-    std::fprintf(stderr, "laproxd: --cpu_window_mb=%lld is outside [1, 2^20]\n",
-                 static_cast<long long>(cpu_window_mb));
-    return 1;
-  }
-  // CreateBackend checks every option (--cuda_kernels too) and names what is wrong.
-  auto backend = laprox::kernels::CreateBackend(
-      absl::GetFlag(FLAGS_backend), {.threads = absl::GetFlag(FLAGS_threads),
-                                     .cpu_window_bytes = cpu_window_mb << 20,
-                                     .device = absl::GetFlag(FLAGS_device),
-                                     .cuda_kernels = absl::GetFlag(FLAGS_cuda_kernels)});
-  if (!backend.ok()) {
-    std::fprintf(stderr, "laproxd: %s\n", backend.status().ToString().c_str());
-    return 1;
-  }
-  const int64_t max_response_bytes = absl::GetFlag(FLAGS_max_response_bytes);
-  if (max_response_bytes < 1 || max_response_bytes > (int64_t{1} << 31) - 1) {
-    std::fprintf(stderr, "laproxd: --max_response_bytes=%lld is outside [1, 2^31 - 1]\n",
-                 static_cast<long long>(max_response_bytes));
-    return 1;
-  }
-  if (absl::GetFlag(FLAGS_max_batch_sequences) < 1) {
-    std::fprintf(stderr, "laproxd: --max_batch_sequences must be >= 1\n");
-    return 1;
-  }
-  for (const auto& [name, value] : {std::pair{"max_request_memory", &FLAGS_max_request_memory},
-                                    std::pair{"max_model_memory", &FLAGS_max_model_memory},
-                                    std::pair{"max_request_work", &FLAGS_max_request_work},
-                                    std::pair{"heavy_request_work", &FLAGS_heavy_request_work}}) {
-    if (absl::GetFlag(*value) < 0) {
-      std::fprintf(stderr, "laproxd: --%s must be >= 0 (0: derived)\n", name);
-      return 1;
-    }
-  }
-  for (const auto& [name, value] :
-       {std::pair{"max_share_series_per_model", &FLAGS_max_share_series_per_model},
-        std::pair{"max_share_series", &FLAGS_max_share_series}}) {
-    if (absl::GetFlag(*value) < 1 || absl::GetFlag(*value) > (int64_t{1} << 20)) {
-      std::fprintf(stderr, "laproxd: --%s=%lld is outside [1, 2^20]\n", name,
-                   static_cast<long long>(absl::GetFlag(*value)));
-      return 1;
-    }
-  }
-  for (const auto& [name, value] :
-       {std::pair{"workers", &FLAGS_workers}, std::pair{"heavy_workers", &FLAGS_heavy_workers}}) {
-    if (absl::GetFlag(*value) < 1 || absl::GetFlag(*value) > 1024) {
-      std::fprintf(stderr, "laproxd: --%s=%d is outside [1, 1024]\n", name, absl::GetFlag(*value));
-      return 1;
-    }
-  }
+  absl::StatusOr<laprox::service::ServerOptions> options = OptionsFromFlags();
+  if (!options.ok()) return Fail(options.status());
   // Every shm region keeps its object open (to see a shrink at every lease): allow as many
   // descriptors as the hard limit does.
   if (struct rlimit files{};
@@ -296,267 +296,46 @@ int main(int argc, char** argv) {
     files.rlim_cur = files.rlim_max;
     setrlimit(RLIMIT_NOFILE, &files);
   }
-  laprox::service::AccessPolicy access = laprox::service::AccessPolicy::OwnUser();
-  for (const auto& [name, flag, ids] :
-       {std::tuple{"allowed_uids", &FLAGS_allowed_uids, &access.uids},
-        std::tuple{"allowed_gids", &FLAGS_allowed_gids, &access.gids}}) {
-    const std::string text = absl::GetFlag(*flag);
-    if (text.empty()) continue;  // the default: laproxd's own
-    absl::StatusOr<std::vector<uint32_t>> parsed =
-        laprox::service::AccessPolicy::ParseIds(text, name);
-    if (!parsed.ok()) return Fail(parsed.status());
-    ids->assign(parsed->begin(), parsed->end());
-  }
-  laprox::service::Core core(
-      *std::move(backend),
-      {.max_regions = absl::GetFlag(FLAGS_max_regions),
-       .max_models = absl::GetFlag(FLAGS_max_models),
-       .max_tokens = absl::GetFlag(FLAGS_max_tokens),
-       .max_batch_sequences = absl::GetFlag(FLAGS_max_batch_sequences),
-       .max_request_memory = absl::GetFlag(FLAGS_max_request_memory),
-       .max_model_memory = absl::GetFlag(FLAGS_max_model_memory),
-       .max_request_work = absl::GetFlag(FLAGS_max_request_work),
-       .heavy_request_work = absl::GetFlag(FLAGS_heavy_request_work)},
-      {.shared_models = absl::GetFlag(FLAGS_shared_models), .first_id = RandomFirstId()});
-  auto work = std::make_unique<laprox::service::WorkQueue>(absl::GetFlag(FLAGS_workers),
-                                                           absl::GetFlag(FLAGS_max_pending));
-  auto heavy = std::make_unique<laprox::service::WorkQueue>(absl::GetFlag(FLAGS_heavy_workers),
-                                                            absl::GetFlag(FLAGS_max_pending));
-
-  const laprox::kernels::Backend& compute = core.backend();
-  std::string active_device;
-  for (const laprox::kernels::DeviceDescription& d : compute.Devices()) {
-    if (d.active) active_device = d.uuid;
-  }
-  laprox::service::Metrics metrics(
-      std::make_shared<prometheus::Registry>(),
-      {.version = kVersion,
-       .backend = compute.kind() == laprox::kernels::BackendKind::kCuda ? "cuda" : "cpu",
-       .backend_description = compute.Describe(),
-       .device = active_device,
-       .max_regions = core.limits().max_regions,
-       .max_models = core.limits().max_models,
-       .snapshot =
-           [&core] {
-             laprox::service::StateSnapshot s;
-             for (const laprox::service::RegionInfo& r : core.regions().List()) {
-               auto& totals =
-                   s.regions_by_kind[r.kind == laprox::service::RegionKind::kShm ? "shm"
-                                                                                 : "cuda_ipc"];
-               ++totals.count;
-               totals.bytes += r.byte_size;
-               s.shrunk_regions += r.shrunk ? 1 : 0;
-             }
-             s.region_faults = laprox::service::GuardedFaultCount();
-             s.memory_budgets["request"] = {.reserved = core.request_memory().in_use(),
-                                            .limit = core.request_memory().limit()};
-             s.memory_budgets["model"] = {.reserved = core.model_memory().in_use(),
-                                          .limit = core.model_memory().limit()};
-             const auto models = core.model_totals();
-             s.models = models.count;
-             s.prepared_bytes = models.prepared_bytes;
-             for (const laprox::kernels::DeviceDescription& d : core.backend().Devices()) {
-               if (d.used_memory_bytes >= 0) {
-                 s.device_memory_used_bytes[d.uuid] = d.used_memory_bytes;
-               }
-             }
-             return s;
-           },
-       .share_caps = {.per_model = absl::GetFlag(FLAGS_max_share_series_per_model),
-                      .total = absl::GetFlag(FLAGS_max_share_series)}});
-  std::unique_ptr<laprox::service::HttpExposer> exposer;
-  if (const std::string address = absl::GetFlag(FLAGS_metrics_listen); !address.empty()) {
-    auto started = laprox::service::HttpExposer::Start(
-        address, [&metrics] { return metrics.SerializeText(); });
-    if (!started.ok()) {
-      std::fprintf(stderr, "laproxd: %s\n", started.status().ToString().c_str());
-      return 1;
+  absl::StatusOr<std::unique_ptr<laprox::service::Server>> started =
+      laprox::service::Server::Start(*std::move(options));
+  if (!started.ok()) {
+    if (absl::GetFlag(FLAGS_socket) == "auto") {
+      return Fail(absl::Status(started.status().code(),
+                               absl::StrCat(started.status().message(), " (--socket=auto is ",
+                                            laprox::v1::DefaultSocketPath(),
+                                            ": give --socket, or set XDG_RUNTIME_DIR)")));
     }
-    exposer = *std::move(started);
+    return Fail(started.status());
   }
-
-  // Health: "" is SERVING while the server runs; kReadinessService while a model is registered.
-  // After a sticky backend error (the CUDA context is unusable until a restart) both are
-  // NOT_SERVING for good, so the orchestrator restarts the pod.
-  laprox::service::ServingState serving(kReadinessService);
-  serving.AddPublisher([&metrics](const std::string& name, bool up) {
-    if (name.empty()) {
-      metrics.SetServing(up);
-    } else {
-      metrics.SetReady(up);
-    }
-  });
-  auto publish_to = [](grpc::HealthCheckServiceInterface* health) {
-    return [health](const std::string& name, bool up) { health->SetServingStatus(name, up); };
-  };
-  auto set_ready = [&serving](int64_t models) { serving.SetModels(models); };
-  auto backend_unhealthy = [&serving](const absl::Status& cause) {
-    if (serving.BackendFailed(cause)) {
-      std::fprintf(stderr, "laproxd: the backend failed for good, health is NOT_SERVING: %s\n",
-                   cause.ToString().c_str());
-    }
-  };
-  // The Unix socket's connections, accepted by laproxd itself to learn who each caller is.
-  std::unique_ptr<laprox::service::UnixListener> listener;
-  const double lease_seconds = absl::GetFlag(FLAGS_lease_seconds);
-  if (!(lease_seconds >= 0.0 && lease_seconds <= 1e9)) {
-    std::fprintf(stderr, "laproxd: --lease_seconds=%g must be in [0, 1e9] (0: never reclaim)\n",
-                 lease_seconds);
-    return 1;
-  }
-  const absl::Duration lease = absl::Seconds(lease_seconds);
-  std::optional<laprox::service::LeaseTable> leases;
-  if (lease > absl::ZeroDuration()) leases.emplace(lease);
-  laprox::service::LaproxService service(
-      core, *work, kVersion,
-      {.metrics = &metrics,
-       .models_changed = set_ready,
-       .backend_unhealthy = backend_unhealthy,
-       .max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes),
-       .max_response_bytes = max_response_bytes,
-       .identify =
-           [&listener, &access](const grpc::ServerContextBase& context) {
-             return laprox::service::IdentifyCaller(context, listener.get(), access);
-           },
-       .leases = leases ? &*leases : nullptr,
-       .heavy = heavy.get()});
-
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  builder.SetMaxReceiveMessageSize(static_cast<int>(absl::GetFlag(FLAGS_max_request_bytes)));
-  builder.SetMaxSendMessageSize(-1);
-  std::string socket = absl::GetFlag(FLAGS_socket);
-  const std::string tcp = absl::GetFlag(FLAGS_listen);
-  if (socket == "auto") {
-    absl::StatusOr<std::string> path = laprox::service::DefaultSocketPath();
-    if (!path.ok()) return Fail(path.status());
-    socket = *path;
-  }
-  if (socket.empty() && tcp.empty()) {
-    std::fprintf(stderr, "laproxd: give --socket or --listen\n");
-    return 1;
-  }
-  const std::optional<mode_t> socket_mode = ParseMode(absl::GetFlag(FLAGS_socket_mode));
-  if (!socket_mode) {
-    std::fprintf(stderr, "laproxd: --socket_mode=%s is not an octal mode in [0, 0777]\n",
-                 absl::GetFlag(FLAGS_socket_mode).c_str());
-    return 1;
-  }
-  std::optional<laprox::service::SocketClaim> claim;
-  if (!socket.empty()) {
-    absl::StatusOr<laprox::service::SocketClaim> acquired =
-        laprox::service::SocketClaim::Acquire(socket);
-    if (!acquired.ok()) return Fail(acquired.status());
-    claim.emplace(*std::move(acquired));
-    // The socket is born with socket_mode: no moment in which it has other permissions.
-    laprox::service::ScopedUmask umask_for_bind(0777 & ~*socket_mode);
-    absl::StatusOr<std::unique_ptr<laprox::service::UnixListener>> bound =
-        laprox::service::UnixListener::Listen(socket);
-    if (!bound.ok()) return Fail(bound.status());
-    listener = *std::move(bound);
-  }
-  int tcp_port = 0;
-  bool tcp_insecure = false;
-  if (!tcp.empty()) {
-    absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
-        laprox::service::TcpCredentials(tcp,
-                                        {.cert_file = absl::GetFlag(FLAGS_tls_cert_file),
-                                         .key_file = absl::GetFlag(FLAGS_tls_key_file),
-                                         .client_ca_file = absl::GetFlag(FLAGS_tls_client_ca_file),
-                                         .allow_insecure = absl::GetFlag(FLAGS_allow_insecure_tcp)},
-                                        &tcp_insecure);
-    if (!credentials.ok()) return Fail(credentials.status());
-    builder.AddListeningPort(tcp, *credentials, &tcp_port);
-  }
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr) {
-    std::fprintf(stderr, "laproxd: cannot start the gRPC server (%s)\n", tcp.c_str());
-    return 1;
-  }
-  if (claim) claim->Bound();
-  serving.AddPublisher(publish_to(server->GetHealthCheckService()));
-
-  // A second server with only the health service, so a probe port exposes nothing else.
-  std::unique_ptr<grpc::Server> health_server;
-  int health_port = 0;
-  const std::string health_address = absl::GetFlag(FLAGS_health_listen);
-  if (!health_address.empty()) {
-    grpc::ServerBuilder health_builder;
-    health_builder.AddListeningPort(health_address, grpc::InsecureServerCredentials(),
-                                    &health_port);
-    health_server = health_builder.BuildAndStart();
-    if (health_server == nullptr) {
-      std::fprintf(stderr, "laproxd: cannot serve health on %s\n", health_address.c_str());
-      server->Shutdown();
-      return 1;
-    }
-    serving.AddPublisher(publish_to(health_server->GetHealthCheckService()));
-  }
-  // Only now: every early return above destroys `server` while nothing else may reach it.
-  if (listener) listener->Start(server.get());
-  // Takes back what clients that are gone registered (--lease_seconds).
-  absl::Notification stop_reclaiming;
-  std::thread reclaimer;
-  if (listener && leases) {
-    reclaimer = std::thread([&] {
-      const auto connected = [&listener](uid_t uid, pid_t pid) {
-        return listener->Connected(uid, pid);
-      };
-      while (!stop_reclaiming.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
-        service.ReclaimLapsed(connected);
-      }
-    });
-  }
-  metrics.SetServing(true);
-  set_ready(core.model_totals().count);
-
-  std::string endpoints;
-  if (!socket.empty()) absl::StrAppend(&endpoints, " unix:", socket);
-  if (!tcp.empty()) {
-    const bool mutual = !absl::GetFlag(FLAGS_tls_client_ca_file).empty();
-    absl::StrAppend(&endpoints, " tcp port ", tcp_port,
-                    tcp_insecure ? " (plaintext)"
-                    : mutual     ? " (mTLS)"
-                                 : " (TLS)");
-  }
-  if (health_server) absl::StrAppend(&endpoints, "; health on tcp port ", health_port);
-  if (exposer) absl::StrAppend(&endpoints, "; metrics on http port ", exposer->port());
-  std::printf("laproxd %s: %s; listening on%s\n", kVersion, core.backend().Describe().c_str(),
-              endpoints.c_str());
+  laprox::service::Server& server = **started;
+  std::printf("laproxd %s: %s; listening on %s\n", kVersion,
+              server.core().backend().Describe().c_str(), server.Endpoints().c_str());
   std::fflush(stdout);
 
-  const int signal = WaitForStopSignal(stop_signals);
+  int signal = 0;
+  sigwait(&stop_signals, &signal);
   std::printf("laproxd: signal %d, finishing in-flight calls\n", signal);
   std::fflush(stdout);
-  serving.ShutDown();
   // In-flight calls get shutdown_timeout, then are cancelled: a computation stops at its next
   // check (kernels/include/laprox/kernels/stop.h), within milliseconds. Should the work still
   // not end (a stage that does not check, such as a device kernel), a watchdog removes the
   // socket and its lock file and exits 0 all the same: the shutdown deadline is kept.
   const absl::Duration grace = absl::GetFlag(FLAGS_shutdown_timeout);
   absl::Notification stopped;
-  std::thread watchdog([&stopped, &claim, grace] {
+  std::thread watchdog([&stopped, &server, grace] {
     if (stopped.WaitForNotificationWithTimeout(grace + kWatchdogSlack)) return;
     std::fprintf(stderr,
                  "laproxd: in-flight work did not stop within %s of the shutdown deadline; "
                  "exiting without it\n",
                  absl::FormatDuration(kWatchdogSlack).c_str());
-    if (claim) claim->RemoveFiles();  // main() touches `claim` only after joining this thread
+    server.RemoveSocketFiles();  // main() destroys the server only after joining this thread
     std::fflush(stdout);
     std::_Exit(0);
   });
-  stop_reclaiming.Notify();
-  if (reclaimer.joinable()) reclaimer.join();
-  if (listener) listener->Stop();  // no new connections; those open finish below
-  server->Shutdown(absl::ToChronoTime(absl::Now() + grace));
-  if (health_server) health_server->Shutdown();
-  work.reset();  // runs what was accepted: jobs of cancelled calls end at once
-  heavy.reset();
+  server.Shutdown(grace);
   stopped.Notify();
   watchdog.join();
-  claim.reset();  // removes the socket this process created, then releases the lock
+  started->reset();  // removes the socket this process created, then releases the lock
   std::printf("laproxd: stopped\n");
   return 0;
 }

@@ -475,9 +475,7 @@ Core::Core(std::unique_ptr<kernels::Backend> backend, const CoreLimits& limits, 
       next_model_id_(options.first_id) {}
 
 absl::StatusOr<ModelInfo> Core::RegisterModel(const ModelSpec& spec, const Owner& owner) {
-  CallContext context;
-  context.owner = owner;
-  return RegisterModel(spec, context);
+  return RegisterModel(spec, CallContext{.owner = owner});
 }
 
 absl::StatusOr<ModelInfo> Core::RegisterModel(const ModelSpec& spec, const CallContext& context) {
@@ -493,7 +491,7 @@ absl::StatusOr<ModelInfo> Core::RegisterModel(const ModelSpec& spec, const CallC
   const kernels::PrepareOptions options = {.cross_grams = spec.cross_grams};
   auto estimate = backend_->EstimatePrepareMemory(spec.geometry, options);
   if (!estimate.ok()) return estimate.status();
-  auto model = std::make_shared<Model>();
+  auto model = std::make_shared<Model>(Model{.owner = owner});
   auto held = model_memory_.Reserve(
       SaturatingAdd(estimate->output_bytes, std::max<int64_t>(spec.bookkeeping_bytes, 0)),
       absl::StrCat("the prepared factors of ", spec.geometry.DebugString(),
@@ -533,7 +531,6 @@ absl::StatusOr<ModelInfo> Core::RegisterModel(const ModelSpec& spec, const CallC
     return absl::ResourceExhaustedError(absl::StrCat(
         "already ", models_.size(), " models registered (limit ", limits_.max_models, ")"));
   }
-  model->owner = owner;
   model->info.id = next_model_id_++;
   model->info.name = spec.name.empty() ? absl::StrCat(model->info.id) : spec.name;
   models_[model->info.id] = model;

@@ -126,13 +126,14 @@ struct CoreLimits {
 // per window row, per (layer, KV head), per selection row), and again just before any output is
 // written into a client region.
 struct CallContext {
+  // Who asks: the model and every region the call names must be visible to it (owner.h). No
+  // default: every caller says whom it acts for (Owner::Laproxd() only where laproxd itself acts).
+  Owner owner;
   absl::Time deadline = absl::InfiniteFuture();
   std::function<bool()> cancelled;  // may be empty: never cancelled
   // When set, receives the request's memory reservation, so the caller can hold it while it
   // still keeps copies of the plan (the response being built).
   MemoryBudget::Reservation* hold_memory = nullptr;
-  // Who asks: the model and every region the call names must be visible to it (owner.h).
-  Owner owner = Owner::Laproxd();
   // When the caller began on this request (before decoding it); unset: Core's entry. The
   // plan's validate_seconds counts from here.
   std::optional<std::chrono::steady_clock::time_point> started;
@@ -179,12 +180,11 @@ class Core {
   // Backend::PrepareModel returns. The model belongs to context.owner, and the o_proj regions
   // must be visible to it.
   absl::StatusOr<ModelInfo> RegisterModel(const ModelSpec& spec, const CallContext& context);
-  absl::StatusOr<ModelInfo> RegisterModel(const ModelSpec& spec,
-                                          const Owner& owner = Owner::Laproxd());
+  absl::StatusOr<ModelInfo> RegisterModel(const ModelSpec& spec, const Owner& owner);
   // INVALID_ARGUMENT for id 0, NOT_FOUND for an unknown id or another owner's model (shared
   // models included). Requests already using the model finish with it; its memory returns to
   // the budget when the last of them ends.
-  absl::Status UnregisterModel(uint64_t id, const Owner& owner = Owner::Laproxd());
+  absl::Status UnregisterModel(uint64_t id, const Owner& owner);
 
   struct ModelTotals {
     int64_t count = 0;
@@ -214,7 +214,7 @@ class Core {
   // areas may hold any bytes. Otherwise all areas are written, in one pass of copies, before
   // this returns OK: a client that sees any other status must not read them.
   absl::StatusOr<kernels::KeepPlan> ComputeKeepPlan(const KeepPlanCall& call,
-                                                    const CallContext& context = {});
+                                                    const CallContext& context);
 
   // The keep-plans of a batch of sequences of one model (Backend::ComputeKeepPlans), each call
   // checked, leased and written exactly as ComputeKeepPlan does, with three differences: every
@@ -224,7 +224,7 @@ class Core {
   // Output areas must not overlap each other or any input of any sequence of the batch.
   // INVALID_ARGUMENT for an empty batch or more than max_batch_sequences.
   absl::StatusOr<std::vector<kernels::KeepPlan>> ComputeKeepPlans(
-      absl::Span<const KeepPlanCall> calls, const CallContext& context = {});
+      absl::Span<const KeepPlanCall> calls, const CallContext& context);
 
   // Whether keep-plan `calls` (one call, or a batch) are heavy: their estimated work, from the
   // shapes the calls state before anything is resolved or checked, exceeds
@@ -236,7 +236,7 @@ class Core {
   struct Model {
     MemoryBudget::Reservation memory;  // the prepared factors, against model_memory_ (released
                                        // last)
-    Owner owner = Owner::Laproxd();
+    Owner owner;
     ModelInfo info;
     std::shared_ptr<const kernels::PreparedModel> prepared;
   };

@@ -237,7 +237,7 @@ absl::StatusOr<uint64_t> RegionRegistry::RegisterShm(const ShmRegionSpec& spec,
   }
 
   // From here the region owns the fd and the mapping.
-  auto region = std::shared_ptr<MappedRegion>(new MappedRegion());
+  auto region = std::shared_ptr<MappedRegion>(new MappedRegion(owner));
   region->fd_ = fd;
   region->mapping_ = mapping;
   region->mapping_size_ = map_size;
@@ -253,7 +253,7 @@ absl::StatusOr<uint64_t> RegionRegistry::RegisterShm(const ShmRegionSpec& spec,
   region->info_.offset = spec.offset;
   region->info_.byte_size = spec.byte_size;
   region->info_.writable = spec.writable;
-  return Insert(std::move(region), owner);
+  return Insert(std::move(region));
 }
 
 absl::StatusOr<uint64_t> RegionRegistry::RegisterCudaIpc(const kernels::CudaIpcRegionSpec& spec,
@@ -265,7 +265,7 @@ absl::StatusOr<uint64_t> RegionRegistry::RegisterCudaIpc(const kernels::CudaIpcR
   // Opening is slow (the driver maps the allocation): never under mu_.
   absl::StatusOr<std::unique_ptr<kernels::ImportedRegion>> imported = backend_.ImportCudaIpc(spec);
   if (!imported.ok()) return imported.status();
-  auto region = std::shared_ptr<MappedRegion>(new MappedRegion());
+  auto region = std::shared_ptr<MappedRegion>(new MappedRegion(owner));
   region->data_ = (*imported)->data();
   region->space_ = (*imported)->space();
   region->imported_ = *std::move(imported);
@@ -275,7 +275,7 @@ absl::StatusOr<uint64_t> RegionRegistry::RegisterCudaIpc(const kernels::CudaIpcR
   region->info_.offset = spec.offset;
   region->info_.byte_size = region->imported_->byte_size();
   region->info_.writable = writable;
-  return Insert(std::move(region), owner);
+  return Insert(std::move(region));
 }
 
 absl::Status RegionRegistry::CheckRoom() const {
@@ -286,9 +286,7 @@ absl::Status RegionRegistry::CheckRoom() const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint64_t> RegionRegistry::Insert(std::shared_ptr<MappedRegion> region,
-                                                const Owner& owner) {
-  region->owner_ = owner;
+absl::StatusOr<uint64_t> RegionRegistry::Insert(std::shared_ptr<MappedRegion> region) {
   absl::Status full;
   {
     absl::MutexLock lock(&mu_);

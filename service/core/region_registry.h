@@ -117,10 +117,10 @@ class MappedRegion {
 
  private:
   friend class RegionRegistry;
-  MappedRegion() = default;
+  explicit MappedRegion(Owner owner) : owner_(std::move(owner)) {}
 
   RegionInfo info_;
-  Owner owner_ = Owner::Laproxd();
+  Owner owner_;
   std::byte* data_ = nullptr;
   kernels::MemorySpace space_ = kernels::MemorySpace::kHost;
   void* mapping_ = nullptr;  // shm: page-aligned start of the mapping
@@ -178,8 +178,7 @@ class RegionRegistry {
   // may not open it, `owner` does not own it (nor is root), wants it writable without its
   // owner-write bit, or has no local uid (a TCP client); OUT_OF_RANGE: past the object's end;
   // RESOURCE_EXHAUSTED: max_regions reached, or out of file descriptors; INTERNAL: mmap failed.
-  absl::StatusOr<uint64_t> RegisterShm(const ShmRegionSpec& spec,
-                                       const Owner& owner = Owner::Laproxd());
+  absl::StatusOr<uint64_t> RegisterShm(const ShmRegionSpec& spec, const Owner& owner);
 
   // Opens the CUDA IPC allocation through the backend (Backend::ImportCudaIpc: once, it is
   // slow) and registers it; returns its id. Errors are the
@@ -188,23 +187,23 @@ class RegionRegistry {
   // allocation), and RESOURCE_EXHAUSTED when max_regions is reached. `writable`: outputs may be
   // written there (through Backend::CopyToRegion).
   absl::StatusOr<uint64_t> RegisterCudaIpc(const kernels::CudaIpcRegionSpec& spec, bool writable,
-                                           const Owner& owner = Owner::Laproxd());
+                                           const Owner& owner);
 
   // A lease on region `id` for one request of `owner`. INVALID_ARGUMENT: id 0; NOT_FOUND:
   // unknown id, or another owner's; FAILED_PRECONDITION: the region is being unregistered, or
   // the client shrank it (see MappedRegion::CheckIntact).
-  absl::StatusOr<RegionLease> Acquire(uint64_t id, const Owner& owner = Owner::Laproxd());
+  absl::StatusOr<RegionLease> Acquire(uint64_t id, const Owner& owner);
 
   // Stops new leases at once, waits until in-flight requests release theirs (or `deadline`),
   // then unmaps. Calling it again on a draining region waits the same way (OK once it is
   // gone). INVALID_ARGUMENT: id 0; NOT_FOUND: unknown id, or another owner's;
   // DEADLINE_EXCEEDED: leases still held at the deadline (the region stays draining and is
   // unmapped when the last lease goes).
-  absl::Status Unregister(uint64_t id, const Owner& owner = Owner::Laproxd(),
+  absl::Status Unregister(uint64_t id, const Owner& owner,
                           absl::Time deadline = absl::InfiniteFuture());
 
   // Every region `owner` registered (draining ones included), by id.
-  std::vector<RegionInfo> List(const Owner& owner = Owner::Laproxd()) const;
+  std::vector<RegionInfo> List(const Owner& owner) const;
 
  private:
   friend class RegionLease;
@@ -218,7 +217,7 @@ class RegionRegistry {
   absl::Status CheckRoom() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives `region` an id and `owner`, and stores it; RESOURCE_EXHAUSTED (destroying it) when
   // full.
-  absl::StatusOr<uint64_t> Insert(std::shared_ptr<MappedRegion> region, const Owner& owner);
+  absl::StatusOr<uint64_t> Insert(std::shared_ptr<MappedRegion> region);
 
   kernels::Backend& backend_;
   const Limits limits_;

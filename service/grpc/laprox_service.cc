@@ -25,11 +25,9 @@ absl::Time Deadline(const grpc::CallbackServerContext* context) {
 
 // What Core needs of a call: its deadline, its cancellation and who makes it.
 CallContext CallOf(grpc::CallbackServerContext* context, const Owner& owner) {
-  CallContext call;
-  call.deadline = Deadline(context);
-  call.cancelled = [context] { return context->IsCancelled(); };
-  call.owner = owner;
-  return call;
+  return {.owner = owner, .deadline = Deadline(context), .cancelled = [context] {
+            return context->IsCancelled();
+          }};
 }
 
 double SecondsBetween(std::chrono::steady_clock::time_point from,
@@ -111,14 +109,19 @@ grpc::ServerUnaryReactor* LaproxService::Reply(grpc::ServerUnaryReactor* reactor
   return reactor;
 }
 
-template <typename Job>
-grpc::ServerUnaryReactor* LaproxService::Offload(WorkQueue& queue,
-                                                 grpc::CallbackServerContext* context, Call call,
-                                                 Job job) {
+template <typename Body>
+grpc::ServerUnaryReactor* LaproxService::Handle(grpc::CallbackServerContext* context, Method method,
+                                                Body&& body) {
+  Call call(options_.metrics, method);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<Owner> owner = Identify(*context);
+  if (!owner.ok()) return Reply(reactor, call, owner.status());
+  absl::StatusOr<Deferred> next =
+      Guarded([&]() -> absl::StatusOr<Deferred> { return body(*std::move(owner)); });
+  if (!next.ok() || next->queue == nullptr) return Reply(reactor, call, next.status());
   auto shared_call = std::make_shared<Call>(std::move(call));
   absl::Status queued =
-      queue.Submit([this, context, shared_call, reactor, job = std::move(job)]() mutable {
+      next->queue->Submit([this, context, shared_call, reactor, job = std::move(next->job)] {
         if (context->IsCancelled()) {
           Reply(reactor, *shared_call, absl::CancelledError("cancelled before it started"));
           return;
@@ -148,8 +151,11 @@ void LaproxService::CheckBackendHealth() {
 }
 
 absl::StatusOr<Owner> LaproxService::Identify(const grpc::CallbackServerContext& context) const {
-  if (!options_.identify) return Owner::Laproxd();
-  absl::StatusOr<Owner> owner = options_.identify(context);
+  absl::StatusOr<Owner> owner =
+      identify_ ? identify_(context)
+                : absl::InternalError(
+                      "this laprox service was built without a caller identifier: it serves "
+                      "no call (nobody acts for laproxd by default)");
   if (!owner.ok() && options_.metrics != nullptr) options_.metrics->RecordDenied();
   return owner;
 }
@@ -198,11 +204,10 @@ absl::Status LaproxService::FillServerInfo(v1::GetServerInfoResponse* response) 
 grpc::ServerUnaryReactor* LaproxService::GetServerInfo(grpc::CallbackServerContext* context,
                                                        const v1::GetServerInfoRequest*,
                                                        v1::GetServerInfoResponse* response) {
-  Call call(options_.metrics, Method::kGetServerInfo);
-  if (auto owner = Identify(*context); !owner.ok()) {
-    return Reply(context->DefaultReactor(), call, owner.status());
-  }
-  return Reply(context->DefaultReactor(), call, Guarded([&] { return FillServerInfo(response); }));
+  return Handle(context, Method::kGetServerInfo, [&](const Owner&) -> absl::StatusOr<Deferred> {
+    if (absl::Status s = FillServerInfo(response); !s.ok()) return s;
+    return Deferred{};
+  });
 }
 
 absl::Status LaproxService::OpenRegion(grpc::CallbackServerContext* context, const Owner& owner,
@@ -245,13 +250,12 @@ grpc::ServerUnaryReactor* LaproxService::RegisterRegion(grpc::CallbackServerCont
                                                         v1::RegisterRegionResponse* response) {
   // Opening never blocks (shm: O_NONBLOCK, regular files only), but an IPC handle is slow to
   // open (the driver maps the allocation): both off the callback threads.
-  Call call(options_.metrics, Method::kRegisterRegion);
-  absl::StatusOr<Owner> owner = Identify(*context);
-  if (!owner.ok()) return Reply(context->DefaultReactor(), call, owner.status());
-  return Offload(control_, context, std::move(call),
-                 [this, context, owner = *std::move(owner), request, response](Call&) {
-                   return OpenRegion(context, owner, *request, response);
-                 });
+  return Handle(context, Method::kRegisterRegion, [&](Owner owner) -> absl::StatusOr<Deferred> {
+    return Deferred{&control_,
+                    [this, context, owner = std::move(owner), request, response](const Call&) {
+                      return OpenRegion(context, owner, *request, response);
+                    }};
+  });
 }
 
 grpc::ServerUnaryReactor* LaproxService::UnregisterRegion(
@@ -259,84 +263,80 @@ grpc::ServerUnaryReactor* LaproxService::UnregisterRegion(
     v1::UnregisterRegionResponse*) {
   const uint64_t id = request->region_id();
   const absl::Time deadline = Deadline(context);
-  Call call(options_.metrics, Method::kUnregisterRegion);
-  absl::StatusOr<Owner> owner = Identify(*context);
-  if (!owner.ok()) return Reply(context->DefaultReactor(), call, owner.status());
   // Waits for in-flight requests: off the callback threads, and off the compute queue.
-  return Offload(admin_, context, std::move(call),
-                 [this, id, deadline, owner = *std::move(owner)](Call&) {
-                   absl::Status status = core_.regions().Unregister(id, owner, deadline);
-                   if (status.ok() && options_.leases != nullptr) {
-                     options_.leases->Remove(LeaseTable::Kind::kRegion, id);
-                   }
-                   return status;
-                 });
+  return Handle(context, Method::kUnregisterRegion, [&](Owner owner) -> absl::StatusOr<Deferred> {
+    return Deferred{&admin_, [this, id, deadline, owner = std::move(owner)](const Call&) {
+                      absl::Status status = core_.regions().Unregister(id, owner, deadline);
+                      if (status.ok() && options_.leases != nullptr) {
+                        options_.leases->Remove(LeaseTable::Kind::kRegion, id);
+                      }
+                      return status;
+                    }};
+  });
 }
 
 grpc::ServerUnaryReactor* LaproxService::ListRegions(grpc::CallbackServerContext* context,
                                                      const v1::ListRegionsRequest*,
                                                      v1::ListRegionsResponse* response) {
-  Call call(options_.metrics, Method::kListRegions);
-  absl::StatusOr<Owner> owner = Identify(*context);
-  if (!owner.ok()) return Reply(context->DefaultReactor(), call, owner.status());
-  absl::Status status = Guarded([&] {
-    for (const RegionInfo& info : core_.regions().List(*owner)) {
+  return Handle(context, Method::kListRegions, [&](const Owner& owner) -> absl::StatusOr<Deferred> {
+    for (const RegionInfo& info : core_.regions().List(owner)) {
       RegionInfoToProto(info, response->add_regions());
     }
-    return absl::OkStatus();
+    return Deferred{};
   });
-  return Reply(context->DefaultReactor(), call, status);
 }
 
 grpc::ServerUnaryReactor* LaproxService::RegisterModel(grpc::CallbackServerContext* context,
                                                        const v1::RegisterModelRequest* request,
                                                        v1::RegisterModelResponse* response) {
-  Call call(options_.metrics, Method::kRegisterModel);
-  absl::StatusOr<Owner> owner = Identify(*context);
-  if (!owner.ok()) return Reply(context->DefaultReactor(), call, owner.status());
-  return Offload(
-      admin_, context, std::move(call),
-      [this, context, owner = *std::move(owner), request, response](Call&) -> absl::Status {
-        auto spec = ModelSpecFromProto(*request);
-        if (!spec.ok()) return spec.status();
-        // Its metrics series live as long as the model: their memory is the model's too.
-        if (options_.metrics != nullptr) {
-          spec->bookkeeping_bytes = options_.metrics->ModelSeriesBytes(spec->geometry);
-        }
-        auto model = core_.RegisterModel(*spec, CallOf(context, owner));
-        if (!model.ok()) return model.status();
-        if (options_.metrics != nullptr) {
-          if (absl::Status s = options_.metrics->AddModel(model->id, model->name, model->geometry);
-              !s.ok()) {
-            core_.UnregisterModel(model->id, owner).IgnoreError();  // nothing half-registered
-            return s;
-          }
-        }
-        if (options_.leases != nullptr) {
-          options_.leases->Add(owner, LeaseTable::Kind::kModel, model->id);
-        }
-        ModelsChanged();
-        response->set_model_id(model->id);
-        response->set_prepared_bytes(model->prepared_bytes);
-        return absl::OkStatus();
-      });
+  return Handle(context, Method::kRegisterModel, [&](Owner owner) -> absl::StatusOr<Deferred> {
+    return Deferred{
+        &admin_,
+        [this, context, owner = std::move(owner), request, response](const Call&) -> absl::Status {
+          return AddModel(context, owner, *request, response);
+        }};
+  });
+}
+
+absl::Status LaproxService::AddModel(grpc::CallbackServerContext* context, const Owner& owner,
+                                     const v1::RegisterModelRequest& request,
+                                     v1::RegisterModelResponse* response) {
+  auto spec = ModelSpecFromProto(request);
+  if (!spec.ok()) return spec.status();
+  // Its metrics series live as long as the model: their memory is the model's too.
+  if (options_.metrics != nullptr) {
+    spec->bookkeeping_bytes = options_.metrics->ModelSeriesBytes(spec->geometry);
+  }
+  auto model = core_.RegisterModel(*spec, CallOf(context, owner));
+  if (!model.ok()) return model.status();
+  if (options_.metrics != nullptr) {
+    if (absl::Status s = options_.metrics->AddModel(model->id, model->name, model->geometry);
+        !s.ok()) {
+      core_.UnregisterModel(model->id, owner).IgnoreError();  // nothing half-registered
+      return s;
+    }
+  }
+  if (options_.leases != nullptr) options_.leases->Add(owner, LeaseTable::Kind::kModel, model->id);
+  ModelsChanged();
+  response->set_model_id(model->id);
+  response->set_prepared_bytes(model->prepared_bytes);
+  return absl::OkStatus();
 }
 
 grpc::ServerUnaryReactor* LaproxService::UnregisterModel(grpc::CallbackServerContext* context,
                                                          const v1::UnregisterModelRequest* request,
                                                          v1::UnregisterModelResponse*) {
-  Call call(options_.metrics, Method::kUnregisterModel);
-  absl::StatusOr<Owner> owner = Identify(*context);
-  if (!owner.ok()) return Reply(context->DefaultReactor(), call, owner.status());
-  absl::Status status = Guarded([&] { return core_.UnregisterModel(request->model_id(), *owner); });
-  if (status.ok()) {
-    if (options_.metrics != nullptr) options_.metrics->RemoveModel(request->model_id());
-    if (options_.leases != nullptr) {
-      options_.leases->Remove(LeaseTable::Kind::kModel, request->model_id());
-    }
-    ModelsChanged();
-  }
-  return Reply(context->DefaultReactor(), call, status);
+  return Handle(context, Method::kUnregisterModel,
+                [&](const Owner& owner) -> absl::StatusOr<Deferred> {
+                  const uint64_t id = request->model_id();
+                  if (absl::Status s = core_.UnregisterModel(id, owner); !s.ok()) return s;
+                  if (options_.metrics != nullptr) options_.metrics->RemoveModel(id);
+                  if (options_.leases != nullptr) {
+                    options_.leases->Remove(LeaseTable::Kind::kModel, id);
+                  }
+                  ModelsChanged();
+                  return Deferred{};
+                });
 }
 
 absl::Status LaproxService::CheckResponseSize(google::protobuf::Message& response) const {
@@ -354,96 +354,93 @@ absl::Status LaproxService::CheckResponseSize(google::protobuf::Message& respons
 grpc::ServerUnaryReactor* LaproxService::ComputeKeepMask(grpc::CallbackServerContext* context,
                                                          const v1::ComputeKeepMaskRequest* request,
                                                          v1::ComputeKeepMaskResponse* response) {
-  Call received(options_.metrics, Method::kComputeKeepMask);
-  absl::StatusOr<Owner> owner = Identify(*context);
-  if (!owner.ok()) return Reply(context->DefaultReactor(), received, owner.status());
-  // Converted here (views of the request, no copies) to choose the queue by its work.
-  auto converted =
-      Guarded([&]() -> absl::StatusOr<KeepPlanCall> { return KeepPlanCallFromProto(*request); });
-  if (!converted.ok()) return Reply(context->DefaultReactor(), received, converted.status());
-  WorkQueue& queue = ComputeQueue(absl::MakeConstSpan(&*converted, 1), *owner);
-  return Offload(
-      queue, context, std::move(received),
-      [this, context, owner = *std::move(owner), request, response,
-       call = std::make_shared<KeepPlanCall>(*std::move(converted))](Call& rpc) -> absl::Status {
-        const Clock::time_point started = Clock::now();
-        MemoryBudget::Reservation memory;  // covers the response built below
-        CallContext call_context = CallOf(context, owner);
-        call_context.hold_memory = &memory;
-        call_context.started = started;
-        auto plan = core_.ComputeKeepPlan(*call, call_context);
-        if (!plan.ok()) return plan.status();
-        const Clock::time_point computed = Clock::now();
-        v1::KeepPlanToProto(*plan, call->policy, response);
-        if (absl::Status s = CheckResponseSize(*response); !s.ok()) return s;
-        const Clock::time_point done = Clock::now();
-        const StageSeconds stages = Stages(rpc.received(), started, plan->timing, computed, done);
-        SetServiceTiming(stages, SecondsBetween(rpc.received(), done), response->mutable_timing());
-        if (options_.metrics != nullptr) {
-          options_.metrics->RecordStages(stages);
-          options_.metrics->RecordPlan(request->model_id(), *plan);
-        }
-        return absl::OkStatus();
-      });
+  return Handle(context, Method::kComputeKeepMask, [&](Owner owner) -> absl::StatusOr<Deferred> {
+    // Converted here (views of the request, no copies) to choose the queue by its work.
+    auto converted = KeepPlanCallFromProto(*request);
+    if (!converted.ok()) return converted.status();
+    auto call = std::make_shared<KeepPlanCall>(*std::move(converted));
+    WorkQueue& queue = ComputeQueue(absl::MakeConstSpan(call.get(), 1), owner);
+    return Deferred{&queue,
+                    [this, context, owner = std::move(owner), request, response,
+                     call](const Call& rpc) -> absl::Status {
+                      const Clock::time_point started = Clock::now();
+                      MemoryBudget::Reservation memory;  // covers the response built below
+                      CallContext call_context = CallOf(context, owner);
+                      call_context.hold_memory = &memory;
+                      call_context.started = started;
+                      auto plan = core_.ComputeKeepPlan(*call, call_context);
+                      if (!plan.ok()) return plan.status();
+                      const Clock::time_point computed = Clock::now();
+                      v1::KeepPlanToProto(*plan, call->policy, response);
+                      if (absl::Status s = CheckResponseSize(*response); !s.ok()) return s;
+                      const Clock::time_point done = Clock::now();
+                      const StageSeconds stages =
+                          Stages(rpc.received(), started, plan->timing, computed, done);
+                      SetServiceTiming(stages, SecondsBetween(rpc.received(), done),
+                                       response->mutable_timing());
+                      if (options_.metrics != nullptr) {
+                        options_.metrics->RecordStages(stages);
+                        options_.metrics->RecordPlan(request->model_id(), *plan);
+                      }
+                      return absl::OkStatus();
+                    }};
+  });
 }
 
 grpc::ServerUnaryReactor* LaproxService::ComputeKeepPlans(
     grpc::CallbackServerContext* context, const v1::ComputeKeepPlansRequest* request,
     v1::ComputeKeepPlansResponse* response) {
-  Call received(options_.metrics, Method::kComputeKeepPlans);
-  absl::StatusOr<Owner> owner = Identify(*context);
-  if (!owner.ok()) return Reply(context->DefaultReactor(), received, owner.status());
-  // Converted here (views of the request, no copies) to choose the queue by its work.
-  auto converted = std::make_shared<std::vector<KeepPlanCall>>();
-  absl::Status conversion = Guarded([&]() -> absl::Status {
-    converted->reserve(request->sequences_size());
+  return Handle(context, Method::kComputeKeepPlans, [&](Owner owner) -> absl::StatusOr<Deferred> {
+    // Converted here (views of the request, no copies) to choose the queue by its work.
+    auto calls = std::make_shared<std::vector<KeepPlanCall>>();
+    calls->reserve(request->sequences_size());
     for (int i = 0; i < request->sequences_size(); ++i) {
       auto call = KeepPlanCallFromProto(request->sequences(i));
       if (!call.ok()) {
         return absl::Status(call.status().code(),
                             absl::StrCat("sequences[", i, "].", call.status().message()));
       }
-      converted->push_back(*std::move(call));
+      calls->push_back(*std::move(call));
     }
-    return absl::OkStatus();
+    WorkQueue& queue = ComputeQueue(*calls, owner);
+    return Deferred{&queue, [this, context, owner = std::move(owner), request, response,
+                             calls](const Call& rpc) {
+                      return ComputeBatch(context, owner, *calls, rpc, *request, response);
+                    }};
   });
-  if (!conversion.ok()) return Reply(context->DefaultReactor(), received, conversion);
-  WorkQueue& queue = ComputeQueue(*converted, *owner);
-  return Offload(queue, context, std::move(received),
-                 [this, context, owner = *std::move(owner), request, response,
-                  converted](Call& rpc) -> absl::Status {
-                   const Clock::time_point started = Clock::now();
-                   const std::vector<KeepPlanCall>& calls = *converted;
-                   MemoryBudget::Reservation memory;  // covers the responses built below
-                   CallContext call_context = CallOf(context, owner);
-                   call_context.hold_memory = &memory;
-                   call_context.started = started;
-                   auto plans = core_.ComputeKeepPlans(calls, call_context);
-                   if (!plans.ok()) return plans.status();
-                   const Clock::time_point computed = Clock::now();
-                   for (size_t i = 0; i < plans->size(); ++i) {
-                     v1::KeepPlanToProto((*plans)[i], calls[i].policy, response->add_plans());
-                   }
-                   if (absl::Status s = CheckResponseSize(*response); !s.ok()) return s;
-                   const Clock::time_point done = Clock::now();
-                   // The batch's sequences were scored and selected together: every plan has its
-                   // stages.
-                   const StageSeconds stages =
-                       Stages(rpc.received(), started, plans->front().timing, computed, done);
-                   for (v1::ComputeKeepMaskResponse& plan : *response->mutable_plans()) {
-                     SetServiceTiming(stages, SecondsBetween(rpc.received(), done),
-                                      plan.mutable_timing());
-                   }
-                   *response->mutable_timing() = response->plans(0).timing();
-                   if (options_.metrics != nullptr) {
-                     options_.metrics->RecordStages(stages);
-                     for (size_t i = 0; i < plans->size(); ++i) {
-                       options_.metrics->RecordPlan(
-                           request->sequences(static_cast<int>(i)).model_id(), (*plans)[i]);
-                     }
-                   }
-                   return absl::OkStatus();
-                 });
+}
+
+absl::Status LaproxService::ComputeBatch(grpc::CallbackServerContext* context, const Owner& owner,
+                                         const std::vector<KeepPlanCall>& calls, const Call& rpc,
+                                         const v1::ComputeKeepPlansRequest& request,
+                                         v1::ComputeKeepPlansResponse* response) {
+  const Clock::time_point started = Clock::now();
+  MemoryBudget::Reservation memory;  // covers the responses built below
+  CallContext call_context = CallOf(context, owner);
+  call_context.hold_memory = &memory;
+  call_context.started = started;
+  auto plans = core_.ComputeKeepPlans(calls, call_context);
+  if (!plans.ok()) return plans.status();
+  const Clock::time_point computed = Clock::now();
+  for (size_t i = 0; i < plans->size(); ++i) {
+    v1::KeepPlanToProto((*plans)[i], calls[i].policy, response->add_plans());
+  }
+  if (absl::Status s = CheckResponseSize(*response); !s.ok()) return s;
+  const Clock::time_point done = Clock::now();
+  // The batch's sequences were scored and selected together: every plan has its stages.
+  const StageSeconds stages =
+      Stages(rpc.received(), started, plans->front().timing, computed, done);
+  for (v1::ComputeKeepMaskResponse& plan : *response->mutable_plans()) {
+    SetServiceTiming(stages, SecondsBetween(rpc.received(), done), plan.mutable_timing());
+  }
+  *response->mutable_timing() = response->plans(0).timing();
+  if (options_.metrics != nullptr) {
+    options_.metrics->RecordStages(stages);
+    for (size_t i = 0; i < plans->size(); ++i) {
+      options_.metrics->RecordPlan(request.sequences(static_cast<int>(i)).model_id(), (*plans)[i]);
+    }
+  }
+  return absl::OkStatus();
 }
 
 void LaproxService::ReclaimLapsed(const LeaseTable::Connected& connected) {
@@ -451,7 +448,8 @@ void LaproxService::ReclaimLapsed(const LeaseTable::Connected& connected) {
   const std::vector<LeaseTable::Registration> lapsed = options_.leases->Collect(connected);
   if (lapsed.empty()) return;
   std::map<uint64_t, int64_t> region_bytes;
-  for (const RegionInfo& info : core_.regions().List()) region_bytes[info.id] = info.byte_size;
+  for (const RegionInfo& info : core_.regions().List(Owner::Laproxd()))
+    region_bytes[info.id] = info.byte_size;
   int64_t regions = 0, bytes = 0, models = 0;
   for (const LeaseTable::Registration& r : lapsed) {
     if (r.kind == LeaseTable::Kind::kRegion) {

@@ -8,7 +8,7 @@
 // is busy and the backlog is full: region opens on one, model preparation and region draining
 // (which waits for the plans using the region) on another. No exception leaves a call: an
 // allocation that fails anyway (the host is short of memory) answers RESOURCE_EXHAUSTED.
-// Every call first learns who it comes from (ServiceOptions::identify) and then acts for that
+// Every call first learns who it comes from (the CallerIdentifier) and then acts for that
 // Owner: it sees, uses and unregisters only what the same identity registered.
 #ifndef LAPROX_SERVICE_GRPC_LAPROX_SERVICE_H_
 #define LAPROX_SERVICE_GRPC_LAPROX_SERVICE_H_
@@ -25,6 +25,10 @@
 
 namespace laprox::service {
 
+// Who a call comes from (peer_identity.h: IdentifyCaller in laproxd); an error status
+// (PERMISSION_DENIED) answers the call and is counted as denied.
+using CallerIdentifier = std::function<absl::StatusOr<Owner>(const grpc::ServerContextBase&)>;
+
 // How laproxd runs the service; every field is optional.
 struct ServiceOptions {
   // Every call, every plan and every model (un)registration is recorded here.
@@ -40,10 +44,6 @@ struct ServiceOptions {
   // ComputeKeepMask response larger than max_response_bytes (> 0) is RESOURCE_EXHAUSTED.
   int64_t max_request_bytes = 0;
   int64_t max_response_bytes = 0;
-  // Who a call comes from (peer_identity.h: IdentifyCaller); an error status (PERMISSION_DENIED)
-  // answers the call and is counted as denied. Empty: every call acts as Owner::Laproxd() (tests
-  // of the translation alone).
-  std::function<absl::StatusOr<Owner>(const grpc::ServerContextBase&)> identify;
   // When set, every region and model a local client registers is recorded here, and
   // ReclaimLapsed() unregisters those of clients that are gone. Must outlive the service.
   LeaseTable* leases = nullptr;
@@ -54,9 +54,16 @@ struct ServiceOptions {
 
 class LaproxService final : public v1::Laprox::CallbackService {
  public:
-  // `core`, `work` and options.metrics must outlive the service.
-  LaproxService(Core& core, WorkQueue& work, std::string version, ServiceOptions options = {})
-      : core_(core), work_(work), version_(std::move(version)), options_(std::move(options)) {}
+  // `core`, `work` and options.metrics must outlive the service. Every call acts for the Owner
+  // `identify` names; there is no default identity: a service built with an empty `identify`
+  // answers every call INTERNAL (tests that want the all-seeing Owner::Laproxd() say so).
+  LaproxService(Core& core, WorkQueue& work, std::string version, CallerIdentifier identify,
+                ServiceOptions options = {})
+      : core_(core),
+        work_(work),
+        version_(std::move(version)),
+        identify_(std::move(identify)),
+        options_(std::move(options)) {}
   // Destroy only after the server has shut down (region opens still queued are then run).
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
@@ -98,24 +105,44 @@ class LaproxService final : public v1::Laprox::CallbackService {
 
   // One call from arrival to reply: counts it in flight, and records its method, code and time.
   class Call;
+  // What a handler's body decides once it knows the caller: reply OK now (no queue), or run
+  // `job` on `queue`, whose status is the reply.
+  struct Deferred {
+    WorkQueue* queue = nullptr;
+    std::function<absl::Status(const Call&)> job;
+  };
 
+  // Every RPC: counts the call, identifies the caller (a refusal is the reply), runs
+  // `body(owner)` on the callback thread (an exception becomes RESOURCE_EXHAUSTED or INTERNAL),
+  // and replies with its status, or, when it returns a Deferred with a queue, hands the call to
+  // that queue (RESOURCE_EXHAUSTED when its backlog is full, CANCELLED when the call is gone
+  // before it starts). `body` returns absl::StatusOr<Deferred>.
+  template <typename Body>
+  grpc::ServerUnaryReactor* Handle(grpc::CallbackServerContext* context, Method method,
+                                   Body&& body);
   // Finishes the call (its context's DefaultReactor, obtained once) with `status`.
   static grpc::ServerUnaryReactor* Reply(grpc::ServerUnaryReactor* reactor, Call& call,
                                          const absl::Status& status);
   // The queue a keep-plan call of `calls` runs on: options_.heavy for heavy calls, else work_.
   WorkQueue& ComputeQueue(absl::Span<const KeepPlanCall> calls, const Owner& owner);
-  // Runs `job` (returning absl::Status) on `queue` and finishes the call with its status.
-  template <typename Job>
-  grpc::ServerUnaryReactor* Offload(WorkQueue& queue, grpc::CallbackServerContext* context,
-                                    Call call, Job job);
   absl::Status FillServerInfo(v1::GetServerInfoResponse* response) const;
-  // The caller's identity (options_.identify), counting a refusal in the metrics.
+  // The caller's identity (identify_), counting a refusal in the metrics.
   absl::StatusOr<Owner> Identify(const grpc::CallbackServerContext& context) const;
   // Registers the region the request describes (on the control queue); a call that stopped
   // meanwhile leaves nothing registered.
   absl::Status OpenRegion(grpc::CallbackServerContext* context, const Owner& owner,
                           const v1::RegisterRegionRequest& request,
                           v1::RegisterRegionResponse* response);
+  // RegisterModel's job (on the admin queue): prepares the model, adds its metrics series and
+  // its lease.
+  absl::Status AddModel(grpc::CallbackServerContext* context, const Owner& owner,
+                        const v1::RegisterModelRequest& request,
+                        v1::RegisterModelResponse* response);
+  // ComputeKeepPlans' job (on a compute queue): the plans, their responses, timing and metrics.
+  absl::Status ComputeBatch(grpc::CallbackServerContext* context, const Owner& owner,
+                            const std::vector<KeepPlanCall>& calls, const Call& rpc,
+                            const v1::ComputeKeepPlansRequest& request,
+                            v1::ComputeKeepPlansResponse* response);
   void ModelsChanged();
   // Asks the backend whether it still works after a failed call (see backend_unhealthy).
   void CheckBackendHealth();
@@ -127,6 +154,7 @@ class LaproxService final : public v1::Laprox::CallbackService {
   // deadlines of the plans using its region, so a few workers keep the others moving.
   WorkQueue admin_{/*workers=*/4, /*max_pending=*/256};
   const std::string version_;
+  const CallerIdentifier identify_;
   const ServiceOptions options_;
 };
 

@@ -60,17 +60,6 @@ absl::StatusOr<bool> Accepts(const std::string& path) {
 
 }  // namespace
 
-absl::StatusOr<std::string> DefaultSocketPath() {
-  if (geteuid() == 0) return std::string("/run/laprox/laproxd.sock");
-  const char* runtime = std::getenv("XDG_RUNTIME_DIR");
-  if (runtime == nullptr || runtime[0] != '/') {
-    return absl::FailedPreconditionError(
-        "no default socket path: not running as root and XDG_RUNTIME_DIR is unset or not an "
-        "absolute path; give --socket");
-  }
-  return absl::StrCat(absl::StripSuffix(runtime, "/"), "/laprox/laproxd.sock");
-}
-
 absl::StatusOr<SocketClaim> SocketClaim::Acquire(const std::string& path) {
   if (path.empty() || path.size() >= sizeof(sockaddr_un{}.sun_path)) {
     return absl::InvalidArgumentError(absl::StrCat("socket path \"", path, "\" is ", path.size(),

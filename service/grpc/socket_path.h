@@ -1,7 +1,7 @@
-// laproxd's Unix socket path: where it goes by default, and claiming it without taking over
-// another server's socket or deleting anything that is not a stale socket.
+// Claiming laproxd's Unix socket path without taking over another server's socket or deleting
+// anything that is not a stale socket. (Where it goes by default: laprox/v1/endpoint.h.)
 //
-//   LAPROX_ASSIGN_OR_RETURN(std::string path, DefaultSocketPath());
+//   std::string path = laprox::v1::DefaultSocketPath();
 //   LAPROX_ASSIGN_OR_RETURN(SocketClaim claim, SocketClaim::Acquire(path));
 //   {
 //     ScopedUmask umask(0777 & ~mode);   // the socket is born with `mode`
@@ -18,10 +18,6 @@
 #include "absl/status/statusor.h"
 
 namespace laprox::service {
-
-// /run/laprox/laproxd.sock when running as root, $XDG_RUNTIME_DIR/laprox/laproxd.sock
-// otherwise; FAILED_PRECONDITION when not root and XDG_RUNTIME_DIR is unset or not absolute.
-absl::StatusOr<std::string> DefaultSocketPath();
 
 // An exclusive claim on a socket path: the lock file PATH.lock (flock, held while the object
 // lives; removed with the socket when the claim ends) and, when Acquire returns, nothing at

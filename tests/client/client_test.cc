@@ -34,7 +34,8 @@ class ClientTest : public ::testing::Test {
   void SetUp() override {
     core_ = std::make_unique<service::Core>(*kernels::CreateBackend("cpu"), service::CoreLimits{});
     work_ = std::make_unique<service::WorkQueue>(2, 16);
-    service_ = std::make_unique<service::LaproxService>(*core_, *work_, "client-test");
+    service_ = std::make_unique<service::LaproxService>(*core_, *work_, "client-test",
+                                                        laprox::testing::ActAsLaproxd());
     server_ = laprox::testing::TestServer::Start(service_.get(), "laprox-client");
     ASSERT_NE(server_, nullptr);
     auto client = Client::Connect(server_->target());
@@ -198,12 +199,12 @@ TEST_F(ClientTest, KeepPlanThroughSharedBufferEqualsTheLibrary) {
   }
 
   // Destroying the buffer unregisters the region and unlinks the object.
-  ASSERT_EQ(core_->regions().List().size(), 1u);
+  ASSERT_EQ(core_->regions().List(service::Owner::Laproxd()).size(), 1u);
   const std::string name = buffer->name();
   *buffer = SharedBuffer(std::move(*buffer));  // moves keep it registered
-  ASSERT_EQ(core_->regions().List().size(), 1u);
+  ASSERT_EQ(core_->regions().List(service::Owner::Laproxd()).size(), 1u);
   buffer = absl::CancelledError("done");
-  EXPECT_TRUE(core_->regions().List().empty());
+  EXPECT_TRUE(core_->regions().List(service::Owner::Laproxd()).empty());
   EXPECT_EQ(access(("/dev/shm/" + name).c_str(), F_OK), -1);
 }
 

@@ -162,7 +162,8 @@ class IpcTest : public ::testing::Test {
     if (!backend.ok()) GTEST_SKIP() << "no usable CUDA device: " << backend.status();
     core_ = std::make_unique<service::Core>(*std::move(backend), service::CoreLimits{});
     work_ = std::make_unique<service::WorkQueue>(2, 64);
-    service_ = std::make_unique<service::LaproxService>(*core_, *work_, "ipc-test");
+    service_ = std::make_unique<service::LaproxService>(*core_, *work_, "ipc-test",
+                                                        laprox::testing::ActAsLaproxd());
     server_ = laprox::testing::TestServer::Start(service_.get(), "laprox-ipc");
     ASSERT_NE(server_, nullptr);
     client_ = *client::Client::Connect(server_->target());
@@ -299,7 +300,7 @@ TEST_F(IpcTest, PlanFromExportedDeviceMemoryEqualsTheCpuBackend) {
   auto [kv, q] = RegisterRegions();
   ASSERT_NE(kv, 0u);
   ASSERT_NE(q, 0u);
-  const std::vector<service::RegionInfo> regions = core_->regions().List();
+  const std::vector<service::RegionInfo> regions = core_->regions().List(service::Owner::Laproxd());
   ASSERT_EQ(regions.size(), 2u);
   EXPECT_EQ(regions[0].kind, service::RegionKind::kCudaIpc);
   EXPECT_EQ(regions[0].device_uuid, exporter_->region("kv").ipc.device_uuid);
@@ -311,7 +312,7 @@ TEST_F(IpcTest, PlanFromExportedDeviceMemoryEqualsTheCpuBackend) {
   ExpectSamePlan(*plan, CpuPlan());
   EXPECT_TRUE(client_->UnregisterRegion(kv).ok());
   EXPECT_TRUE(client_->UnregisterRegion(q).ok());
-  EXPECT_TRUE(core_->regions().List().empty());
+  EXPECT_TRUE(core_->regions().List(service::Owner::Laproxd()).empty());
 }
 
 TEST_F(IpcTest, PlanWrittenIntoAnExportedDeviceRegion) {
@@ -402,7 +403,8 @@ TEST_F(IpcTest, BadRegistrationsAreRejectedAndTheServerGoesOn) {
               IsStatus(absl::StatusCode::kNotFound, "GPU-00000000-1111-2222-3333-444444444444"));
   ExpectServerAnswers();
 
-  EXPECT_TRUE(core_->regions().List().empty()) << "a rejected registration left a region";
+  EXPECT_TRUE(core_->regions().List(service::Owner::Laproxd()).empty())
+      << "a rejected registration left a region";
 }
 
 TEST_F(IpcTest, UnregisterWhileARequestReadsTheRegion) {
@@ -431,7 +433,7 @@ TEST_F(IpcTest, UnregisterWhileARequestReadsTheRegion) {
   EXPECT_THAT(client_->ComputeKeepPlan(model, kN, layers, Policy()).status(),
               IsStatus(absl::StatusCode::kNotFound, "layers[0].keys"));
   EXPECT_TRUE(client_->UnregisterRegion(q).ok());
-  EXPECT_TRUE(core_->regions().List().empty());
+  EXPECT_TRUE(core_->regions().List(service::Owner::Laproxd()).empty());
   ExpectServerAnswers();  // the same handle opens again after it was closed
 }
 

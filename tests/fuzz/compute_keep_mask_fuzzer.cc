@@ -47,7 +47,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     fuzz::CheckRefusal(call.status(), "KeepPlanCallFromProto");
     return 0;
   }
-  auto plan = fuzz::core->ComputeKeepPlan(*call);
+  auto plan = fuzz::core->ComputeKeepPlan(*call, {.owner = service::Owner::Laproxd()});
   if (call->destination) {
     // Keep every run reproducible: outputs written there must not feed later inputs.
     std::memset(fuzz::output->data(), 0, static_cast<size_t>(fuzz::output->size()));

@@ -54,7 +54,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     writes |= call->destination.has_value();
     calls.push_back(*std::move(call));
   }
-  auto plans = fuzz::core->ComputeKeepPlans(calls);
+  auto plans = fuzz::core->ComputeKeepPlans(calls, {.owner = service::Owner::Laproxd()});
   if (writes) {
     // Keep every run reproducible: outputs written there must not feed later inputs.
     std::memset(fuzz::output->data(), 0, static_cast<size_t>(fuzz::output->size()));

@@ -109,13 +109,15 @@ void RegisterWorldRegions(service::Core& core, const ShmObject* output) {
   auto input = core.regions().RegisterShm({.name = InputObject().name(),
                                            .offset = 0,
                                            .byte_size = InputObject().size(),
-                                           .writable = false});
+                                           .writable = false},
+                                          service::Owner::Laproxd());
   if (!input.ok() || *input != kInputRegionId) {
     SetupFailed(absl::StrCat("input region: ", input.status().ToString()));
   }
   if (output == nullptr) return;
   auto out = core.regions().RegisterShm(
-      {.name = output->name(), .offset = 0, .byte_size = output->size(), .writable = true});
+      {.name = output->name(), .offset = 0, .byte_size = output->size(), .writable = true},
+      service::Owner::Laproxd());
   if (!out.ok() || *out != kOutputRegionId) {
     SetupFailed(absl::StrCat("output region: ", out.status().ToString()));
   }
@@ -147,7 +149,7 @@ void RegisterWorldModels(service::Core& core) {
       ref.dtype = kernels::DType::kF32;
       ref.shape = {g.hidden_size, columns};
     }
-    auto info = core.RegisterModel(spec);
+    auto info = core.RegisterModel(spec, service::Owner::Laproxd());
     if (!info.ok() || info->id != static_cast<uint64_t>(m) + 1) {
       SetupFailed(absl::StrCat("model ", m + 1, ": ", info.status().ToString()));
     }

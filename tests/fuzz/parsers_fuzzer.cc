@@ -47,7 +47,8 @@ bool DocumentedShmName(absl::string_view name) {
 
 void FuzzShmName(absl::string_view input) {
   const std::string name = ResolveShmName(input);
-  auto id = core->regions().RegisterShm({.name = name, .offset = 0, .byte_size = 1});
+  auto id = core->regions().RegisterShm({.name = name, .offset = 0, .byte_size = 1},
+                                        service::Owner::Laproxd());
   if (!id.ok()) {
     CheckRefusal(id.status(), "RegisterShm");
     if (id.status().code() != absl::StatusCode::kInvalidArgument && !DocumentedShmName(name)) {
@@ -59,7 +60,7 @@ void FuzzShmName(absl::string_view input) {
   if (!DocumentedShmName(name)) {
     Fail(absl::StrCat("RegisterShm accepted \"", absl::CEscape(name), "\""));
   }
-  if (absl::Status s = core->regions().Unregister(*id); !s.ok()) {
+  if (absl::Status s = core->regions().Unregister(*id, service::Owner::Laproxd()); !s.ok()) {
     Fail(absl::StrCat("Unregister(", *id, "): ", s.ToString()));
   }
 }

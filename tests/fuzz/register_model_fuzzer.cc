@@ -36,7 +36,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     fuzz::CheckRefusal(spec.status(), "ModelSpecFromProto");
     return 0;
   }
-  auto model = core->RegisterModel(*spec);
+  auto model = core->RegisterModel(*spec, service::Owner::Laproxd());
   if (!model.ok()) {
     fuzz::CheckRefusal(model.status(), "Core::RegisterModel");
     return 0;
@@ -51,7 +51,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                             " prepared_bytes ", model->prepared_bytes, " for ",
                             spec->geometry.DebugString()));
   }
-  if (absl::Status s = core->UnregisterModel(model->id); !s.ok()) {
+  if (absl::Status s = core->UnregisterModel(model->id, service::Owner::Laproxd()); !s.ok()) {
     fuzz::Fail(absl::StrCat("UnregisterModel(", model->id, "): ", s.ToString()));
   }
   return 0;

@@ -36,7 +36,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                                            .offset = shm.offset(),
                                            .byte_size = shm.byte_size(),
                                            .writable = request.writable()};
-      auto id = core->regions().RegisterShm(spec);
+      auto id = core->regions().RegisterShm(spec, service::Owner::Laproxd());
       if (!id.ok()) {
         fuzz::CheckRefusal(id.status(), "RegisterShm");
         return 0;
@@ -45,22 +45,23 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       absl::string_view name = spec.name;
       absl::ConsumePrefix(&name, "/");
       bool listed = false;
-      for (const service::RegionInfo& info : core->regions().List()) {
+      for (const service::RegionInfo& info : core->regions().List(service::Owner::Laproxd())) {
         if (info.id != *id) continue;
         listed = info.kind == service::RegionKind::kShm && info.name == name &&
                  info.offset == spec.offset && info.byte_size == spec.byte_size &&
                  info.writable == spec.writable && info.in_use == 0 && !info.draining;
       }
       if (!listed) fuzz::Fail(absl::StrCat("region ", *id, " is not listed as registered"));
-      if (absl::Status s = core->regions().Unregister(*id); !s.ok()) {
+      if (absl::Status s = core->regions().Unregister(*id, service::Owner::Laproxd()); !s.ok()) {
         fuzz::Fail(absl::StrCat("Unregister(", *id, "): ", s.ToString()));
       }
-      if (!core->regions().List().empty()) fuzz::Fail("a region is left after Unregister");
+      if (!core->regions().List(service::Owner::Laproxd()).empty())
+        fuzz::Fail("a region is left after Unregister");
       return 0;
     }
     case v1::RegisterRegionRequest::kCudaIpc: {
       auto id = core->regions().RegisterCudaIpc(service::CudaIpcSpecFromProto(request.cuda_ipc()),
-                                                request.writable());
+                                                request.writable(), service::Owner::Laproxd());
       if (id.ok()) fuzz::Fail("the CPU backend registered a cuda_ipc region");
       fuzz::CheckRefusal(id.status(), "RegisterCudaIpc");
       return 0;

@@ -70,7 +70,7 @@ class MetricsTest : public ::testing::Test {
                        .snapshot =
                            [this] {
                              StateSnapshot s;
-                             for (const RegionInfo& r : core_->regions().List()) {
+                             for (const RegionInfo& r : core_->regions().List(Owner::Laproxd())) {
                                ++s.regions_by_kind["shm"].count;
                                s.regions_by_kind["shm"].bytes += r.byte_size;
                              }
@@ -80,7 +80,7 @@ class MetricsTest : public ::testing::Test {
                            },
                        .share_caps = {}});
     service_ = std::make_unique<LaproxService>(
-        *core_, *work_, "test",
+        *core_, *work_, "test", testing::ActAsLaproxd(),
         ServiceOptions{.metrics = metrics_.get(), .models_changed = [this](int64_t models) {
                          metrics_->SetReady(models > 0);
                        }});

@@ -80,10 +80,11 @@ TEST(RegionRegistryTest, MapsAWindowOfTheObject) {
   ShmObject object(UniqueName("map"), 3 * 4096 + 100);
   RegionRegistry registry(CpuBackend());
   // An offset that is not page-aligned: the registry maps the enclosing page.
-  auto id = registry.RegisterShm({.name = object.name(), .offset = 5000, .byte_size = 1000});
+  auto id = registry.RegisterShm({.name = object.name(), .offset = 5000, .byte_size = 1000},
+                                 Owner::Laproxd());
   ASSERT_TRUE(id.ok()) << id.status();
   EXPECT_NE(*id, 0u);
-  auto lease = registry.Acquire(*id);
+  auto lease = registry.Acquire(*id, Owner::Laproxd());
   ASSERT_TRUE(lease.ok()) << lease.status();
   const std::byte* data = lease->region().data();
   EXPECT_EQ(static_cast<int>(data[0]), 5000 % 251);
@@ -97,39 +98,51 @@ TEST(RegionRegistryTest, MapsAWindowOfTheObject) {
   EXPECT_THAT(lease->region().Slice(INT64_MAX, 2, "x").status(),
               IsStatus(absl::StatusCode::kOutOfRange, "outside region"));
   // The leading "/" of the shm_open spelling is accepted.
-  EXPECT_TRUE(registry.RegisterShm({.name = "/" + object.name(), .byte_size = 1}).ok());
+  EXPECT_TRUE(
+      registry.RegisterShm({.name = "/" + object.name(), .byte_size = 1}, Owner::Laproxd()).ok());
 }
 
 TEST(RegionRegistryTest, RejectsBadRegistrations) {
   ShmObject object(UniqueName("bad"), 4096);
   RegionRegistry registry(CpuBackend());
-  EXPECT_THAT(registry.RegisterShm({.name = "kv-cache", .byte_size = 1}).status(),
+  EXPECT_THAT(registry.RegisterShm({.name = "kv-cache", .byte_size = 1}, Owner::Laproxd()).status(),
               IsStatus(absl::StatusCode::kInvalidArgument, "must start with \"laprox-\""));
-  EXPECT_THAT(registry.RegisterShm({.name = "laprox-../etc", .byte_size = 1}).status(),
-              IsStatus(absl::StatusCode::kInvalidArgument, "may contain only"));
-  EXPECT_THAT(registry.RegisterShm({.name = UniqueName("missing"), .byte_size = 1}).status(),
-              IsStatus(absl::StatusCode::kNotFound, "No such file"));
-  EXPECT_THAT(registry.RegisterShm({.name = object.name(), .byte_size = 0}).status(),
-              IsStatus(absl::StatusCode::kInvalidArgument, "shm.byte_size = 0 must be > 0"));
-  EXPECT_THAT(registry.RegisterShm({.name = object.name(), .offset = -1, .byte_size = 1}).status(),
-              IsStatus(absl::StatusCode::kInvalidArgument, "shm.offset = -1"));
   EXPECT_THAT(
-      registry.RegisterShm({.name = object.name(), .offset = 4000, .byte_size = 97}).status(),
+      registry.RegisterShm({.name = "laprox-../etc", .byte_size = 1}, Owner::Laproxd()).status(),
+      IsStatus(absl::StatusCode::kInvalidArgument, "may contain only"));
+  EXPECT_THAT(
+      registry.RegisterShm({.name = UniqueName("missing"), .byte_size = 1}, Owner::Laproxd())
+          .status(),
+      IsStatus(absl::StatusCode::kNotFound, "No such file"));
+  EXPECT_THAT(
+      registry.RegisterShm({.name = object.name(), .byte_size = 0}, Owner::Laproxd()).status(),
+      IsStatus(absl::StatusCode::kInvalidArgument, "shm.byte_size = 0 must be > 0"));
+  EXPECT_THAT(
+      registry.RegisterShm({.name = object.name(), .offset = -1, .byte_size = 1}, Owner::Laproxd())
+          .status(),
+      IsStatus(absl::StatusCode::kInvalidArgument, "shm.offset = -1"));
+  EXPECT_THAT(
+      registry
+          .RegisterShm({.name = object.name(), .offset = 4000, .byte_size = 97}, Owner::Laproxd())
+          .status(),
       IsStatus(absl::StatusCode::kOutOfRange,
                "shm.offset + shm.byte_size = 4000 + 97 exceeds the 4096 bytes"));
-  EXPECT_THAT(
-      registry.RegisterShm({.name = object.name(), .offset = INT64_MAX, .byte_size = 2}).status(),
-      IsStatus(absl::StatusCode::kOutOfRange, "exceeds"));
-  EXPECT_TRUE(registry.List().empty());  // nothing half-registered
+  EXPECT_THAT(registry
+                  .RegisterShm({.name = object.name(), .offset = INT64_MAX, .byte_size = 2},
+                               Owner::Laproxd())
+                  .status(),
+              IsStatus(absl::StatusCode::kOutOfRange, "exceeds"));
+  EXPECT_TRUE(registry.List(Owner::Laproxd()).empty());  // nothing half-registered
 }
 
 TEST(RegionRegistryTest, EnforcesTheRegionLimit) {
   ShmObject object(UniqueName("limit"), 4096);
   RegionRegistry registry(CpuBackend(), {.max_regions = 2});
-  ASSERT_TRUE(registry.RegisterShm({.name = object.name(), .byte_size = 8}).ok());
-  ASSERT_TRUE(registry.RegisterShm({.name = object.name(), .byte_size = 8}).ok());
-  EXPECT_THAT(registry.RegisterShm({.name = object.name(), .byte_size = 8}).status(),
-              IsStatus(absl::StatusCode::kResourceExhausted, "limit 2"));
+  ASSERT_TRUE(registry.RegisterShm({.name = object.name(), .byte_size = 8}, Owner::Laproxd()).ok());
+  ASSERT_TRUE(registry.RegisterShm({.name = object.name(), .byte_size = 8}, Owner::Laproxd()).ok());
+  EXPECT_THAT(
+      registry.RegisterShm({.name = object.name(), .byte_size = 8}, Owner::Laproxd()).status(),
+      IsStatus(absl::StatusCode::kResourceExhausted, "limit 2"));
 }
 
 // Another owner's region is NOT_FOUND, exactly like an unknown id; laproxd itself sees all.
@@ -144,7 +157,7 @@ TEST(RegionRegistryTest, OwnersSeeOnlyTheirOwnRegions) {
               testing::StrEq(absl::StrCat("region ", *id, " not found")));
   EXPECT_TRUE(registry.List(second).empty());
   EXPECT_EQ(registry.List(first).size(), 1u);
-  EXPECT_EQ(registry.List().size(), 1u);  // Owner::Laproxd()
+  EXPECT_EQ(registry.List(Owner::Laproxd()).size(), 1u);  // Owner::Laproxd()
   EXPECT_EQ(registry.Unregister(*id, second).code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(registry.Unregister(*id, first).ok());
 }
@@ -172,7 +185,7 @@ TEST(RegionRegistryTest, MapsOnlyObjectsTheCallerOwns) {
   auto read_only = registry.RegisterShm(write, Owner::LocalUser(65534));
   EXPECT_EQ(read_only.status().code(), absl::StatusCode::kPermissionDenied);
   EXPECT_THAT(read_only.status().message(), testing::HasSubstr("mode 0400"));
-  EXPECT_EQ(registry.List().size(), 3u);  // the refusals left nothing registered
+  EXPECT_EQ(registry.List(Owner::Laproxd()).size(), 3u);  // the refusals left nothing registered
 }
 
 // LeaseTable: a holder with a pid goes when its process has exited and no connection is open;
@@ -215,12 +228,13 @@ TEST(LeaseTableTest, ReclaimsWhatGoneClientsRegistered) {
 
 TEST(RegionRegistryTest, UnknownIdsAreNotFoundAndIdZeroIsInvalid) {
   RegionRegistry registry(CpuBackend());
-  EXPECT_THAT(registry.Acquire(42).status(),
+  EXPECT_THAT(registry.Acquire(42, Owner::Laproxd()).status(),
               IsStatus(absl::StatusCode::kNotFound, "region 42 not found"));
-  EXPECT_THAT(registry.Unregister(42), IsStatus(absl::StatusCode::kNotFound, "region 42"));
-  EXPECT_THAT(registry.Acquire(0).status(),
+  EXPECT_THAT(registry.Unregister(42, Owner::Laproxd()),
+              IsStatus(absl::StatusCode::kNotFound, "region 42"));
+  EXPECT_THAT(registry.Acquire(0, Owner::Laproxd()).status(),
               IsStatus(absl::StatusCode::kInvalidArgument, "region_id is 0"));
-  EXPECT_THAT(registry.Unregister(0),
+  EXPECT_THAT(registry.Unregister(0, Owner::Laproxd()),
               IsStatus(absl::StatusCode::kInvalidArgument, "region_id is 0"));
 }
 
@@ -230,10 +244,11 @@ TEST(RegionRegistryTest, UnknownIdsAreNotFoundAndIdZeroIsInvalid) {
 TEST(RegionRegistryTest, ShrunkRegionReadsZerosAndIsRefusedUntilUnregistered) {
   ShmObject object(UniqueName("shrink"), 4 * 4096);
   RegionRegistry registry(CpuBackend());
-  const uint64_t id = *registry.RegisterShm({.name = object.name(), .byte_size = 4 * 4096});
+  const uint64_t id =
+      *registry.RegisterShm({.name = object.name(), .byte_size = 4 * 4096}, Owner::Laproxd());
   const int64_t faults = GuardedFaultCount();
   {
-    auto lease = registry.Acquire(id);
+    auto lease = registry.Acquire(id, Owner::Laproxd());
     ASSERT_TRUE(lease.ok());
     const volatile std::byte* data = lease->region().data();
     EXPECT_EQ(static_cast<int>(data[3 * 4096 + 7]), (3 * 4096 + 7) % 251);
@@ -243,37 +258,37 @@ TEST(RegionRegistryTest, ShrunkRegionReadsZerosAndIsRefusedUntilUnregistered) {
     EXPECT_TRUE(lease->region().shrunk());
     EXPECT_EQ(GuardedFaultCount(), faults + 1);
   }
-  ASSERT_EQ(registry.List().size(), 1u);
-  EXPECT_TRUE(registry.List()[0].shrunk);
+  ASSERT_EQ(registry.List(Owner::Laproxd()).size(), 1u);
+  EXPECT_TRUE(registry.List(Owner::Laproxd())[0].shrunk);
   object.Truncate(4 * 4096);  // growing it back does not make the region usable again
-  EXPECT_THAT(registry.Acquire(id).status(),
+  EXPECT_THAT(registry.Acquire(id, Owner::Laproxd()).status(),
               IsStatus(absl::StatusCode::kFailedPrecondition, "was shrunk by its client"));
-  EXPECT_TRUE(registry.Unregister(id).ok());
-  EXPECT_TRUE(registry.List().empty());
+  EXPECT_TRUE(registry.Unregister(id, Owner::Laproxd()).ok());
+  EXPECT_TRUE(registry.List(Owner::Laproxd()).empty());
 }
 
 // A shrink is seen at the next lease (fstat) even when nothing touched the missing pages.
 TEST(RegionRegistryTest, ShrinkIsSeenAtTheNextLeaseWithoutAFault) {
   ShmObject object(UniqueName("fstat"), 8192);
   RegionRegistry registry(CpuBackend());
-  const uint64_t id =
-      *registry.RegisterShm({.name = object.name(), .offset = 4096, .byte_size = 4096});
+  const uint64_t id = *registry.RegisterShm(
+      {.name = object.name(), .offset = 4096, .byte_size = 4096}, Owner::Laproxd());
   const int64_t faults = GuardedFaultCount();
   object.Truncate(4096 + 100);
-  EXPECT_THAT(registry.Acquire(id).status(),
+  EXPECT_THAT(registry.Acquire(id, Owner::Laproxd()).status(),
               IsStatus(absl::StatusCode::kFailedPrecondition,
                        absl::StrCat("region ", id, " (shm \"", object.name(), "\") was shrunk")));
   EXPECT_EQ(GuardedFaultCount(), faults);
-  EXPECT_TRUE(registry.List()[0].shrunk);
+  EXPECT_TRUE(registry.List(Owner::Laproxd())[0].shrunk);
 }
 
 // Outputs written into a writable region that the client shrank go nowhere; the server lives.
 TEST(RegionRegistryTest, WritesIntoAShrunkWritableRegionDoNotKillTheServer) {
   ShmObject object(UniqueName("wshrink"), 2 * 4096);
   RegionRegistry registry(CpuBackend());
-  const uint64_t id =
-      *registry.RegisterShm({.name = object.name(), .byte_size = 2 * 4096, .writable = true});
-  auto lease = registry.Acquire(id);
+  const uint64_t id = *registry.RegisterShm(
+      {.name = object.name(), .byte_size = 2 * 4096, .writable = true}, Owner::Laproxd());
+  auto lease = registry.Acquire(id, Owner::Laproxd());
   ASSERT_TRUE(lease.ok());
   object.Truncate(0);
   std::memset(lease->region().data(), 0x5a, 2 * 4096);
@@ -285,7 +300,8 @@ TEST(RegionRegistryDeathTest, FaultOutsideTheRegisteredRegionsStillKills) {
   ShmObject registered(UniqueName("guarded"), 4096);
   ShmObject other(UniqueName("unguarded"), 4096);
   RegionRegistry registry(CpuBackend());
-  ASSERT_TRUE(registry.RegisterShm({.name = registered.name(), .byte_size = 4096}).ok());
+  ASSERT_TRUE(
+      registry.RegisterShm({.name = registered.name(), .byte_size = 4096}, Owner::Laproxd()).ok());
   const int fd = shm_open(("/" + other.name()).c_str(), O_RDWR, 0);
   ASSERT_GE(fd, 0);
   const volatile auto* p =
@@ -300,27 +316,28 @@ TEST(RegionRegistryDeathTest, FaultOutsideTheRegisteredRegionsStillKills) {
 TEST(RegionRegistryTest, UnregisterWaitsForInFlightRequests) {
   ShmObject object(UniqueName("drain"), 4096);
   RegionRegistry registry(CpuBackend());
-  const uint64_t id = *registry.RegisterShm({.name = object.name(), .byte_size = 4096});
-  auto acquired = registry.Acquire(id);
+  const uint64_t id =
+      *registry.RegisterShm({.name = object.name(), .byte_size = 4096}, Owner::Laproxd());
+  auto acquired = registry.Acquire(id, Owner::Laproxd());
   ASSERT_TRUE(acquired.ok());
   std::optional<RegionLease> lease(std::move(acquired).value());
 
   std::atomic<bool> unregistered{false};
   std::thread unregister([&] {
-    EXPECT_TRUE(registry.Unregister(id).ok());
+    EXPECT_TRUE(registry.Unregister(id, Owner::Laproxd()).ok());
     unregistered = true;
   });
   // Wait (bounded, no sleeps) until the registry reports the region draining.
   const absl::Time give_up = absl::Now() + absl::Seconds(30);
-  std::vector<RegionInfo> list = registry.List();
+  std::vector<RegionInfo> list = registry.List(Owner::Laproxd());
   while (!(list.size() == 1 && list[0].draining) && !unregistered && absl::Now() < give_up) {
     std::this_thread::yield();
-    list = registry.List();
+    list = registry.List(Owner::Laproxd());
   }
   ASSERT_EQ(list.size(), 1u) << "the region went away while a request held it";
   ASSERT_TRUE(list[0].draining);
   EXPECT_EQ(list[0].in_use, 1);
-  EXPECT_THAT(registry.Acquire(id).status(),
+  EXPECT_THAT(registry.Acquire(id, Owner::Laproxd()).status(),
               IsStatus(absl::StatusCode::kFailedPrecondition, "being unregistered"));
   EXPECT_FALSE(unregistered);
   // The in-flight request still reads its memory.
@@ -332,24 +349,25 @@ TEST(RegionRegistryTest, UnregisterWaitsForInFlightRequests) {
   { RegionLease done = std::move(moved); }  // the request finishes
   unregister.join();
   EXPECT_TRUE(unregistered);
-  EXPECT_TRUE(registry.List().empty());
+  EXPECT_TRUE(registry.List(Owner::Laproxd()).empty());
 }
 
 TEST(RegionRegistryTest, UnregisterDeadlineLeavesTheRegionDraining) {
   ShmObject object(UniqueName("deadline"), 4096);
   RegionRegistry registry(CpuBackend());
-  const uint64_t id = *registry.RegisterShm({.name = object.name(), .byte_size = 64});
+  const uint64_t id =
+      *registry.RegisterShm({.name = object.name(), .byte_size = 64}, Owner::Laproxd());
   {
-    auto lease = registry.Acquire(id);
+    auto lease = registry.Acquire(id, Owner::Laproxd());
     ASSERT_TRUE(lease.ok());
     EXPECT_THAT(registry.Unregister(id, Owner::Laproxd(), absl::Now()),
                 IsStatus(absl::StatusCode::kDeadlineExceeded, "still used by 1 requests"));
     // A second call waits like the first (and gives up at its own deadline).
     EXPECT_THAT(registry.Unregister(id, Owner::Laproxd(), absl::Now() + absl::Milliseconds(1)),
                 IsStatus(absl::StatusCode::kDeadlineExceeded, "still used by 1 requests"));
-    ASSERT_EQ(registry.List().size(), 1u);
+    ASSERT_EQ(registry.List(Owner::Laproxd()).size(), 1u);
   }
-  EXPECT_TRUE(registry.List().empty());  // gone with its last lease
+  EXPECT_TRUE(registry.List(Owner::Laproxd()).empty());  // gone with its last lease
 }
 
 // Test double for the CUDA driver (no GPU here): ImportCudaIpcImpl hands out host memory and
@@ -420,10 +438,10 @@ kernels::CudaIpcRegionSpec IpcSpec(int64_t offset, int64_t byte_size) {
 TEST(RegionRegistryCudaIpcTest, RegistersADeviceRegion) {
   FakeDeviceBackend backend;
   RegionRegistry registry(backend);
-  auto id = registry.RegisterCudaIpc(IpcSpec(256, 1024), /*writable=*/true);
+  auto id = registry.RegisterCudaIpc(IpcSpec(256, 1024), /*writable=*/true, Owner::Laproxd());
   ASSERT_TRUE(id.ok()) << id.status();
   EXPECT_EQ(backend.open(), 1);
-  const std::vector<RegionInfo> list = registry.List();
+  const std::vector<RegionInfo> list = registry.List(Owner::Laproxd());
   ASSERT_EQ(list.size(), 1u);
   EXPECT_EQ(list[0].kind, RegionKind::kCudaIpc);
   EXPECT_EQ(list[0].device_uuid, FakeDeviceBackend::kUuid);  // canonical, lower case
@@ -431,7 +449,7 @@ TEST(RegionRegistryCudaIpcTest, RegistersADeviceRegion) {
   EXPECT_EQ(list[0].offset, 256);
   EXPECT_EQ(list[0].byte_size, 1024);
   EXPECT_TRUE(list[0].writable);
-  auto lease = registry.Acquire(*id);
+  auto lease = registry.Acquire(*id, Owner::Laproxd());
   ASSERT_TRUE(lease.ok());
   EXPECT_EQ(lease->region().space(), kernels::MemorySpace::kDevice);
   EXPECT_EQ(static_cast<int>(lease->region().data()[0]), 256 % 251);
@@ -444,24 +462,24 @@ TEST(RegionRegistryCudaIpcTest, BadRegistrationsLeaveNothingOpen) {
   RegionRegistry registry(backend);
   kernels::CudaIpcRegionSpec short_handle = IpcSpec(0, 64);
   short_handle.handle.resize(63);
-  EXPECT_THAT(registry.RegisterCudaIpc(short_handle, false).status(),
+  EXPECT_THAT(registry.RegisterCudaIpc(short_handle, false, Owner::Laproxd()).status(),
               IsStatus(absl::StatusCode::kInvalidArgument, "cuda_ipc.handle has 63 bytes"));
   kernels::CudaIpcRegionSpec bad_uuid = IpcSpec(0, 64);
   bad_uuid.device_uuid = "GPU-not-a-uuid";
-  EXPECT_THAT(registry.RegisterCudaIpc(bad_uuid, false).status(),
+  EXPECT_THAT(registry.RegisterCudaIpc(bad_uuid, false, Owner::Laproxd()).status(),
               IsStatus(absl::StatusCode::kInvalidArgument, "device_uuid"));
-  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(-1, 64), false).status(),
+  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(-1, 64), false, Owner::Laproxd()).status(),
               IsStatus(absl::StatusCode::kInvalidArgument, "cuda_ipc.offset = -1"));
-  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(0, 0), false).status(),
+  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(0, 0), false, Owner::Laproxd()).status(),
               IsStatus(absl::StatusCode::kInvalidArgument, "cuda_ipc.byte_size = 0"));
   EXPECT_EQ(backend.imports(), 0) << "malformed specs must not reach the backend";
-  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(4000, 200), false).status(),
+  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(4000, 200), false, Owner::Laproxd()).status(),
               IsStatus(absl::StatusCode::kOutOfRange, "past the allocation"));
   kernels::CudaIpcRegionSpec other_device = IpcSpec(0, 64);
   other_device.device_uuid = "ffffffff-4455-6677-8899-aabbccddeeff";  // bare form accepted
-  EXPECT_THAT(registry.RegisterCudaIpc(other_device, false).status(),
+  EXPECT_THAT(registry.RegisterCudaIpc(other_device, false, Owner::Laproxd()).status(),
               IsStatus(absl::StatusCode::kNotFound, "device_uuid"));
-  EXPECT_TRUE(registry.List().empty());
+  EXPECT_TRUE(registry.List(Owner::Laproxd()).empty());
   EXPECT_EQ(backend.open(), 0);
 }
 
@@ -470,35 +488,35 @@ TEST(RegionRegistryCudaIpcTest, TheCpuBackendCannotOpenHandles) {
   auto backend = kernels::CreateBackend("cpu");
   ASSERT_TRUE(backend.ok()) << backend.status();
   RegionRegistry registry(**backend);
-  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(0, 64), false).status(),
+  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(0, 64), false, Owner::Laproxd()).status(),
               IsStatus(absl::StatusCode::kUnimplemented, "cuda_ipc regions need the CUDA backend"));
-  EXPECT_TRUE(registry.List().empty());
+  EXPECT_TRUE(registry.List(Owner::Laproxd()).empty());
 }
 
 TEST(RegionRegistryCudaIpcTest, ClosesAfterTheLastLeaseOfADrainingRegion) {
   FakeDeviceBackend backend;
   RegionRegistry registry(backend);
-  const uint64_t id = *registry.RegisterCudaIpc(IpcSpec(0, 4096), false);
-  auto acquired = registry.Acquire(id);
+  const uint64_t id = *registry.RegisterCudaIpc(IpcSpec(0, 4096), false, Owner::Laproxd());
+  auto acquired = registry.Acquire(id, Owner::Laproxd());
   ASSERT_TRUE(acquired.ok());
   std::optional<RegionLease> first(std::move(acquired).value());
-  std::optional<RegionLease> second(*registry.Acquire(id));
+  std::optional<RegionLease> second(*registry.Acquire(id, Owner::Laproxd()));
 
   std::atomic<bool> unregistered{false};
   std::thread unregister([&] {
-    EXPECT_TRUE(registry.Unregister(id).ok());
+    EXPECT_TRUE(registry.Unregister(id, Owner::Laproxd()).ok());
     unregistered = true;
   });
   const absl::Time give_up = absl::Now() + absl::Seconds(30);
-  std::vector<RegionInfo> list = registry.List();
+  std::vector<RegionInfo> list = registry.List(Owner::Laproxd());
   while (!(list.size() == 1 && list[0].draining) && absl::Now() < give_up) {
     std::this_thread::yield();
-    list = registry.List();
+    list = registry.List(Owner::Laproxd());
   }
   ASSERT_EQ(list.size(), 1u);
   ASSERT_TRUE(list[0].draining);
   EXPECT_EQ(list[0].in_use, 2);
-  EXPECT_THAT(registry.Acquire(id).status(),
+  EXPECT_THAT(registry.Acquire(id, Owner::Laproxd()).status(),
               IsStatus(absl::StatusCode::kFailedPrecondition, "being unregistered"));
   first.reset();
   EXPECT_FALSE(unregistered);
@@ -508,29 +526,29 @@ TEST(RegionRegistryCudaIpcTest, ClosesAfterTheLastLeaseOfADrainingRegion) {
   unregister.join();
   EXPECT_TRUE(unregistered);
   EXPECT_EQ(backend.open(), 0);
-  EXPECT_TRUE(registry.List().empty());
+  EXPECT_TRUE(registry.List(Owner::Laproxd()).empty());
 }
 
 TEST(RegionRegistryCudaIpcTest, DeadlineLeavesItOpenUntilTheLastLease) {
   FakeDeviceBackend backend;
   RegionRegistry registry(backend);
-  const uint64_t id = *registry.RegisterCudaIpc(IpcSpec(0, 64), false);
+  const uint64_t id = *registry.RegisterCudaIpc(IpcSpec(0, 64), false, Owner::Laproxd());
   {
-    auto lease = registry.Acquire(id);
+    auto lease = registry.Acquire(id, Owner::Laproxd());
     ASSERT_TRUE(lease.ok());
     EXPECT_THAT(registry.Unregister(id, Owner::Laproxd(), absl::Now()),
                 IsStatus(absl::StatusCode::kDeadlineExceeded, "still used by 1 requests"));
     EXPECT_EQ(backend.open(), 1);
   }
   EXPECT_EQ(backend.open(), 0);
-  EXPECT_TRUE(registry.List().empty());
+  EXPECT_TRUE(registry.List(Owner::Laproxd()).empty());
 }
 
 TEST(RegionRegistryCudaIpcTest, RegionLimitCountsDeviceRegionsAndClosesTheExtraOne) {
   FakeDeviceBackend backend;
   RegionRegistry registry(backend, {.max_regions = 1});
-  ASSERT_TRUE(registry.RegisterCudaIpc(IpcSpec(0, 64), false).ok());
-  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(0, 64), false).status(),
+  ASSERT_TRUE(registry.RegisterCudaIpc(IpcSpec(0, 64), false, Owner::Laproxd()).ok());
+  EXPECT_THAT(registry.RegisterCudaIpc(IpcSpec(0, 64), false, Owner::Laproxd()).status(),
               IsStatus(absl::StatusCode::kResourceExhausted, "limit 1"));
   EXPECT_EQ(backend.open(), 1);
 }

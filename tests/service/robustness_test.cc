@@ -371,7 +371,7 @@ TEST_F(RobustnessTest, NothingIsWrittenAfterTheCallStopped) {
 
   for (int k = 1;; ++k) {
     std::atomic<int> looks{0};
-    CallContext cancelled_at_k;
+    CallContext cancelled_at_k{.owner = Owner::Laproxd()};
     cancelled_at_k.cancelled = [&looks, k] { return ++looks >= k; };
     auto plan = core_->ComputeKeepPlan(*call, cancelled_at_k);
     if (plan.ok()) {
@@ -385,14 +385,14 @@ TEST_F(RobustnessTest, NothingIsWrittenAfterTheCallStopped) {
   }
   std::memset(out, 0xcd, 65536);
 
-  CallContext expired;
+  CallContext expired{.owner = Owner::Laproxd()};
   expired.deadline = absl::Now() - absl::Seconds(1);
   auto plan = core_->ComputeKeepPlan(*call, expired);
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kDeadlineExceeded) << plan.status();
   EXPECT_EQ(std::memcmp(out, untouched.data(), untouched.size()), 0);
 
   // A live call writes both areas.
-  plan = core_->ComputeKeepPlan(*call);
+  plan = core_->ComputeKeepPlan(*call, {.owner = Owner::Laproxd()});
   ASSERT_TRUE(plan.ok()) << plan.status();
   const kernels::KeepPlan direct = DirectPlan(prefill);
   EXPECT_EQ(std::memcmp(out, direct.counts.data(), direct.counts.size() * 4), 0);
@@ -457,9 +457,7 @@ TEST_F(RobustnessTest, PreciseCodesForIdsOffsetsLimitsAndNames) {
 // A response above max_response_bytes is RESOURCE_EXHAUSTED, not a failed serialisation.
 TEST_F(RobustnessTest, ResponseAboveTheLimitIsResourceExhausted) {
   TearDown();
-  ServiceOptions options;
-  options.max_response_bytes = 4096;
-  StartServer({}, options);
+  StartServer({}, {.max_response_bytes = 4096});
   Prefill prefill(27);
   const uint64_t region = RegisterRegion(prefill);
   const uint64_t model = RegisterModel(prefill);
@@ -473,6 +471,42 @@ TEST_F(RobustnessTest, ResponseAboveTheLimitIsResourceExhausted) {
   request.mutable_outputs()->set_bitmask(false);
   s = Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response);
   EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
+// No identity by default: a service built without a caller identifier serves no call, rather
+// than acting for laproxd (which sees everything) and leaving isolation to every builder's memory.
+TEST(ServiceWithoutIdentifierTest, AnswersEveryCallInternalAndRegistersNothing) {
+  Core core(*kernels::CreateBackend("cpu"), {});
+  WorkQueue work(1, 4);
+  LaproxService service(core, work, "test", /*identify=*/nullptr);
+  auto server = testing::TestServer::Start(&service, "laprox-noid");
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::Laprox::NewStub(
+      grpc::CreateChannel(server->target(), grpc::InsecureChannelCredentials()));
+  const auto expect_refused = [](const grpc::Status& s) {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INTERNAL) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("without a caller identifier"));
+  };
+  Prefill prefill(31);
+  {
+    grpc::ClientContext context;
+    v1::RegisterRegionRequest request;
+    request.mutable_shm()->set_name(prefill.name());
+    request.mutable_shm()->set_byte_size(prefill.Bytes());
+    v1::RegisterRegionResponse response;
+    expect_refused(stub->RegisterRegion(&context, request, &response));
+  }
+  {
+    grpc::ClientContext context;
+    v1::ListRegionsResponse response;
+    expect_refused(stub->ListRegions(&context, v1::ListRegionsRequest(), &response));
+  }
+  {
+    grpc::ClientContext context;
+    v1::GetServerInfoResponse response;
+    expect_refused(stub->GetServerInfo(&context, v1::GetServerInfoRequest(), &response));
+  }
+  EXPECT_TRUE(core.regions().List(Owner::Laproxd()).empty());
 }
 
 }  // namespace

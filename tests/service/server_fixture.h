@@ -1,5 +1,6 @@
-// The shared fixture of the service tests: a real gRPC server (Core on the CPU backend, a
-// WorkQueue, LaproxService) on a temporary Unix socket, one prefill's fp32 inputs in a real
+// The shared fixture of the service tests: the real server, started as laproxd starts it
+// (service/server.h: Core on the CPU backend, the work queues, LaproxService, callers identified
+// by SO_PEERCRED) on a temporary Unix socket, one prefill's fp32 inputs in a real
 // POSIX shared-memory object, and the helpers that register them and build a good request.
 // Each test may break one thing in that request and check the server's answer.
 #ifndef LAPROX_TESTS_SERVICE_SERVER_FIXTURE_H_
@@ -26,7 +27,7 @@
 #include "laprox/v1/laprox.grpc.pb.h"
 #include "service/core/core.h"
 #include "service/core/work_queue.h"
-#include "service/grpc/laprox_service.h"
+#include "service/server.h"
 #include "tests/common/test_server.h"
 
 namespace laprox::service {
@@ -86,25 +87,29 @@ class ServerTest : public ::testing::Test {
  protected:
   void SetUp() override { StartServer({}); }
 
-  // `workers` and `max_pending`: the compute queue's.
-  void StartServer(CoreLimits limits, ServiceOptions options = {}, int workers = 2,
+  // `workers` and `max_pending`: the compute queue's. `options` may set anything else; the
+  // backend (cpu), the socket (a fresh temporary path) and the metrics port (none) are the
+  // fixture's.
+  void StartServer(CoreLimits limits, ServerOptions options = {}, int workers = 2,
                    int64_t max_pending = 64) {
     server_.reset();  // a test may start its own server after SetUp's: stop that one first
-    work_.reset();
-    core_ = std::make_unique<Core>(*kernels::CreateBackend("cpu"), limits);
-    work_ = std::make_unique<WorkQueue>(workers, max_pending);
-    service_ = std::make_unique<LaproxService>(*core_, *work_, "test", std::move(options));
-    server_ = testing::TestServer::Start(service_.get(), "laprox");
-    ASSERT_NE(server_, nullptr);
+    options.backend = "cpu";
+    options.limits = limits;
+    options.workers = workers;
+    options.max_pending = max_pending;
+    options.socket = testing::TestServer::TempSocketPath("laprox");
+    options.metrics_listen.clear();
+    absl::StatusOr<std::unique_ptr<Server>> started = Server::Start(std::move(options));
+    ASSERT_TRUE(started.ok()) << started.status();
+    server_ = *std::move(started);
+    core_ = &server_->core();
+    work_ = &server_->work();
     socket_ = server_->socket();
     stub_ = v1::Laprox::NewStub(
-        grpc::CreateChannel(server_->target(), grpc::InsecureChannelCredentials()));
+        grpc::CreateChannel("unix:" + socket_, grpc::InsecureChannelCredentials()));
   }
 
-  void TearDown() override {
-    server_.reset();
-    work_.reset();
-  }
+  void TearDown() override { server_.reset(); }
 
   grpc::Status Call(auto method, const auto& request, auto* response,
                     std::chrono::seconds timeout = std::chrono::seconds(60)) {
@@ -207,10 +212,9 @@ class ServerTest : public ::testing::Test {
     return {response.regions().begin(), response.regions().end()};
   }
 
-  std::unique_ptr<Core> core_;
-  std::unique_ptr<WorkQueue> work_;
-  std::unique_ptr<LaproxService> service_;
-  std::unique_ptr<testing::TestServer> server_;
+  std::unique_ptr<Server> server_;
+  Core* core_ = nullptr;       // server_'s
+  WorkQueue* work_ = nullptr;  // server_'s compute queue
   std::unique_ptr<v1::Laprox::Stub> stub_;
   std::string socket_;
 };

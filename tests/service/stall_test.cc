@@ -68,19 +68,7 @@ class StallTest : public ServerTest {
   // A server with `workers` compute workers and, when `heavy_workers` > 0, a queue of its own
   // for heavy plans.
   void StartWith(int workers, int heavy_workers, CoreLimits limits = {}) {
-    ServiceOptions options;
-    server_.reset();
-    heavy_.reset();
-    if (heavy_workers > 0) {
-      heavy_ = std::make_unique<WorkQueue>(heavy_workers, 64);
-      options.heavy = heavy_.get();
-    }
-    StartServer(limits, std::move(options), workers);
-  }
-
-  void TearDown() override {
-    ServerTest::TearDown();
-    heavy_.reset();
+    StartServer(limits, {.heavy_workers = heavy_workers}, workers);
   }
 
   uint64_t RegisterHeavyModel() {
@@ -144,7 +132,7 @@ class StallTest : public ServerTest {
   // A small good request from a second channel (another client) must be served within 5 s.
   void ExpectSmallPlanServedPromptly(const Prefill& prefill, uint64_t model, uint64_t region) {
     auto other = v1::Laprox::NewStub(
-        grpc::CreateChannel(server_->target(), grpc::InsecureChannelCredentials()));
+        grpc::CreateChannel("unix:" + socket_, grpc::InsecureChannelCredentials()));
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     v1::ComputeKeepMaskResponse response;
@@ -164,7 +152,6 @@ class StallTest : public ServerTest {
     return core_->request_memory().in_use() == 0;
   }
 
-  std::unique_ptr<WorkQueue> heavy_;
   std::unique_ptr<ShmFloats> heavy_data_;
 };
 

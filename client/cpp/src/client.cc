@@ -16,11 +16,11 @@
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "laprox/kernels/layer_tensors.h"
+#include "laprox/v1/endpoint.h"
 #include "laprox/v1/laprox.grpc.pb.h"
 #include "laprox/v1/plan_wire.h"
 #include "laprox/v1/policy_wire.h"
@@ -239,13 +239,7 @@ absl::StatusOr<TlsOptions> TlsOptionsFromFiles(const std::string& root_certs_fil
   return tls;
 }
 
-std::string DefaultTarget() {
-  const char* runtime = std::getenv("XDG_RUNTIME_DIR");
-  if (geteuid() != 0 && runtime != nullptr && runtime[0] == '/') {
-    return absl::StrCat("unix:", absl::StripSuffix(runtime, "/"), "/laprox/laproxd.sock");
-  }
-  return "unix:/run/laprox/laproxd.sock";
-}
+std::string DefaultTarget() { return v1::DefaultTarget(); }
 
 absl::Status Client::UnregisterRegion(uint64_t region_id) {
   v1::UnregisterRegionRequest request;

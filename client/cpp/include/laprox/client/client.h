@@ -186,9 +186,10 @@ struct ServerTiming {
   double total_seconds = 0;    // from the request's arrival in the handler to the response built
 };
 
-// Where laproxd listens when started without --socket: unix:/run/laprox/laproxd.sock for root,
-// unix:$XDG_RUNTIME_DIR/laprox/laproxd.sock for other users (the root path when
-// XDG_RUNTIME_DIR is unset or relative).
+// Where laproxd listens when started without --socket: unix:$XDG_RUNTIME_DIR/laprox/laproxd.sock
+// for a user other than root whose XDG_RUNTIME_DIR is an absolute path (its trailing slashes
+// dropped), else unix:/run/laprox/laproxd.sock. laproxd and the Python client apply the same
+// rule (proto/wire/laprox/v1/endpoint.h).
 std::string DefaultTarget();
 
 // TLS for a laproxd --listen with --tls_cert_file (PEM text, not file names).
