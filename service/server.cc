@@ -104,6 +104,14 @@ StateSnapshot Snapshot(Core& core) {
 
 }  // namespace
 
+absl::StatusOr<std::unique_ptr<Core>> BuildCore(const ServerOptions& options) {
+  // CreateBackend checks every backend option (cuda_kernels too) and names what is wrong.
+  absl::StatusOr<std::unique_ptr<kernels::Backend>> backend =
+      kernels::CreateBackend(options.backend, options.backend_options);
+  if (!backend.ok()) return backend.status();
+  return std::make_unique<Core>(*std::move(backend), options.limits, options.core);
+}
+
 // Declared in the order they are built; Shutdown and the destructor take them down in reverse.
 struct Server::Parts {
   std::unique_ptr<HttpExposer> exposer;
@@ -131,11 +139,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
 }
 
 absl::Status Server::Build() {
-  // CreateBackend checks every backend option (cuda_kernels too) and names what is wrong.
-  absl::StatusOr<std::unique_ptr<kernels::Backend>> backend =
-      kernels::CreateBackend(options_.backend, options_.backend_options);
-  if (!backend.ok()) return backend.status();
-  core_ = std::make_unique<Core>(*std::move(backend), options_.limits, options_.core);
+  absl::StatusOr<std::unique_ptr<Core>> core = BuildCore(options_);
+  if (!core.ok()) return core.status();
+  core_ = *std::move(core);
   work_ = std::make_unique<WorkQueue>(options_.workers, options_.max_pending);
   if (options_.heavy_workers > 0) {
     heavy_ = std::make_unique<WorkQueue>(options_.heavy_workers, options_.max_pending);

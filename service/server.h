@@ -57,6 +57,11 @@ struct ServerOptions {
   BudgetShares::Caps share_caps;
 };
 
+// The Core laproxd computes with: options.backend with options.backend_options, options.limits
+// and options.core (Server::Start's first step; the fuzz harness builds its Core here too).
+// Errors are CreateBackend's.
+absl::StatusOr<std::unique_ptr<Core>> BuildCore(const ServerOptions& options);
+
 class Server {
  public:
   // Checks the options, builds everything and starts serving. Errors name what failed (a flag,

@@ -21,7 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "kernels/common/half.h"
-#include "laprox/kernels/registry.h"
+#include "service/server.h"
 #include "tests/fuzz/fuzz_world.h"
 
 // libFuzzer's byte-level mutator (linked in by -fsanitize=fuzzer).
@@ -100,9 +100,12 @@ ShmObject& InputObject() {
 }
 
 std::unique_ptr<service::Core> NewCore() {
-  auto backend = kernels::CreateBackend("cpu");
-  if (!backend.ok()) SetupFailed(backend.status().ToString());
-  return std::make_unique<service::Core>(*std::move(backend), service::CoreLimits{});
+  // laproxd's Core with its default limits, built as laproxd builds it, on the CPU backend.
+  service::ServerOptions options;
+  options.backend = "cpu";
+  auto core = service::BuildCore(options);
+  if (!core.ok()) SetupFailed(core.status().ToString());
+  return *std::move(core);
 }
 
 void RegisterWorldRegions(service::Core& core, const ShmObject* output) {
