@@ -33,6 +33,7 @@
 #include "service/core/work_queue.h"
 #include "service/grpc/laprox_service.h"
 #include "service/metrics/http_exposer.h"
+#include "service/server.h"
 #include "tests/common/test_server.h"
 
 namespace laprox::service {
@@ -57,36 +58,17 @@ std::optional<double> Sample(const std::string& text, const std::string& series)
 class MetricsTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    core_ = std::make_unique<Core>(*kernels::CreateBackend("cpu"), CoreLimits{.max_regions = 8});
-    work_ = std::make_unique<WorkQueue>(2, 16);
-    metrics_ = std::make_unique<Metrics>(
-        std::make_shared<prometheus::Registry>(),
-        MetricsOptions{.version = "test",
-                       .backend = "cpu",
-                       .backend_description = core_->backend().Describe(),
-                       .device = "",
-                       .max_regions = 8,
-                       .max_models = 64,
-                       .snapshot =
-                           [this] {
-                             StateSnapshot s;
-                             for (const RegionInfo& r : core_->regions().List(Owner::Laproxd())) {
-                               ++s.regions_by_kind["shm"].count;
-                               s.regions_by_kind["shm"].bytes += r.byte_size;
-                             }
-                             s.models = core_->model_totals().count;
-                             s.prepared_bytes = core_->model_totals().prepared_bytes;
-                             return s;
-                           },
-                       .share_caps = {}});
-    service_ = std::make_unique<LaproxService>(
-        *core_, *work_, "test", testing::ActAsLaproxd(),
-        ServiceOptions{.metrics = metrics_.get(), .models_changed = [this](int64_t models) {
-                         metrics_->SetReady(models > 0);
-                       }});
-    server_ = testing::TestServer::Start(service_.get(), "laprox-metrics");
-    ASSERT_NE(server_, nullptr);
-    client_ = *client::Client::Connect(server_->target());
+    // laproxd's own server (service/server.h), so the metrics are those laproxd exports.
+    ServerOptions options;
+    options.version = "test";
+    options.backend = "cpu";
+    options.limits = {.max_regions = 8};
+    options.max_pending = 16;
+    options.socket = testing::TestServer::TempSocketPath("laprox-metrics");
+    auto started = Server::Start(std::move(options));
+    ASSERT_TRUE(started.ok()) << started.status();
+    server_ = *std::move(started);
+    client_ = *client::Client::Connect("unix:" + server_->socket());
 
     std::mt19937 rng(7);
     std::normal_distribution<float> normal(0.f, 1.f);
@@ -106,10 +88,9 @@ class MetricsTest : public ::testing::Test {
   void TearDown() override {
     client_.reset();
     server_.reset();
-    work_.reset();
   }
 
-  std::string Text() const { return metrics_->SerializeText(); }
+  std::string Text() const { return server_->metrics().SerializeText(); }
 
   uint64_t RegisterModel() {
     std::vector<client::TensorRef> o_proj;
@@ -138,11 +119,7 @@ class MetricsTest : public ::testing::Test {
     return client_->ComputeKeepPlan(model, kN, layers, policy);
   }
 
-  std::unique_ptr<Core> core_;
-  std::unique_ptr<WorkQueue> work_;
-  std::unique_ptr<Metrics> metrics_;
-  std::unique_ptr<LaproxService> service_;
-  std::unique_ptr<testing::TestServer> server_;
+  std::unique_ptr<Server> server_;
   std::unique_ptr<client::Client> client_;
   std::vector<std::vector<float>> o_proj_, keys_, values_, queries_;
 };
