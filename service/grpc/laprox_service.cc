@@ -448,8 +448,9 @@ void LaproxService::ReclaimLapsed(const LeaseTable::Connected& connected) {
   const std::vector<LeaseTable::Registration> lapsed = options_.leases->Collect(connected);
   if (lapsed.empty()) return;
   std::map<uint64_t, int64_t> region_bytes;
-  for (const RegionInfo& info : core_.regions().List(Owner::Laproxd()))
+  for (const RegionInfo& info : core_.regions().List(Owner::Laproxd())) {
     region_bytes[info.id] = info.byte_size;
+  }
   int64_t regions = 0, bytes = 0, models = 0;
   for (const LeaseTable::Registration& r : lapsed) {
     if (r.kind == LeaseTable::Kind::kRegion) {
