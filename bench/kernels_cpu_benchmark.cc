@@ -10,7 +10,7 @@
 // warmed up with one untimed call.
 //
 // Beside each time it reports the floor of this machine, measured in the same process
-// (DESIGN.md section 8):
+// (docs/design.md §8):
 //   floor = max(FLOPs / sgemm rate, fp32 K+V bytes / read bandwidth)
 //   FLOPs = L * (2*H*w*n*d  [Q.K^T]  +  2*H*n*d*d  [V times one d x d factor per query head])
 //   bytes = 2 * L * Hkv * n * d * 4  [K and V read once]

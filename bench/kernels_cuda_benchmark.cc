@@ -1,6 +1,6 @@
 // kernels_cuda_benchmark: the CUDA backend's keep-plan time against this GPU's floor.
 //
-// What it measures (issue "CUDA backend", DESIGN.md section 8). Llama-3.1-8B geometry (L32,
+// What it measures (issue "CUDA backend", docs/design.md §8). Llama-3.1-8B geometry (L32,
 // H32, Hkv8, d128, D4096), bf16 keys, values and window queries in device memory (as cuda_ipc
 // regions give them), the LaProx policy of bench/cuda_reference.py (MEAN_HEAD_NORM, avg pool 7
 // of the attention factor: the default before bench/quality's dev grid, set explicitly so that

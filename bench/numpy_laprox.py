@@ -4,7 +4,7 @@
 What it measures. For every case directory that `kernels_cpu_benchmark` wrote under
 LAPROX_BENCH_DUMP (keys, values, window queries and o_proj as raw fp32, plus the C++ plan's kept
 bitmask), it times the same scoring and selection in plain numpy, written the straightforward way
-a researcher would (DESIGN.md section 2's policy, which the benchmark sets explicitly:
+a researcher would (docs/design.md §2's policy, which the benchmark sets explicitly:
 GLOBAL_NORMALIZED, ATTENTION_X_PROJECTED_VALUE, MEAN_HEAD_NORM, w = 32, avg pool 7, B tokens
 per head):
 

@@ -191,7 +191,7 @@ absl::Status WindowAttention(const RequestShape& shape, const HeadTask& task, Wi
   if (!shape.attention_given) return ComputeAttention(shape, task, rows, prefix, ws);
   LAPROX_RETURN_IF_ERROR(LoadGivenAttention(shape, task, rows, prefix, ws));
   // Keys are not needed with the engine's attention, but a NaN/Inf in any input rejects the
-  // request (DESIGN.md section 2), as the CUDA backend's input check does: once, with the first
+  // request (docs/design.md §13), as the CUDA backend's input check does: once, with the first
   // range.
   if (rows.begin > 0) return absl::OkStatus();
   return CheckRowsFinite(task.inputs->keys, task.kv_head, 0, shape.n, {task.layer, "keys"}, ws.rows,

@@ -1,5 +1,5 @@
 // DeviceContext: the device resources one CUDA request runs on, owned by CudaBackend and passed
-// to every stage explicitly (STYLE.md principle 4).
+// to every stage explicitly (docs/style.md principle 4).
 #ifndef LAPROX_KERNELS_CUDA_CONTEXT_H_
 #define LAPROX_KERNELS_CUDA_CONTEXT_H_
 

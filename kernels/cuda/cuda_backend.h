@@ -1,4 +1,4 @@
-// CudaBackend: keep-plans on the GPU that holds the engine's KV cache (DESIGN.md section 5).
+// CudaBackend: keep-plans on the GPU that holds the engine's KV cache (docs/design.md §5).
 //
 // Reads keys, values and window queries straight from device memory (cuda_ipc regions the
 // service imported through ImportCudaIpc), or stages host views (shm regions, inline bytes) to

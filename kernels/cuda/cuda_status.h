@@ -1,4 +1,4 @@
-// The seam where CUDA errors become absl::Status (STYLE.md principle 7): the runtime's
+// The seam where CUDA errors become absl::Status (docs/style.md principle 7): the runtime's
 // CudaStatus (laprox/kernels/cuda/runtime.h, shared with the client) and cuBLAS's here.
 #ifndef LAPROX_KERNELS_CUDA_CUDA_STATUS_H_
 #define LAPROX_KERNELS_CUDA_CUDA_STATUS_H_

@@ -1,6 +1,6 @@
 // Scorer: raw LaProx scores p of every (layer, KV head, candidate) on the device.
 //
-// Two implementations share this interface (DESIGN.md section 5):
+// Two implementations share this interface (docs/design.md §5):
 //   v0  cuBLAS batched GEMMs for Q.K^T and V.[factor blocks], simple kernels for the softmax,
 //       group statistics, quadratic forms and pooling (scorer_v0.cc, score_kernels.cu);
 //   v1  one fused kernel per layer that reads K and V once per (KV head, token tile) with

@@ -1,4 +1,4 @@
-// SelectBaselinePlan: budgets and selection of the baseline policies (DESIGN.md section 3, NVIDIA
+// SelectBaselinePlan: budgets and selection of the baseline policies (docs/design.md §3, NVIDIA
 // kvpress semantics; tests/reference/laprox_ref.py documents the same text): StreamingLLM,
 // SnapKV, PyramidKV, Ada-KV, CriticalKV, CriticalAdaKV and CAKE, from per-token statistics that
 // a backend computed. Backend-independent host code; the CPU backend calls it directly.

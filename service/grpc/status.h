@@ -1,4 +1,4 @@
-// The one place where absl::Status becomes grpc::Status (STYLE.md principle 7).
+// The one place where absl::Status becomes grpc::Status (docs/style.md principle 7).
 #ifndef LAPROX_SERVICE_GRPC_STATUS_H_
 #define LAPROX_SERVICE_GRPC_STATUS_H_
 

@@ -6,7 +6,7 @@
 //   - candidate scores: |s_cuda - s_cpu| <= 1e-4 |s_cpu| + 1e-6 max s (fp32 math in both, in
 //     different orders);
 //   - kept sets: equal, except swaps between tokens whose CPU scores lie within a relative 1e-5
-//     of the selection threshold of their competition (DESIGN.md section 5);
+//     of the selection threshold of their competition (docs/design.md §13);
 //   - counts add up, layer sums agree to 1e-4, the bitmask matches the positions.
 // With LAPROX_CUDA_TEST_SMALL set, cases above n = 4096 are left out (for compute-sanitizer).
 // Runs with both kernel versions (v1 falls back to v0 for requests it does not take, among them

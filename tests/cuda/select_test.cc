@@ -396,7 +396,7 @@ TEST_F(DeviceSelectTest, IsDeterministic) {
 
 // Arbitrary floats: the layer sums are added in another order than on the CPU, so scores may
 // differ by an ulp (checked at 1e-6 relative) and kept sets by swaps of near-ties (relative score
-// gap < 1e-5, DESIGN.md section 5).
+// gap < 1e-5, docs/design.md §13).
 TEST_F(DeviceSelectTest, GeneralFloatsAgreeUpToNearTies) {
   const uint64_t base = BaseSeed() + 2000;
   for (uint64_t i = 0; i < 24 && !HasFailure(); ++i) {

@@ -92,8 +92,8 @@ void CheckPlan(const kernels::KeepPlan& plan, const service::KeepPlanCall& call)
 [[noreturn]] void Fail(absl::string_view what);
 
 // A request was refused: it must say why with a code a client can act on. INTERNAL and UNKNOWN
-// are findings (STYLE.md: INTERNAL is a broken invariant or a CUDA failure, and the CPU backend
-// has no CUDA), as is an empty message or OK passed as an error.
+// are findings (docs/style.md: INTERNAL is a broken invariant or a CUDA failure, and the CPU
+// backend has no CUDA), as is an empty message or OK passed as an error.
 void CheckRefusal(const absl::Status& status, absl::string_view call);
 
 // libFuzzer's LLVMFuzzerCustomMutator for inputs that are serialized `prototype` messages: most

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks of the CUDA backend in one go, on a machine with an NVIDIA GPU (DESIGN.md
-# section 7). Writes full logs to LOGDIR and prints a short summary table last.
+# The GPU checks of the CUDA backend in one go, on a machine with an NVIDIA GPU (docs/design.md
+# §7). Writes full logs to LOGDIR and prints a short summary table last.
 #
 #   tests/gpu/run.sh LOGDIR                 build here with CUDA (build-gpu/, needs the build
 #                                           dependencies of scripts/install-deps.sh), then run

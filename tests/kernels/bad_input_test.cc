@@ -1,4 +1,4 @@
-// Every malformed request is answered with the status STYLE.md names and a message that names
+// Every malformed request is answered with the status docs/style.md names and a message that names
 // the field and the offending values; nothing crashes, and the backend answers the next good
 // request.
 #include <cmath>

@@ -1,5 +1,5 @@
 // The wire API mirrors the kernels API: every policy option value and dtype the library has must
-// be expressible in laprox.v1 (named <ENUM>_<VALUE>, STYLE.md), so that no option is reachable
+// be expressible in laprox.v1 (named <ENUM>_<VALUE>, docs/style.md), so that no option is reachable
 // from C++ but not from a client.
 #include <string>
 

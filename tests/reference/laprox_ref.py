@@ -8,10 +8,10 @@ What it is
     it: their kept sets must equal this oracle's up to swaps among near-ties.
 
 Where it comes from
-    Written only from DESIGN.md section 2 (the shared design document) and tests/reference/SEMANTICS.md (which
-    is binding where DESIGN.md leaves a point open), never from the C++ code.  Everything is
+    Written only from docs/design.md §2 (the design document) and tests/reference/SEMANTICS.md (which
+    is binding where the design leaves a point open), never from the C++ code.  Everything is
     computed in float64.  It is written for obvious correctness, not speed, but is vectorised
-    with numpy.  On purpose it does NOT use the Gram-matrix shortcut of DESIGN.md step 5
+    with numpy.  On purpose it does NOT use the Gram-matrix shortcut of docs/design.md §2, step 5
     (v M_h v^T with M_h = W_O^h W_O^h^T): the value factors are computed from the explicit
     n x D products v_i W_O^h, so that it shares no arithmetic trick with the C++ code.
     For EXACT_BLOCK the Frobenius norm of sum_h a_h (outer) b_h is evaluated as
@@ -20,7 +20,7 @@ Where it comes from
 
 Baselines (policy["kind"] != "LAPROX")
     STREAMING_LLM, SNAPKV, PYRAMIDKV, ADAKV, CRITICALKV, CRITICAL_ADAKV, CAKE, written from
-    DESIGN.md section 3 and the baseline issue text; the exact rules (budgets, sentinels, ties,
+    docs/design.md §3 and the baseline issue text; the exact rules (budgets, sentinels, ties,
     edge cases) are in SEMANTICS.md, "Baseline policies".  Entry point: keep_plan (it dispatches
     to baseline_plan).
 
@@ -167,7 +167,7 @@ GQA_VALUES = ("MEAN_HEAD_NORM", "SUMMED_PROJECTION", "MEAN_HEAD_PRODUCT", "EXACT
 POOLINGS = ("AVG", "MAX", "NONE")
 POOL_TARGETS = ("ATTENTION", "SCORE")
 
-# Defaults for policy fields a caller leaves out: DESIGN.md section 2, except gqa_value and
+# Defaults for policy fields a caller leaves out: docs/design.md §2, except gqa_value and
 # pool_kernel, chosen on bench/quality's dev grid (SEMANTICS.md, "Defaults").
 POLICY_DEFAULTS = {
     "allocation": "GLOBAL_NORMALIZED",
@@ -196,7 +196,7 @@ BLOCK_KINDS = ("LAPROX", "STREAMING_LLM", "SNAPKV", "ADAKV")      # kinds a bloc
 NO_LAYER_UNIFORM_KINDS = ("ADAKV", "CRITICAL_ADAKV")             # kinds LAYER_UNIFORM refuses
 MAX_BLOCK_SIZE = 1 << 16
 
-# Policy kinds: LAPROX (section 2) and the kvpress baselines (section 3, "Baseline policies" in
+# Policy kinds: LAPROX (docs/design.md §2) and the kvpress baselines (§3, "Baseline policies" in
 # SEMANTICS.md).
 KINDS = ("LAPROX", "STREAMING_LLM", "SNAPKV", "PYRAMIDKV", "ADAKV", "CRITICALKV",
          "CRITICAL_ADAKV", "CAKE")
@@ -976,7 +976,7 @@ def _laprox_block_plan(pol, layers, n, B, se, nx, m, raw, scores, layer_sums, ca
 
 
 # ----------------------------------------------------------------------------------------------
-# Baselines (DESIGN.md section 3; SEMANTICS.md "Baseline policies")
+# Baselines (docs/design.md §3; SEMANTICS.md "Baseline policies")
 # ----------------------------------------------------------------------------------------------
 
 F32_MAX = float(np.finfo(np.float32).max)            # 3.4028234663852886e38

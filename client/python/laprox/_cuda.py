@@ -16,8 +16,8 @@ the memory from its own context after the call starts.
 
 Limits: memory from PyTorch's expandable segments (PYTORCH_CUDA_ALLOC_CONF=
 expandable_segments:True) cannot be exported with legacy CUDA IPC (INVALID_ARGUMENT here);
-the server must see the same GPU (same UUID) and share the PID namespace (DESIGN.md
-section 10). A CPU-only laproxd answers UNIMPLEMENTED to cuda_ipc regions.
+the server must see the same GPU (same UUID) and share the PID namespace (docs/design.md
+§10). A CPU-only laproxd answers UNIMPLEMENTED to cuda_ipc regions.
 """
 
 from __future__ import annotations

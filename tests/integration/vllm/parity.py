@@ -110,7 +110,7 @@ def compare(args: argparse.Namespace, target: str) -> int:
         extra = dict(enable_chunked_prefill=True,
                      max_num_batched_tokens=args.max_num_batched_tokens)
     # No prefix caching: the decoding pass prefills the prompts again, and a cache hit inside
-    # the query window would leave a sequence without a plan (DESIGN.md, section 0).
+    # the query window would leave a sequence without a plan (laprox/vllm/DESIGN.md, section 0).
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=4096,
               seed=0, enable_prefix_caching=False, **extra)
     print(f"vLLM loaded in {time.perf_counter() - started:.1f} s")

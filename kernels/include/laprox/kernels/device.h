@@ -17,7 +17,7 @@
 namespace laprox::kernels {
 
 // A CUDA allocation another process exported with cudaIpcGetMemHandle, to be opened by a
-// backend that reads device memory (DESIGN.md section 4, laprox.v1 CudaIpcRegion).
+// backend that reads device memory (docs/design.md §4, laprox.v1 CudaIpcRegion).
 struct CudaIpcRegionSpec {
   std::string handle;       // the cudaIpcMemHandle_t bytes, exactly kHandleBytes
   std::string device_uuid;  // "GPU-" + 36-character UUID (lower or upper case), or the bare UUID

@@ -1,8 +1,8 @@
-// PolicySpec: every option of the LaProx keep-plan (DESIGN.md section 2) and of the baseline
-// policies it is compared with (DESIGN.md section 3: StreamingLLM, SnapKV, PyramidKV, Ada-KV,
+// PolicySpec: every option of the LaProx keep-plan (docs/design.md §2) and of the baseline
+// policies it is compared with (docs/design.md §3: StreamingLLM, SnapKV, PyramidKV, Ada-KV,
 // CriticalKV, CriticalAdaKV, CAKE, with NVIDIA kvpress semantics).
 //
-// The exact meaning of each option, including the points DESIGN.md leaves open, is written in
+// The exact meaning of each option, including the points docs/design.md leaves open, is written in
 // tests/reference/SEMANTICS.md; the float64 oracle in tests/reference/ implements the same text.
 #ifndef LAPROX_KERNELS_POLICY_H_
 #define LAPROX_KERNELS_POLICY_H_
@@ -18,7 +18,7 @@ namespace laprox::kernels {
 
 // The eviction method. Values are in laprox.v1 PolicyKind order (wire value = value + 1).
 enum class PolicyKind {
-  kLaprox,         // DESIGN.md section 2
+  kLaprox,         // docs/design.md §2
   kStreamingLlm,   // `sinks` first positions + the most recent ones, the same for every head
   kSnapKv,         // mean window attention, pooled, top n_kept per head (window included)
   kPyramidKv,      // SnapKV scores, linearly decreasing per-layer counts (pyramid_beta)

@@ -1,5 +1,5 @@
 // The CUDA runtime as everything that talks to it shares it: the one conversion of a runtime
-// error into absl::Status (STYLE.md principle 7; cuBLAS statuses are in cuda/cuda_status.h), a
+// error into absl::Status (docs/style.md principle 7; cuBLAS statuses are in cuda/cuda_status.h), a
 // scoped current device, nvidia-smi's spelling of a device UUID, and the driver's address-range
 // query reached through the runtime. The target laprox_cuda_runtime: libcudart only (no cuBLAS,
 // no libcuda, no kernels), so the client's device-memory export (laprox::client_cuda) uses it
