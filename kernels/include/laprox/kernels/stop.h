@@ -4,8 +4,8 @@
 // The backends check it at bounded intervals of work: per chunk of keys or values, per window
 // row of a softmax pass, per (layer, KV head) task, per sequence of a batch, per row of every
 // pass of the selection. Between two checks a worker thread does at most a few milliseconds of
-// work at the sizes the service admits (bench/RESULTS.md, "Work after a deadline"), so a call
-// whose deadline passes stops computing within that time and its status says why.
+// work at the sizes the service admits (bench/RESULTS.md, "Stalls: work after a deadline"), so a
+// call whose deadline passes stops computing within that time and its status says why.
 //
 //   StopSignal stop(deadline, [context] { return context->IsCancelled(); });
 //   request.stop = &stop;
