@@ -475,6 +475,26 @@ class ErrorTest(ClientTestCase):
                         keys=self.case["keys"].astype(np.int32))
         self.assertCode(grpc.StatusCode.INVALID_ARGUMENT, self.plan, colour="red")
 
+    def test_local_mistakes_are_value_and_type_errors_server_statuses_are_not(self):
+        # Found here, before anything is sent: ValueError / TypeError (and still LaproxError).
+        for call, kind in ((lambda: self.plan(keys=self.case["keys"][:, :, :, None]), ValueError),
+                           (lambda: self.plan(colour="red"), ValueError),
+                           (lambda: laprox.Budget.of("128"), TypeError),
+                           (lambda: laprox.ModelGeometry.of([1, 2]), TypeError),
+                           (lambda: self.client.compute_keep_plans(self.model, [7]), TypeError)):
+            with self.assertRaises(kind) as e:
+                call()
+            self.assertIsInstance(e.exception, laprox.LaproxError)
+            self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        # Answered by laproxd: a LaproxError only.
+        with self.assertRaises(laprox.LaproxError) as e:
+            self.client.unregister_model(987654)
+        self.assertNotIsInstance(e.exception, (ValueError, TypeError))
+        # The batch's prefix keeps the class.
+        with self.assertRaises(TypeError) as e:
+            self.client.compute_keep_plans(self.model, [7])
+        self.assertIn("sequences[0]", e.exception.message)
+
     def test_unreachable_server_is_unavailable(self):
         with laprox.Client("unix:" + SERVER.dir + "/nothing.sock", timeout=10) as client:
             self.assertCode(grpc.StatusCode.UNAVAILABLE, client.info)

@@ -23,7 +23,7 @@ See client/python/README.md and proto/laprox/v1/laprox.proto (every option is do
 
 from ._shm import SharedArray
 from .client import DEFAULT_TARGET, Client, tls_credentials
-from .errors import LaproxError
+from .errors import LaproxArgumentError, LaproxError, LaproxTypeError
 from .paged import BlockTable, PagedKV, PagedTensor
 from .types import (Allocation, BackendKind, BlockPlan, Budget, DeviceInfo, DType, GqaValue,
                     Indicator, KeepPlan, ModelGeometry, NumericMode, Outputs, PlanShape, Policy,
@@ -34,7 +34,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Allocation", "BackendKind", "BlockPlan", "BlockTable", "Budget", "Client", "DEFAULT_TARGET",
-    "DType", "DeviceInfo", "GqaValue", "Indicator", "KeepPlan", "LaproxError", "ModelGeometry",
+    "DType", "DeviceInfo", "GqaValue", "Indicator", "KeepPlan", "LaproxArgumentError", "LaproxError",
+    "LaproxTypeError", "ModelGeometry",
     "NumericMode", "Outputs", "PagedKV", "PagedTensor", "PlanShape", "Policy", "PolicyKind",
     "PolicyPreset", "Pooling", "PoolTarget", "RegionInfo", "RegionKind", "RegionTensor",
     "SequenceInputs", "ServerInfo", "ServerLimits", "SharedArray", "SharedRegion", "Timing",

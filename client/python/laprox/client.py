@@ -679,8 +679,8 @@ class Client:
             try:
                 outs.append(_fill_keep_plan_request(request.sequences.add(), model_id,
                                                     t.SequenceInputs.of(sequence), staging))
-            except LaproxError as e:
-                raise LaproxError(e.code, f"sequences[{i}]: {e.message}") from None
+            except LaproxError as e:  # the same class (a ValueError stays one), prefixed
+                raise type(e)(e.code, f"sequences[{i}]: {e.message}") from None
         raw = self._stage_and_call(staging, self._compute_batch_raw, request, timeout)
         plans = _packed_chunks(raw, (1,)).get(1, [])  # ComputeKeepPlansResponse.plans
         if len(plans) != len(outs):

@@ -22,8 +22,8 @@ numpy arrays and CPU torch tensors are refused (INVALID_ARGUMENT). The presets o
 the pool's shape and strides, so a pool with permuted strides (vLLM's HND physical order of
 the FlashAttention shape) is read as it lies.
 
-Every check here raises LaproxError with the code laproxd would answer; laproxd checks the
-rest (the pool's extent in its region: OUT_OF_RANGE).
+Every check here raises LaproxArgumentError (a LaproxError and a ValueError) with the code
+laproxd would answer; laproxd checks the rest (the pool's extent in its region: OUT_OF_RANGE).
 """
 
 from __future__ import annotations
@@ -200,9 +200,9 @@ def _sequence_table(name: str, block_table: Union[BlockTable, Any], block_size: 
     if num_blocks is not None:
         past = np.flatnonzero(table.block_ids >= num_blocks)
         if len(past):
-            raise LaproxError(grpc.StatusCode.OUT_OF_RANGE,
-                              f"block_table[{int(past[0])}] = {int(table.block_ids[past[0]])}: "
-                              f"the {name} has {num_blocks} blocks")
+            raise invalid_argument(f"block_table[{int(past[0])}] = {int(table.block_ids[past[0]])}: "
+                                   f"the {name} has {num_blocks} blocks",
+                                   grpc.StatusCode.OUT_OF_RANGE)
     return table, n
 
 

@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
-from .errors import invalid_argument
+from .errors import invalid_argument, wrong_type
 
 
 class _WireEnum(enum.IntEnum):
@@ -251,7 +251,7 @@ class Budget:
             return cls(tokens_per_head=int(budget))
         if isinstance(budget, (float, np.floating)):
             return cls(compression_ratio=float(budget))
-        raise invalid_argument(f"budget {budget!r}: expected Budget, int or float")
+        raise wrong_type(f"budget {budget!r}: expected Budget, int or float")
 
 
 @dataclass(frozen=True)
@@ -304,8 +304,8 @@ class ModelGeometry:
                 return cls(**dict(geometry))
             except TypeError as e:
                 raise invalid_argument(f"geometry: {e}") from None
-        raise invalid_argument(f"geometry: expected ModelGeometry or a mapping, got "
-                               f"{type(geometry).__name__}")
+        raise wrong_type(f"geometry: expected ModelGeometry or a mapping, got "
+                         f"{type(geometry).__name__}")
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "ModelGeometry":
@@ -369,8 +369,8 @@ class SequenceInputs:
             except TypeError as e:
                 raise invalid_argument(str(e).replace("SequenceInputs.__init__()",
                                                       "sequence")) from None
-        raise invalid_argument(f"expected laprox.SequenceInputs or a mapping of "
-                               f"compute_keep_plan's arguments, got {type(value).__name__}")
+        raise wrong_type(f"expected laprox.SequenceInputs or a mapping of "
+                         f"compute_keep_plan's arguments, got {type(value).__name__}")
 
     def __repr__(self) -> str:
         return (f"SequenceInputs(budget={self.budget!r}, policy={self.policy!r}, "
