@@ -419,6 +419,22 @@ class StagingRegionTest(ClientTestCase):
         self.client.unregister_model(model)
 
 
+class SegmentTest(unittest.TestCase):
+
+    @unittest.skipUnless(os.path.isdir("/dev/shm"), "no /dev/shm")
+    def test_pages_are_reserved_when_the_segment_is_made(self):
+        # posix_fallocate at creation: a full /dev/shm fails here (RESOURCE_EXHAUSTED), not later
+        # as SIGBUS on the first write. tmpfs counts reserved pages in st_blocks.
+        from laprox import _shm
+        size = 3 << 20
+        segment = _shm._Segment(size)
+        try:
+            st = os.stat(os.path.join("/dev/shm", segment.name))
+            self.assertGreaterEqual(st.st_blocks * 512, size)
+        finally:
+            segment.release()
+
+
 class RegionLimitTest(unittest.TestCase):
     """A server that takes one region: a second client's staging region is refused."""
 

@@ -102,6 +102,10 @@ def copy_into(buffer: memoryview, offset: int, a: HostArray) -> None:
         del dst
 
 
+# Where Linux (glibc's shm_open, and laproxd's) keeps POSIX shared-memory objects.
+SHM_DIR = "/dev/shm"
+
+
 class _Segment:
     """One created-and-mapped shared-memory object."""
 
@@ -111,11 +115,17 @@ class _Segment:
             self.shm = shared_memory.SharedMemory(name=name, create=True, size=size)
         except OSError as e:
             raise from_os_error(f"cannot create shared memory {name!r} of {size} bytes", e)
-        fd = getattr(self.shm, "_fd", -1)
-        if fd >= 0 and hasattr(os, "posix_fallocate"):
-            # Reserve the pages now: writing past a full /dev/shm later would be SIGBUS.
+        # Reserve the pages now: writing past a full /dev/shm later would be SIGBUS. The object
+        # is opened again by its path (Linux keeps POSIX shared memory in /dev/shm) rather than
+        # through SharedMemory's private descriptor; elsewhere nothing is reserved.
+        path = os.path.join(SHM_DIR, name)
+        if hasattr(os, "posix_fallocate") and os.path.exists(path):
             try:
-                os.posix_fallocate(fd, 0, size)
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                finally:
+                    os.close(fd)
             except OSError as e:
                 self.release()
                 raise from_os_error(f"cannot allocate {size} bytes of shared memory for "
