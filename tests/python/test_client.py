@@ -419,6 +419,24 @@ class StagingRegionTest(ClientTestCase):
         self.client.unregister_model(model)
 
 
+class WireFieldNumbersTest(unittest.TestCase):
+
+    def test_numbers_read_from_the_bytes_are_the_descriptors(self):
+        # _wire reads these fields from the serialized response without the parser: a field
+        # renumbered (or retyped) in laprox.proto must fail here, not decode garbage.
+        from google.protobuf.descriptor import FieldDescriptor as F
+        from laprox import _wire
+        pb = _proto.pb
+        for number, message, name, kind in (
+                (_wire.PLANS_FIELD, pb.ComputeKeepPlansResponse, "plans", F.TYPE_MESSAGE),
+                (_wire.POSITIONS_FIELD, pb.ComputeKeepMaskResponse, "positions", F.TYPE_SFIXED32),
+                (_wire.SCORES_FIELD, pb.ComputeKeepMaskResponse, "scores", F.TYPE_FLOAT)):
+            field = message.DESCRIPTOR.fields_by_name[name]
+            self.assertEqual(field.number, number, f"{message.DESCRIPTOR.name}.{name}")
+            self.assertEqual(field.type, kind, f"{message.DESCRIPTOR.name}.{name}")
+            self.assertEqual(field.label, F.LABEL_REPEATED, f"{message.DESCRIPTOR.name}.{name}")
+
+
 class SegmentTest(unittest.TestCase):
 
     @unittest.skipUnless(os.path.isdir("/dev/shm"), "no /dev/shm")

@@ -19,375 +19,38 @@ or as one stacked array with a leading layer dimension. Each entry may be
     read in place from its block pool through the sequence's block table (see laprox.paged).
 Client.compute_keep_plans sends several sequences in one ComputeKeepPlans call.
 
-Errors: every failure raises laprox.LaproxError with a grpc.StatusCode (`.code`) and a message.
+Errors: every failure raises laprox.LaproxError with a grpc.StatusCode (`.code`) and a message
+(a mistake found here before sending is also a ValueError or TypeError: errors.py).
+
+The pieces a Client uses: _calls (deadlines, region calls, cleanup), _staging (inputs into
+requests), _wire (responses into KeepPlans), _target (the default target), _tls (credentials).
 Threads: a Client may be shared; calls that stage host arrays or CUDA regions run one at a time.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 import threading
-import time
 import weakref
-from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple,
-                    Union)
+from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 import numpy as np
 
 from . import _cuda, _shm
 from . import types as t
+# Re-exported where they were before the split (laprox.client.plan_deadline and the others).
+from ._calls import (CLEANUP_RETRY_S, PLAN_DEADLINE_S, PLAN_DEADLINE_TOKENS, Timeout,  # noqa: F401
+                     _call, _CallTimeout, _register_cuda, _register_shm, _release, _unregister,
+                     plan_deadline)
 from ._proto import health_pb2, health_pb2_grpc, laprox_pb2_grpc, pb
-from ._proto import policy_from_proto, policy_to_proto
-from .errors import LaproxError, from_rpc_error, invalid_argument
-from .paged import BlockTable, PagedTensor
-
-def tls_credentials(ca_file: Optional[str] = None, cert_file: Optional[str] = None,
-                    key_file: Optional[str] = None) -> grpc.ChannelCredentials:
-    """Channel credentials for laproxd's TLS port: the PEM CA bundle that signed its
-    certificate (None: the system roots) and, for mutual TLS (--tls_client_ca_file), this
-    client's PEM certificate chain and key."""
-    def read(path: Optional[str]) -> Optional[bytes]:
-        if path is None:
-            return None
-        try:
-            with open(path, "rb") as f:
-                return f.read()
-        except OSError as e:
-            raise LaproxError(grpc.StatusCode.NOT_FOUND, f"{path} cannot be read: {e}") from None
-    return grpc.ssl_channel_credentials(root_certificates=read(ca_file),
-                                        private_key=read(key_file),
-                                        certificate_chain=read(cert_file))
-
-
-def default_target() -> str:
-    """Where `laproxd` listens when started without --socket: unix:/run/laprox/laproxd.sock for
-    root, unix:$XDG_RUNTIME_DIR/laprox/laproxd.sock for other users (the root path when
-    XDG_RUNTIME_DIR is unset or relative)."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    if os.geteuid() != 0 and runtime.startswith("/"):
-        return f"unix:{runtime.rstrip('/')}/laprox/laproxd.sock"
-    return "unix:/run/laprox/laproxd.sock"
-
-
-DEFAULT_TARGET = default_target()
-
-# Tensor fields of LayerInputs and the rank of one layer's tensor.
-_LAYER_FIELDS = (("keys", 3), ("values", 3), ("window_queries", 3), ("window_attention", 3),
-                 ("window_lse", 2))
-
-
-# The default deadline of a keep-plan call made on an engine's path (laprox.hf.Compressor,
-# the vLLM plugin), and the number of prompt tokens per call it covers: plan_deadline.
-PLAN_DEADLINE_S = 2.0
-PLAN_DEADLINE_TOKENS = 32768
-
-
-def plan_deadline(tokens: int, seconds: float = PLAN_DEADLINE_S) -> float:
-    """The deadline of one keep-plan call over `tokens` prompt tokens in all (every sequence of
-    the call): `seconds`, and `seconds` more per PLAN_DEADLINE_TOKENS tokens, since a plan's
-    time grows linearly with n (bench/RESULTS.md: SmolLM2-135M at 32K tokens 0.55 s,
-    Llama-3.1-8B at 4K 0.53 s on 2 vCPUs). An engine that waits at most this long for laproxd
-    and then goes on with the full cache never stalls on a laproxd that stopped answering."""
-    return float(seconds) * (1.0 + max(int(tokens), 0) / PLAN_DEADLINE_TOKENS)
-
-
-Timeout = Union[float, Callable[[], float]]  # seconds, or a function giving what is left
-
-
-def _call(method: Any, request: Any, timeout: Optional[Timeout]) -> Any:
-    try:
-        return method(request, timeout=timeout() if callable(timeout) else timeout)
-    except grpc.RpcError as e:
-        raise from_rpc_error(e) from None
-
-
-class _CallTimeout:
-    """The timeout of the region calls a Client makes on its own (its staging region, CUDA
-    regions, a model's temporary region): the client's default, or, in the thread of a call
-    that stages its inputs (within()), what is left of that call's deadline, so that the
-    call's `timeout` bounds the region calls too. It holds no reference to the Client (the
-    finalizer that releases the regions uses it)."""
-
-    def __init__(self, default: float):
-        self.default = default
-        self._call = threading.local()  # .until: the deadline of this thread's call
-
-    def __call__(self) -> float:
-        until = getattr(self._call, "until", None)
-        if until is None:
-            return self.default
-        return max(until - time.monotonic(), 0.0)
-
-    @contextlib.contextmanager
-    def within(self, timeout: Optional[float]) -> Iterator["_CallTimeout"]:
-        self._call.until = time.monotonic() + (self.default if timeout is None
-                                               else float(timeout))
-        try:
-            yield self
-        finally:
-            self._call.until = None
-
-
-# Region calls as plain functions of the stub, so that the finalizer that releases the regions
-# holds no reference to the Client.
-def _register_shm(stub: Any, timeout: Timeout, name: str, byte_size: int, offset: int = 0,
-                  writable: bool = False) -> int:
-    request = pb.RegisterRegionRequest(
-        shm=pb.ShmRegion(name=name, offset=offset, byte_size=byte_size), writable=writable)
-    return _call(stub.RegisterRegion, request, timeout).region_id
-
-
-def _register_cuda(stub: Any, timeout: Timeout, handle: bytes, device_uuid: str, offset: int,
-                   byte_size: int) -> int:
-    request = pb.RegisterRegionRequest(cuda_ipc=pb.CudaIpcRegion(
-        handle=handle, device_uuid=device_uuid, offset=offset, byte_size=byte_size))
-    return _call(stub.RegisterRegion, request, timeout).region_id
-
-
-# How long cleanup (close(), garbage collection) retries a busy server's RESOURCE_EXHAUSTED.
-CLEANUP_RETRY_S = 5.0
-
-
-def _unregister(stub: Any, timeout: Timeout, region_id: int,
-                retry_for: float = CLEANUP_RETRY_S) -> None:
-    """UnregisterRegion for cleanup: RESOURCE_EXHAUSTED (a busy server) is retried with backoff
-    (50 ms, doubling to 1 s) for `retry_for` seconds; any other error is raised at once."""
-    give_up = time.monotonic() + retry_for
-    delay = 0.05
-    while True:
-        try:
-            _call(stub.UnregisterRegion, pb.UnregisterRegionRequest(region_id=region_id),
-                  timeout)
-            return
-        except LaproxError as e:
-            if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or \
-                    time.monotonic() + delay > give_up:
-                raise
-        time.sleep(delay)
-        delay = min(delay * 2, 1.0)
-
-
-def _release(arena: _shm.StagingArena, cuda: _cuda.CudaRegions,
-             shared: "weakref.WeakSet[_shm.SharedArray]", channel: grpc.Channel) -> None:
-    """Releases what a Client holds; runs once (close(), garbage collection or exit)."""
-    try:
-        for array in list(shared):
-            array.close()
-        arena.release()
-    finally:
-        try:
-            if len(cuda):
-                cuda.release()
-        finally:
-            channel.close()
-
-
-# --- response decoding --------------------------------------------------------------------------
-
-def _varint(data: bytes, pos: int) -> Tuple[int, int]:
-    result = shift = 0
-    while True:
-        byte = data[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return result, pos
-        shift += 7
-
-
-def _packed_chunks(data: bytes, fields: Tuple[int, ...]) -> Dict[int, List[memoryview]]:
-    """The length-delimited records of the given top-level fields of a serialized message."""
-    view = memoryview(data)
-    chunks: Dict[int, List[memoryview]] = {}
-    pos, end = 0, len(data)
-    while pos < end:
-        key, pos = _varint(data, pos)
-        number, wire_type = key >> 3, key & 7
-        if wire_type == 0:
-            _, pos = _varint(data, pos)
-        elif wire_type == 1:
-            pos += 8
-        elif wire_type == 5:
-            pos += 4
-        elif wire_type == 2:
-            length, pos = _varint(data, pos)
-            if number in fields:
-                chunks.setdefault(number, []).append(view[pos:pos + length])
-            pos += length
-        else:
-            raise ValueError(f"wire type {wire_type}")
-    return chunks
-
-
-def _repeated(chunks: Dict[int, List[memoryview]], number: int, container: Any,
-              dtype: str) -> np.ndarray:
-    """A packed repeated fixed-width field as a numpy array: a view of the response bytes
-    (no per-element conversion), or converted from the parsed message if it is not packed."""
-    parts = chunks.get(number, [])
-    if parts:
-        raw = parts[0] if len(parts) == 1 else b"".join(parts)
-        array = np.frombuffer(raw, dtype=dtype)
-        if array.size == len(container):
-            return array
-    return np.array(container, dtype=dtype)
-
-
-# --- inputs -------------------------------------------------------------------------------------
-
-def _per_layer(name: str, value: Any, rank: int) -> List[Any]:
-    """One entry per layer: a list/tuple as given, a stacked array split along axis 0."""
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    shape = getattr(value, "shape", None)
-    if shape is None:
-        value = np.asarray(value)
-        shape = value.shape
-    if len(shape) != rank + 1:
-        raise invalid_argument(f"{name}: expected a list of per-layer [{rank}-d] tensors or one "
-                               f"stacked [{rank + 1}-d] tensor, got shape {tuple(shape)}")
-    return [value[i] for i in range(shape[0])]
-
-
-class _Staging:
-    """The host arrays of one call (one or several sequences) and the TensorRef messages they
-    fill; CUDA tensors to share before the call."""
-
-    def __init__(self) -> None:
-        self.arrays: List[_shm.HostArray] = []
-        self.targets: List[Any] = []
-        # (torch tensor, TensorRef message, None or a paged tensor's offset in elements)
-        self.cuda: List[Tuple[Any, Any, Optional[int]]] = []
-
-    def add(self, name: str, value: Any, message: Any, bf16: bool) -> None:
-        if isinstance(value, PagedTensor):
-            raise invalid_argument(f"{name}: only keys and values may be paged")
-        if isinstance(value, t.RegionTensor):
-            _fill_region_ref(message, value)
-            return
-        if isinstance(value, _shm.SharedArray):
-            _fill_region_ref(message, value.region_tensor())
-            return
-        if _cuda.is_torch_tensor(value):
-            if value.is_cuda:
-                self.cuda.append((value, message, None))
-                return
-            value, is_bf16 = _cuda.cpu_tensor_as_numpy(value)
-            host = _shm.host_array(name, value, bf16 or is_bf16)
-        else:
-            host = _shm.host_array(name, value, bf16)
-        self.arrays.append(host)
-        self.targets.append(message)
-        message.dtype = int(host.dtype)
-        message.shape[:] = [int(s) for s in host.array.shape]
-
-    def add_paged(self, name: str, value: PagedTensor, message: Any, table_index: int) -> None:
-        """A paged tensor: the region slice at its element 0 of physical block 0, its layout
-        naming block table `table_index`, no strides, shape [Hkv, n, d]."""
-        message.dtype = int(value.dtype)
-        message.shape[:] = list(value.shape)
-        layout = message.paged
-        layout.block_table = table_index
-        layout.block_stride = value.block_stride
-        layout.slot_stride = value.slot_stride
-        layout.head_stride = value.head_stride
-        layout.dim_stride = value.dim_stride
-        pool = value.pool
-        if isinstance(pool, _shm.SharedArray):
-            if pool.closed:
-                raise LaproxError(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"{name}: its pool, shared array {pool.name}, is closed")
-            region_id, base = pool.region_id, pool.byte_offset
-        elif isinstance(pool, t.RegionTensor):
-            region_id, base = int(pool.region_id), int(pool.byte_offset)
-        else:  # a CUDA tensor (PagedTensor refuses anything else): registered in _share_cuda
-            self.cuda.append((pool, message, value.offset))
-            return
-        message.region.region_id = region_id
-        message.region.byte_offset = base + value.offset * value.dtype.itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays)
-
-
-def _fill_region_ref(message: Any, ref: t.RegionTensor) -> None:
-    message.region.region_id = int(ref.region_id)
-    message.region.byte_offset = int(ref.byte_offset)
-    message.dtype = int(t.DType.parse(ref.dtype))
-    message.shape[:] = [int(s) for s in ref.shape]
-    if ref.strides is not None:
-        message.strides[:] = [int(s) for s in ref.strides]
-
-
-def _bf16_flag(dtype: Optional[str]) -> bool:
-    if dtype is None:
-        return False
-    if str(dtype).lower() in ("bf16", "bfloat16"):
-        return True
-    raise invalid_argument(f"dtype {dtype!r}: only \"bf16\" (reinterpret uint16 arrays) is "
-                           "accepted here; float arrays carry their own dtype")
-
-
-def _fill_keep_plan_request(request: Any, model_id: int, seq: t.SequenceInputs,
-                            staging: _Staging) -> t.Outputs:
-    """Fills a ComputeKeepMaskRequest with one sequence's inputs, adding its tensors to
-    `staging` (each paged tensor's block table once per distinct table); returns the outputs
-    requested. Raises LaproxError (INVALID_ARGUMENT) for inputs that cannot be sent."""
-    pol = t.Policy.of(seq.policy, **seq.policy_options)
-    bud = t.Budget.of(seq.budget)
-    out = t.Outputs.of(seq.outputs)
-    bf16 = _bf16_flag(seq.dtype)
-    given = {name: getattr(seq, name) for name, _ in _LAYER_FIELDS}
-    per_layer = {name: _per_layer(name, given[name], rank)
-                 for name, rank in _LAYER_FIELDS if given[name] is not None}
-    if "keys" not in per_layer or "values" not in per_layer:
-        raise invalid_argument("keys and values are required")
-    num_layers = len(per_layer["keys"])
-    for name, tensors in per_layer.items():
-        if len(tensors) != num_layers:
-            raise invalid_argument(f"{name}: {len(tensors)} layers given, keys have "
-                                   f"{num_layers}")
-    if num_layers == 0:
-        raise invalid_argument("keys: no layers given")
-    key_shape = tuple(per_layer["keys"][0].shape)
-    if len(key_shape) != 3:
-        raise invalid_argument(f"keys[0]: expected [Hkv, n, d], got shape {key_shape}")
-
-    request.model_id = model_id
-    request.n = int(key_shape[1])
-    policy_to_proto(pol, request.policy)
-    if bud is not None:
-        if bud.tokens_per_head is not None:
-            request.budget.tokens_per_head = bud.tokens_per_head
-        if bud.compression_ratio is not None:
-            request.budget.compression_ratio = bud.compression_ratio
-    request.outputs.positions = out.positions
-    request.outputs.bitmask = out.bitmask
-    request.outputs.scores = out.scores
-
-    tables: Dict[Tuple[int, bool, bytes], int] = {}
-
-    def table_index(table: BlockTable) -> int:
-        index = tables.get(table.wire_key)
-        if index is None:
-            index = tables[table.wire_key] = len(request.block_tables)
-            request.block_tables.add(block_ids=table.block_ids.tolist(),
-                                     block_size=table.block_size,
-                                     allow_repeated_ids=table.allow_repeated_ids)
-        return index
-
-    for l in range(num_layers):
-        layer = request.layers.add()
-        for name, tensors in per_layer.items():
-            value, field = tensors[l], f"{name}[{l}]"
-            if isinstance(value, PagedTensor) and name in ("keys", "values"):
-                staging.add_paged(field, value, getattr(layer, name), table_index(value.table))
-            else:
-                staging.add(field, value, getattr(layer, name), bf16)
-    return out
+from ._staging import (_bf16_flag, _fill_keep_plan_request, _fill_region_ref, _per_layer,
+                       _Staging)
+from ._target import DEFAULT_TARGET, default_target  # noqa: F401
+from ._tls import tls_credentials  # noqa: F401
+from ._wire import _decode_plan, plans_of
+from .errors import LaproxError, invalid_argument
+from .paged import PagedTensor
 
 
 class Client:
@@ -548,7 +211,8 @@ class Client:
         self._rpc(self._stub.UnregisterRegion, pb.UnregisterRegionRequest(region_id=region_id))
 
     def list_regions(self) -> List[t.RegionInfo]:
-        """Every region registered with the server (by any client), ascending by id."""
+        """The regions this caller's identity registered (another identity's are not listed),
+        ascending by id."""
         r = self._rpc(self._stub.ListRegions, pb.ListRegionsRequest())
         return [t.RegionInfo(x.region_id, t.RegionKind(x.kind), x.name, x.device_uuid,
                              x.offset, x.byte_size, x.writable, x.in_flight_requests,
@@ -682,7 +346,7 @@ class Client:
             except LaproxError as e:  # the same class (a ValueError stays one), prefixed
                 raise type(e)(e.code, f"sequences[{i}]: {e.message}") from None
         raw = self._stage_and_call(staging, self._compute_batch_raw, request, timeout)
-        plans = _packed_chunks(raw, (1,)).get(1, [])  # ComputeKeepPlansResponse.plans
+        plans = plans_of(raw)
         if len(plans) != len(outs):
             raise LaproxError(grpc.StatusCode.INTERNAL, f"laproxd answered {len(plans)} plans "
                               f"for {len(outs)} sequences")
@@ -736,47 +400,3 @@ class Client:
         for a, message in zip(staging.arrays, staging.targets):
             message.inline_bytes = np.ascontiguousarray(a.array, dtype=a.staged).tobytes()
 
-
-def _decode_plan(raw: Union[bytes, memoryview], outputs: t.Outputs) -> t.KeepPlan:
-    """A KeepPlan from the serialized ComputeKeepMaskResponse (with the `outputs` requested;
-    for a batch, a view of one plan inside the ComputeKeepPlansResponse bytes). Positions and
-    scores are read straight from the packed bytes (sfixed32 / float), not element by
-    element."""
-    r = pb.ComputeKeepMaskResponse.FromString(raw)
-    L, Hkv, n = r.num_layers, r.num_kv_heads, r.n
-    chunks = _packed_chunks(raw, (6, 8))
-    positions = _repeated(chunks, 6, r.positions, "<i4") if outputs.positions else None
-    scores = _repeated(chunks, 8, r.scores, "<f4") if outputs.scores else None
-    bitmask = None
-    if outputs.bitmask:
-        bitmask = np.frombuffer(r.bitmask, dtype=np.uint8).reshape(L, Hkv, (n + 7) // 8)
-    timing = r.timing
-    return t.KeepPlan(
-        num_layers=L, num_kv_heads=Hkv, n=n,
-        counts=np.array(r.counts, dtype=np.int32).reshape(L, Hkv),
-        offsets=np.array(r.offsets, dtype=np.int64),
-        positions=positions,
-        bitmask=bitmask,
-        scores=None if scores is None else scores.reshape(L, Hkv, n),
-        layer_sums=np.array(r.layer_sums, dtype=np.float64),
-        window=r.window, sinks=r.sinks, quota=r.quota, selected_total=r.selected_total,
-        tokens_per_head=r.tokens_per_head,
-        effective_policy=policy_from_proto(r.effective_policy),
-        timing=t.Timing(timing.queue_seconds, timing.validate_seconds, timing.score_seconds,
-                        timing.select_seconds, timing.respond_seconds, timing.total_seconds),
-        blocks=_decode_blocks(r) if r.HasField("blocks") else None)
-
-
-def _decode_blocks(r: Any) -> t.BlockPlan:
-    b = r.blocks
-    paged = len(b.freed_offsets) > 0
-    units = max(len(b.offsets) - 1, 0)
-    return t.BlockPlan(
-        block_size=b.block_size, num_blocks=b.num_blocks,
-        offsets=np.array(b.offsets, dtype=np.int64),
-        kept_blocks=np.array(b.kept_blocks, dtype=np.int32),
-        block_scores=(np.array(b.block_scores, dtype=np.float64).reshape(units, b.num_blocks)
-                      if len(b.block_scores) else None),
-        new_block_table=np.array(b.new_block_table, dtype=np.int32) if paged else None,
-        freed_block_ids=np.array(b.freed_block_ids, dtype=np.int32) if paged else None,
-        freed_offsets=np.array(b.freed_offsets, dtype=np.int64) if paged else None)

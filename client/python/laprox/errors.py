@@ -51,8 +51,8 @@ def from_rpc_error(error: grpc.RpcError) -> LaproxError:
     return LaproxError(code or grpc.StatusCode.UNKNOWN, details or "")
 
 
-def invalid_argument(message: str,
-                     code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT) -> LaproxArgumentError:
+def invalid_argument(message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
+                     ) -> LaproxArgumentError:
     """A local mistake in an argument's value (raise it)."""
     return LaproxArgumentError(code, message)
 
