@@ -529,6 +529,18 @@ class ErrorTest(ClientTestCase):
             self.client.compute_keep_plans(self.model, [7])
         self.assertIn("sequences[0]", e.exception.message)
 
+    def test_model_name_makes_any_text_a_name_laproxd_accepts(self):
+        # The one clean-up laprox.hf and laprox.vllm name their models with.
+        text = "/home/zoë/" + "x" * 300 + "/SmolLM2 135M (instruct)"
+        self.assertCode(grpc.StatusCode.INVALID_ARGUMENT, self.client.register_model, text,
+                        geometry(), self.case["o_proj"])
+        name = laprox.types.model_name(text)
+        self.assertEqual(len(name), laprox.types.MODEL_NAME_MAX)
+        self.assertTrue(name.endswith("/SmolLM2_135M__instruct_"), name)  # the end is kept
+        self.assertEqual(laprox.types.model_name("zoë"), "zo_")  # not str.isalnum's letters
+        model = self.client.register_model(name, geometry(), self.case["o_proj"])
+        self.client.unregister_model(model)
+
     def test_unreachable_server_is_unavailable(self):
         with laprox.Client("unix:" + SERVER.dir + "/nothing.sock", timeout=10) as client:
             self.assertCode(grpc.StatusCode.UNAVAILABLE, client.info)

@@ -128,8 +128,7 @@ def register_model(client: Any, model: Any, name: Optional[str] = None,
     weights = [_host(module.o_proj.weight.detach(), device_ok)
                for module in attention_modules(model)]
     if name is None:
-        name = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
-        name = "".join(c if c.isalnum() or c in "._/:-" else "-" for c in name)[-128:]
+        name = t.model_name(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
     return client.register_model(name, geometry(model), weights,
                                  prepare_cross_grams=prepare_cross_grams)
 

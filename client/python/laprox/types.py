@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
@@ -280,6 +281,19 @@ class Outputs:
             raise invalid_argument(f"unknown outputs {sorted(unknown)}")
         return cls(positions="positions" in names, bitmask="bitmask" in names,
                    scores="scores" in names)
+
+
+# What laproxd accepts as a model name (service/core: at most 128 bytes of these characters).
+MODEL_NAME_MAX = 128
+_MODEL_NAME_REFUSED = re.compile(r"[^A-Za-z0-9._/:-]")
+
+
+def model_name(text: str) -> str:
+    """A model name laproxd accepts, made from any text (a model path, a served name): every
+    character outside [A-Za-z0-9._/:-] becomes "_" and only the last 128 are kept (a path ends
+    in the model's own name). The integrations name their models with it: laprox.hf,
+    laprox.vllm."""
+    return _MODEL_NAME_REFUSED.sub("_", str(text))[-MODEL_NAME_MAX:]
 
 
 @dataclass(frozen=True)

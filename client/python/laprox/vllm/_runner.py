@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from ..client import PLAN_DEADLINE_S, plan_deadline
+from ..types import model_name
 from . import _compact, _metrics
 
 logger = logging.getLogger("laprox.vllm")
@@ -421,7 +422,7 @@ def _load_model(original: Any) -> Any:
         except Exception as e:
             STATE.warn(f"the model is not one laprox.vllm knows ({e})")
         name = STATE.config.model_name or str(self.model_config.served_model_name)
-        STATE.model_name = re.sub(r"[^A-Za-z0-9._/:-]", "_", name)[:128]
+        STATE.model_name = model_name(name)
         STATE.model_path = self.model_config.model
         STATE.metrics = _metrics.attach(STATE.metrics, STATE.model_name)
         return result
