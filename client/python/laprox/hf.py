@@ -66,6 +66,7 @@ import torch
 import grpc
 
 from . import types as t
+from ._attention import SDPA_GQA, masked_attention
 from .client import PLAN_DEADLINE_S, plan_deadline
 from .errors import LaproxError, invalid_argument
 
@@ -212,26 +213,12 @@ class _State:
         return buf[..., :kv_len]
 
 
-def _sdpa_supports_gqa() -> bool:
-    try:
-        major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    except ValueError:
-        return False
-    return (major, minor) >= (2, 5)
-
-
-_SDPA_GQA = _sdpa_supports_gqa()
-
-
 def _sdpa_masked_gqa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      mask: torch.Tensor, dropout: float, scaling: Optional[float]):
-    """SDPA over the KV heads as they are (enable_gqa) with an additive mask, in the layout
-    transformers' attention functions return ([B, q, H, d], no weights). transformers' own
-    SDPA path repeats keys and values to every query head whenever a mask is given (a copy of
-    the layer's cache per call); torch's CPU kernel takes the mask with enable_gqa directly."""
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
-        enable_gqa=key.shape[1] != query.shape[1])
+    """masked_attention in the layout transformers' attention functions return ([B, q, H, d],
+    no weights). transformers' own SDPA path repeats keys and values to every query head
+    whenever a mask is given (a copy of the layer's cache per call); masked_attention does not."""
+    out = masked_attention(query, key, value, mask, scaling, dropout)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -256,7 +243,7 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
                 if not state.evicts[layer]:
                     if state.prefix_bias[layer].shape[-1] > kv_len:
                         state.decode_bias(layer, query, kv_len)  # raises: the cache is short
-                elif _SDPA_GQA and query.device.type == "cpu":
+                elif SDPA_GQA and query.device.type == "cpu":
                     return _sdpa_masked_gqa(query, key, value,
                                             state.decode_bias(layer, query, kv_len),
                                             dropout, scaling)

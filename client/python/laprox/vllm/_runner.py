@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from ..client import PLAN_DEADLINE_S, plan_deadline
+from .._attention import masked_attention
 from ..types import model_name
 from . import _compact, _metrics
 
@@ -721,9 +722,8 @@ def _apply(impl: Any, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor,
         group = heads // k.shape[0]
         row = int(starts[i])
         q = query[row:row + count].transpose(0, 1).to(k.dtype)  # [H, count, d]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q[None], k[None], v[None], attn_mask=mask.repeat_interleave(group, dim=0)[None],
-            scale=impl.scale, enable_gqa=True)[0]  # [H, count, d]
+        out = masked_attention(q[None], k[None], v[None],
+                               mask.repeat_interleave(group, dim=0)[None], impl.scale)[0]
         target = output[row:row + count]
         target.copy_(out.transpose(0, 1).reshape(target.shape).to(target.dtype))
 
