@@ -60,7 +60,7 @@ class NotePlanTest(unittest.TestCase):
 
 def vec_cache(rng, blocks, heads, block_size, d):
     """One layer's cache as vLLM's CPU backend holds it, [blocks, Hkv, bs, 2d], and its key
-    [blocks, Hkv, d, bs] and value [blocks, Hkv, bs, d] views (laprox.vllm._runner._cache_views)."""
+    [blocks, Hkv, d, bs] and value [blocks, Hkv, bs, d] views (laprox.vllm._decode._cache_views)."""
     cache = torch.from_numpy(rng.standard_normal((blocks, heads, block_size, 2 * d))
                              .astype(np.float32))
     halves = cache.view(blocks, heads, 2, block_size * d)

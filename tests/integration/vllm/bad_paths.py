@@ -53,9 +53,9 @@ def child(mode: str, model: str) -> int:
 
     logging.getLogger("laprox.vllm").addHandler(Collect())
     laprox.vllm.register()
-    from laprox.vllm import _runner
+    from laprox.vllm import _connect, _runner
 
-    _runner.RETRY_INTERVAL = 0.5  # the test waits for the retry
+    _connect.RETRY_INTERVAL = 0.5  # the test waits for the retry
     if mode == "broken":
         def broken(*args, **kwargs):
             raise RuntimeError("planted failure of the masked decode attention")

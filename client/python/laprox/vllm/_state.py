@@ -1,0 +1,188 @@
+"""What laprox.vllm's hooks share: the plugin's configuration (Config, from the environment),
+the sequences it follows (prefilling, decoding under a plan, being compacted) and the one
+_State of this process (STATE), with its rate-limited warning."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ..client import PLAN_DEADLINE_S
+from . import _compact, _metrics
+
+logger = logging.getLogger("laprox.vllm")
+
+LOG_INTERVAL = 60.0  # seconds between two warnings about laproxd
+REGISTER_DEADLINE_S = 30.0  # default deadline of a registration call (Config.register_deadline)
+MAX_PLANS = 1024  # plans kept for plans(), newest last
+# The compacting plugin's cap on a layer's share of the model-wide selection
+# (Policy.max_layer_share): bench/quality/LAYERSHARE.md and LAYERCAP.md (SmolLM2-135M, 4K
+# tokens) found the longest layer at up to 1.9x the mean uncapped, 1.23x at 1.25, and no
+# significant quality cost against the uncapped LAYER_UNIFORM plan.
+COMPACT_LAYER_SHARE = 1.25
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The plugin's settings (module docstring of laprox.vllm)."""
+    target: str
+    budget: Any = 128
+    policy: Dict[str, Any] = field(default_factory=dict)
+    window: int = 32
+    model_name: str = ""
+    # Seconds a step waits for its plans: the deadline of a ComputeKeepPlans call is
+    # plan_deadline(prompt tokens of the call, deadline).
+    deadline: float = PLAN_DEADLINE_S
+    # Seconds for each registration call (made off the steps), and the longest the engine's
+    # start-up waits for the first registration.
+    register_deadline: float = REGISTER_DEADLINE_S
+    # "compact": a planned sequence's evicted entries leave the cache and its blocks go back to
+    # vLLM (LAYER_UNIFORM plans; _compact); "mask": they stay and decode leaves them out.
+    mode: str = "compact"
+
+    @property
+    def compacts(self) -> bool:
+        return self.mode == "compact"
+
+    @property
+    def layer_uniform(self) -> bool:
+        shape = str(self.plan_policy().get("plan_shape", "")).lower()
+        return shape in ("layer_uniform", "plan_shape_layer_uniform")
+
+    def plan_policy(self) -> Dict[str, Any]:
+        """The policy options sent: compaction applies LAYER_UNIFORM plans, and no layer keeps
+        more than COMPACT_LAYER_SHARE times the mean layer (the engine holds blocks for the
+        longest layer); an option set to null in LAPROX_VLLM_POLICY is left unset."""
+        policy = dict(self.policy)
+        if self.compacts:
+            policy = {"plan_shape": "layer_uniform", "max_layer_share": COMPACT_LAYER_SHARE,
+                      **policy}
+        return {key: value for key, value in policy.items() if value is not None}
+
+    @staticmethod
+    def from_env() -> "Config":
+        budget_text = os.environ.get("LAPROX_VLLM_BUDGET", "128")
+        budget = float(budget_text) if "." in budget_text else int(budget_text)
+        policy = json.loads(os.environ.get("LAPROX_VLLM_POLICY", "{}"))
+        if not isinstance(policy, dict):
+            raise ValueError("LAPROX_VLLM_POLICY must be a JSON object of policy options")
+        mode = os.environ.get("LAPROX_VLLM_MODE", "compact")
+        if mode not in ("compact", "mask"):
+            raise ValueError(f"LAPROX_VLLM_MODE must be compact or mask, not {mode!r}")
+        shape = str(policy.get("plan_shape", "layer_uniform")).lower()
+        if mode == "compact" and shape not in ("layer_uniform", "plan_shape_layer_uniform"):
+            logger.warning("laprox: LAPROX_VLLM_POLICY asks for plan_shape %s; compaction "
+                           "applies layer_uniform plans only, so the plugin masks instead",
+                           policy["plan_shape"])
+            mode = "mask"
+        return Config(target=os.environ["LAPROX_VLLM_TARGET"], budget=budget, policy=policy,
+                      mode=mode,
+                      window=int(os.environ.get("LAPROX_VLLM_WINDOW", "32")),
+                      model_name=os.environ.get("LAPROX_VLLM_MODEL", ""),
+                      deadline=_seconds("LAPROX_VLLM_DEADLINE_SECONDS", PLAN_DEADLINE_S),
+                      register_deadline=_seconds("LAPROX_VLLM_REGISTER_DEADLINE_SECONDS",
+                                                 REGISTER_DEADLINE_S))
+
+
+def _seconds(variable: str, default: float) -> float:
+    seconds = float(os.environ.get(variable, default))
+    if not seconds > 0:
+        raise ValueError(f"{variable} must be a number of seconds > 0, not {seconds}")
+    return seconds
+
+
+@dataclass(frozen=True)
+class _Link:
+    """A client of laproxd through which the KV pool and the model are registered."""
+    client: Any
+    region_id: int
+    model_id: int
+
+
+@dataclass
+class _Prefill:
+    """A sequence being prefilled: its window queries so far and where it lies."""
+    prompt_len: int
+    queries: np.ndarray                   # [L, H, w, d] float32, rows of the last w positions
+    block_ids: Optional[np.ndarray] = None
+    computed: int = 0                     # positions in the cache after the last prefill step
+
+
+@dataclass
+class _Compressed:
+    """A sequence decoding under its plan: kept[l] [Hkv, prompt_len] says which prompt
+    entries take part in attention; the kept keys and values of each layer are gathered from
+    the cache once, at the first decode step that needs them ([Hkv, c, d], heads padded to the
+    largest count c, `valid` [Hkv, c] marking real entries)."""
+    prompt_len: int
+    kept: np.ndarray
+    block_ids: np.ndarray
+    layers: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict)
+
+
+class _State:
+    def __init__(self) -> None:
+        self.config: Optional[Config] = None
+        self.segment: Any = None              # the shared-memory object behind the KV cache
+        self.pool_base: int = 0               # its data pointer
+        # Set by the connector thread once the pool and the model are registered; the steps
+        # only read it, and drop it (connector.give_back) when a call fails.
+        self.link: Optional[_Link] = None
+        self.connector: Optional["_Connector"] = None
+        self.model_name = ""
+        self.model_path = ""
+        self.geometry: Any = None
+        # This step's prefill rows: batch index -> (request id, first position, count).
+        self.step: Dict[int, Tuple[str, int, int]] = {}
+        self.prefills: Dict[str, _Prefill] = {}
+        # Sequences decoding under a plan, and this step's decode rows of them: batch index ->
+        # (request id, first position, count).
+        self.compressed: Dict[str, "_Compressed"] = {}
+        self.decode_rows: Dict[int, Tuple[str, int, int]] = {}
+        # Compaction (_compact): plans waiting for the scheduler's order, the requests reported
+        # ready on the next ModelRunnerOutput, the compacted requests, and this step's rows of
+        # them.
+        self.pending: Dict[str, _compact.Pending] = {}
+        self.ready: Dict[str, _compact.Ready] = {}
+        self.compacted: Dict[str, _compact.Compacted] = {}
+        self.shift: Optional[_compact.Shift] = None
+        self.plans: "OrderedDict[str, Any]" = OrderedDict()  # the last MAX_PLANS requests
+        self.metrics = _metrics.Metrics()
+        # Seconds of this step's capture and masked decode, observed at its end (_execute_model).
+        self.step_seconds: Dict[str, float] = {"capture": 0.0, "apply": 0.0}
+        self.last_warning = 0.0
+        self.warning_lock = threading.Lock()  # the steps and the connector thread warn
+
+    def warn(self, message: str, sequences: int = 1) -> None:
+        """Counts `sequences` sequences that keep their full cache (or a failed set-up step: 1;
+        a failed registration: 0, its sequences are counted when they miss their plan) and
+        logs the message at most once per LOG_INTERVAL. Only the engine's thread counts (the
+        connector thread passes 0): the counters are not atomic."""
+        if sequences:
+            self.metrics.failures += sequences
+        with self.warning_lock:
+            now = time.monotonic()
+            if now - self.last_warning < LOG_INTERVAL:
+                return
+            self.last_warning = now
+        logger.warning("laprox: %s; the sequence keeps its full KV cache (failures so far: "
+                       "%d)", message, self.metrics.failures)
+
+
+STATE = _State()
+
+
+def _wire_dtype(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}[dtype]
