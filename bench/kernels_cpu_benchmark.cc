@@ -719,7 +719,9 @@ int Run(int argc, char** argv) {
                      c.block_size ? absl::StrCat("/block:", c.block_size) : std::string())
             .c_str(),
         [c](benchmark::State& state) { BM_KeepPlan(state, c); })
-        ->Iterations(long_context ? 3 : small ? kSmallIterations : kIterations)
+        ->Iterations(long_context ? 3
+                     : small      ? kSmallIterations
+                                  : kIterations)
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);
   }
