@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/strings/string_view.h"
 #include "cuda/context.h"
 #include "cuda/prepared_model.h"
 #include "laprox/kernels/backend.h"
@@ -25,8 +24,6 @@ namespace laprox::kernels::cuda {
 class Scorer {
  public:
   virtual ~Scorer() = default;
-
-  virtual absl::string_view name() const = 0;
 
   // Whether Score handles this request (every LAPROX option for v0; v1 needs a group-mean
   // gqa_value, not MEAN_HEAD_PRODUCT (the default) or EXACT_BLOCK, bf16 or fp16 keys, values

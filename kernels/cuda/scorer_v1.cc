@@ -19,7 +19,6 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/string_view.h"
 #include "common/status_macros.h"
 #include "cuda/cuda_status.h"
 #include "cuda/device_buffer.h"
@@ -98,8 +97,6 @@ int PoolingCode(Pooling pooling) {
 
 class ScorerV1 final : public Scorer {
  public:
-  absl::string_view name() const override { return "v1"; }
-
   bool Supports(const RequestShape& shape, const PolicySpec& policy,
                 const std::vector<LayerInputs>& layers) const override {
     FusedValueMode mode;
