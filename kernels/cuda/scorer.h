@@ -5,7 +5,7 @@
 //       group statistics, quadratic forms and pooling (scorer_v0.cc, score_kernels.cu);
 //   v1  one fused kernel per layer that reads K and V once per (KV head, token tile) with
 //       Q.K^T and V.R on tensor cores, after a normaliser pass (or the engine's window LSE)
-//       (scorer_v1.cc, fused_kernels.cu). bf16 / fp16 inputs only; v0 handles the rest.
+//       (scorer_v1.cc, fused_kernels.h). bf16 / fp16 inputs only; v0 handles the rest.
 // Both compute what kernels/cpu/score.cc computes (tests/reference/SEMANTICS.md, "Scores"),
 // in fp32 with fp32 accumulation, and are compared with it by tests/cuda/.
 #ifndef LAPROX_KERNELS_CUDA_SCORER_H_

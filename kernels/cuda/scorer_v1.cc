@@ -1,5 +1,6 @@
 // The v1 scorer: per layer a factor split, the window LSE (given or pass 1), the fused pass and
-// the pooling kernel, all on context.stream (kernel design in fused_kernels.h / .cu).
+// the pooling kernel, all on context.stream (kernel design in fused_kernels.h and the
+// fused_*.cu files).
 //
 // Supports: LAPROX with window_queries (not window_attention), keys / values / queries all bf16
 // or all fp16 in device memory, keys and values [Hkv, n, d] with unit innermost stride and
