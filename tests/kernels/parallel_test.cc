@@ -24,6 +24,7 @@ namespace {
 // Runs every body on a thread of its own, all at once, and joins them.
 void RunConcurrently(int callers, const std::function<void(int)>& body) {
   std::vector<std::thread> threads;
+  threads.reserve(callers);
   for (int c = 0; c < callers; ++c) threads.emplace_back(body, c);
   for (std::thread& t : threads) t.join();
 }
