@@ -383,5 +383,50 @@ TEST(SelectionTest, LayerShareCapValidation) {
   EXPECT_FALSE(p.LayerSelectionCap(30, 3, 7).has_value());
 }
 
+// policy::SelectionSteps, the one list of steps both backends walk: SEMANTICS.md's order written
+// out for each allocation (L = 4, Hkv = 2, q = 10).
+TEST(SelectionTest, StepsFollowTheSemanticsOrder) {
+  RequestShape shape;
+  shape.num_layers = 4;
+  shape.num_kv_heads = 2;
+  shape.quota = 10;
+  using Kind = policy::SelectionStep::Kind;
+  using Scope = policy::SelectionScope;
+  // (kind, scope, k, cap) of each step, cap -1 for none.
+  auto describe = [&](const PolicySpec& policy) {
+    std::vector<std::string> out;
+    for (const policy::SelectionStep& step : policy::SelectionSteps(shape, policy)) {
+      out.push_back(step.kind == Kind::kHeadUniformRecount
+                        ? std::string("recount")
+                        : absl::StrCat(step.scope == Scope::kHead    ? "head"
+                                       : step.scope == Scope::kLayer ? "layer"
+                                                                     : "model",
+                                       " ", step.k, " cap ", step.layer_cap.value_or(-1)));
+    }
+    return out;
+  };
+  using Steps = std::vector<std::string>;
+  PolicySpec policy;
+  policy.allocation = Allocation::kGlobalNormalized;
+  EXPECT_EQ(describe(policy), (Steps{"model 80 cap -1"}));
+  policy.min_per_head = 3;
+  EXPECT_EQ(describe(policy), (Steps{"head 3 cap -1", "model 56 cap -1"}));
+  policy.max_layer_share = 1.5;  // cap floor(1.5 * Hkv * q) = 30
+  EXPECT_EQ(describe(policy), (Steps{"head 3 cap -1", "model 56 cap 30"}));
+  policy.plan_shape = PlanShape::kLayerUniform;
+  EXPECT_EQ(describe(policy), (Steps{"head 3 cap -1", "model 56 cap 30", "recount"}));
+  policy.min_per_head = 50;  // the reserve takes the whole quota: no model-wide step
+  EXPECT_EQ(describe(policy), (Steps{"head 10 cap -1", "recount"}));
+
+  PolicySpec per_layer;
+  per_layer.allocation = Allocation::kPerLayer;
+  per_layer.min_per_head = 4;
+  EXPECT_EQ(describe(per_layer), (Steps{"head 4 cap -1", "layer 12 cap -1"}));
+  PolicySpec uniform;
+  uniform.allocation = Allocation::kUniform;
+  uniform.min_per_head = 4;  // no effect
+  EXPECT_EQ(describe(uniform), (Steps{"head 10 cap -1"}));
+}
+
 }  // namespace
 }  // namespace laprox::kernels
