@@ -42,6 +42,8 @@
 // LAPROX_BENCH_STOP=1 gives every call a kernels::StopSignal as laproxd does (it never fires), to
 // measure the cost of the cancellation checks.
 // --laprox_long_context runs SmolLM2 at 128K and its 6-layer geometry at 64K..512K instead.
+// --laprox_small runs SmolLM2 at n = 256 and 1024 instead, 200 calls each: plans of a few ms,
+// where the cost of handing work to the worker threads shows.
 //
 // Running it:
 //   bench/run_cpu_bench.sh BUILD_DIR   # this benchmark + the numpy timing, one table
@@ -97,6 +99,7 @@ constexpr uint64_t kSeed = 20261130;
 // Iterations per case: the Llama and 32K cases take seconds per call on 2 cores, and the whole
 // C++ run should stay within a few minutes.
 constexpr int kIterations = 5;
+constexpr int kSmallIterations = 200;  // --laprox_small
 
 struct Geometry {
   const char* name;
@@ -648,15 +651,20 @@ void BM_KeepPlan(benchmark::State& state, const Case& c) {
 int Run(int argc, char** argv) {
   // The floor is OpenBLAS's sgemm: with the kernels this CPU's vectors call for.
   RestartWithOpenBlasCore("kernels_cpu_benchmark", argv);
-  // --laprox_long_context: the long-context series instead of the standard cases.
-  bool long_context = false;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--laprox_long_context") == 0) {
-      long_context = true;
-      std::copy(argv + i + 1, argv + argc, argv + i);
-      --argc;
-      break;
+  // --laprox_long_context: the long-context series instead of the standard cases;
+  // --laprox_small: the small cases instead.
+  bool long_context = false, small = false;
+  for (int i = 1; i < argc;) {
+    bool* flag = std::strcmp(argv[i], "--laprox_long_context") == 0 ? &long_context
+                 : std::strcmp(argv[i], "--laprox_small") == 0      ? &small
+                                                                    : nullptr;
+    if (flag == nullptr) {
+      ++i;
+      continue;
     }
+    *flag = true;
+    std::copy(argv + i + 1, argv + argc, argv + i);
+    --argc;
   }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
@@ -683,6 +691,7 @@ int Run(int argc, char** argv) {
              {kSmolLM2Layers6, 262144},
              {kSmolLM2Layers6, 524288}};
   }
+  if (small) cases = {{kSmolLM2, 256}, {kSmolLM2, 1024}};
 
   // The floor, measured before the cases so that no case's memory is in the way.
   RefreshRates(/*trials=*/5);
@@ -710,7 +719,9 @@ int Run(int argc, char** argv) {
                      c.block_size ? absl::StrCat("/block:", c.block_size) : std::string())
             .c_str(),
         [c](benchmark::State& state) { BM_KeepPlan(state, c); })
-        ->Iterations(long_context ? 3 : kIterations)
+        ->Iterations(long_context ? 3
+                     : small      ? kSmallIterations
+                                  : kIterations)
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);
   }

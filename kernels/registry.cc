@@ -9,8 +9,6 @@
 
 namespace laprox::kernels {
 
-bool CudaBackendBuilt() { return LAPROX_HAVE_CUDA != 0; }
-
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(BackendKind kind,
                                                        const BackendOptions& options) {
   // Checked for every kind, so a misspelt option fails where it is given, not on the GPU host.

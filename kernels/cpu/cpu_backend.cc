@@ -36,10 +36,11 @@ namespace {
 // workspace allocation that fails (the host is short of memory despite the service's budget)
 // fails its item with RESOURCE_EXHAUSTED: an exception must not leave a worker thread.
 template <typename Task>
-absl::Status RunAll(int64_t count, int threads, Task&& task, int64_t* failed_item = nullptr) {
+absl::Status RunAll(WorkerPool& pool, int64_t count, int threads, Task&& task,
+                    int64_t* failed_item = nullptr) {
   std::vector<absl::Status> statuses(count);
   std::atomic<int64_t> first_failure{std::numeric_limits<int64_t>::max()};
-  ParallelFor(count, threads, [&](int64_t item, int worker) {
+  pool.ParallelFor(count, threads, [&](int64_t item, int worker) {
     if (item > first_failure.load(std::memory_order_relaxed)) return;
     try {
       statuses[item] = task(item, worker);
@@ -267,7 +268,7 @@ absl::StatusOr<std::shared_ptr<const PreparedModel>> CpuBackend::PrepareModelImp
   auto model = std::make_shared<CpuPreparedModel>(geometry, options);
   const int64_t D = geometry.hidden_size, Hd = int64_t{geometry.num_heads} * geometry.head_dim;
   std::vector<PrepareScratch> scratch(threads_);
-  LAPROX_RETURN_IF_ERROR(RunAll(geometry.num_layers, threads_, [&](int64_t l, int worker) {
+  LAPROX_RETURN_IF_ERROR(RunAll(pool_, geometry.num_layers, threads_, [&](int64_t l, int worker) {
     LAPROX_RETURN_IF_ERROR(CheckStop(stop, "preparing the model"));
     // View the [D, H*d] weight as one "head" of D rows so that LoadRows converts and checks it.
     const TensorView& w = o_proj[l];
@@ -348,7 +349,7 @@ absl::StatusOr<std::vector<KeepPlan>> CpuBackend::RunSequences(
   std::vector<ScoreWorkspace> workspaces(threads_);
   int64_t failed_item = 0;
   absl::Status scored = RunAll(
-      first_item.back(), threads_,
+      pool_, first_item.back(), threads_,
       [&](int64_t item, int worker) {
         const int64_t j = job_of(item);
         LAPROX_RETURN_IF_ERROR(CheckStop(requests[j].stop));
@@ -363,7 +364,7 @@ absl::StatusOr<std::vector<KeepPlan>> CpuBackend::RunSequences(
   const auto scored_at = std::chrono::steady_clock::now();
   std::vector<KeepPlan> plans(jobs.size());
   LAPROX_RETURN_IF_ERROR(RunAll(
-      static_cast<int64_t>(jobs.size()), threads_,
+      pool_, static_cast<int64_t>(jobs.size()), threads_,
       [&](int64_t j, int) {
         LAPROX_RETURN_IF_ERROR(CheckStop(requests[j].stop));
         LAPROX_ASSIGN_OR_RETURN(plans[j], jobs[j]->Select());

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "common/parallel.h"
 #include "laprox/kernels/backend.h"
 
 namespace laprox::kernels::cpu {
@@ -17,10 +18,12 @@ class CpuPreparedModel;
 
 class CpuBackend final : public Backend {
  public:
-  // `threads` >= 1 workers over (layer, KV head) pairs, each holding at most `window_bytes` of
-  // LAPROX's window probabilities (BackendOptions::cpu_window_bytes), reading keys and values
-  // in chunks sized for an L2 of `l2_bytes` per core (cpu/window.h's KeyChunk and ValueChunk;
-  // 0: this CPU's). Sets OpenBLAS to one thread per call (a process-wide OpenBLAS setting).
+  // `threads` >= 1 workers per request over (layer, KV head) pairs (the calling thread and
+  // threads - 1 of the backend's pool, whatever other requests run at once), each holding at most
+  // `window_bytes` of LAPROX's window probabilities (BackendOptions::cpu_window_bytes), reading
+  // keys and values in chunks sized for an L2 of `l2_bytes` per core (cpu/window.h's KeyChunk and
+  // ValueChunk; 0: this CPU's). Sets OpenBLAS to one thread per call (a process-wide OpenBLAS
+  // setting).
   explicit CpuBackend(int threads, int64_t window_bytes = int64_t{64} << 20, int64_t l2_bytes = 0);
 
   BackendKind kind() const override { return BackendKind::kCpu; }
@@ -58,6 +61,11 @@ class CpuBackend final : public Backend {
   int threads_;
   int64_t window_bytes_;
   int64_t l2_bytes_;
+  // The worker threads, "laprox-cpu-<k>", joined when the backend is destroyed. Each call takes
+  // threads_ workers, itself one of them; the pool grows to threads_ - 1 times the number of
+  // calls ever in flight at once (laproxd's --workers plus --heavy_workers), so concurrent
+  // requests do not share workers (common/parallel.h).
+  WorkerPool pool_{"laprox-cpu"};
 };
 
 }  // namespace laprox::kernels::cpu

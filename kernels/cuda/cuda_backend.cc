@@ -192,6 +192,11 @@ absl::StatusOr<KeepPlan> CudaBackend::ComputeKeepPlanImpl(const PreparedModel& m
                                                           const RequestShape& shape) {
   using Clock = std::chrono::steady_clock;
   const auto& prepared = static_cast<const CudaPreparedModel&>(model);
+  // One request at a time: this mutex is held from staging to the plan on the host, so however
+  // many laproxd workers (--workers, --heavy_workers) call in at once, the CUDA backend computes
+  // their requests one after another, each with the whole GPU, its one stream and the
+  // backend's single set of buffers (staging_, raw_, the scorers', selector_). The others wait
+  // here, and their deadlines run while they wait.
   absl::MutexLock lock(&mu_);
   LAPROX_RETURN_IF_ERROR(sticky_);
   // The stop signal is checked between the stages below (the kernels queued for a stage run to

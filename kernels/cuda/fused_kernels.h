@@ -1,4 +1,7 @@
-// Launchers of the v1 (fused) LaProx scorer's kernels (fused_kernels.cu), used by scorer_v1.cc.
+// Launchers of the v1 (fused) LaProx scorer's kernels, used by scorer_v1.cc. One algorithm per
+// .cu file: fused_split_factors.cu, fused_window_lse.cu (pass 1 and the engine's LSE),
+// fused_score.cu (pass 2), fused_pool.cu; the warp-level (fused_warp.cuh) and block-level
+// (fused_block.cuh) pieces the passes share are headers.
 //
 // Per layer, on one stream:
 //   LaunchSplitFactors  fp32 factor blocks -> upper-triangular 3-term 16-bit split (V.M input)

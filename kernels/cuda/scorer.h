@@ -5,7 +5,7 @@
 //       group statistics, quadratic forms and pooling (scorer_v0.cc, score_kernels.cu);
 //   v1  one fused kernel per layer that reads K and V once per (KV head, token tile) with
 //       Q.K^T and V.R on tensor cores, after a normaliser pass (or the engine's window LSE)
-//       (scorer_v1.cc, fused_kernels.cu). bf16 / fp16 inputs only; v0 handles the rest.
+//       (scorer_v1.cc, fused_kernels.h). bf16 / fp16 inputs only; v0 handles the rest.
 // Both compute what kernels/cpu/score.cc computes (tests/reference/SEMANTICS.md, "Scores"),
 // in fp32 with fp32 accumulation, and are compared with it by tests/cuda/.
 #ifndef LAPROX_KERNELS_CUDA_SCORER_H_
@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/strings/string_view.h"
 #include "cuda/context.h"
 #include "cuda/prepared_model.h"
 #include "laprox/kernels/backend.h"
@@ -25,8 +24,6 @@ namespace laprox::kernels::cuda {
 class Scorer {
  public:
   virtual ~Scorer() = default;
-
-  virtual absl::string_view name() const = 0;
 
   // Whether Score handles this request (every LAPROX option for v0; v1 needs a group-mean
   // gqa_value, not MEAN_HEAD_PRODUCT (the default) or EXACT_BLOCK, bf16 or fp16 keys, values

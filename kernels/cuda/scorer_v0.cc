@@ -24,6 +24,7 @@
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "common/status_macros.h"
 #include "cuda/cuda_status.h"
 #include "cuda/device_util.h"
@@ -86,7 +87,6 @@ absl::Status Gemm(const DeviceContext& context, cublasOperation_t op_a, cublasOp
 
 class ScorerV0 final : public Scorer {
  public:
-  absl::string_view name() const override { return "v0"; }
   bool Supports(const RequestShape&, const PolicySpec&,
                 const std::vector<LayerInputs>&) const override {
     return true;

@@ -1,5 +1,6 @@
 // The v1 scorer: per layer a factor split, the window LSE (given or pass 1), the fused pass and
-// the pooling kernel, all on context.stream (kernel design in fused_kernels.h / .cu).
+// the pooling kernel, all on context.stream (kernel design in fused_kernels.h and the
+// fused_*.cu files).
 //
 // Supports: LAPROX with window_queries (not window_attention), keys / values / queries all bf16
 // or all fp16 in device memory, keys and values [Hkv, n, d] with unit innermost stride and
@@ -19,7 +20,6 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/string_view.h"
 #include "common/status_macros.h"
 #include "cuda/cuda_status.h"
 #include "cuda/device_buffer.h"
@@ -98,8 +98,6 @@ int PoolingCode(Pooling pooling) {
 
 class ScorerV1 final : public Scorer {
  public:
-  absl::string_view name() const override { return "v1"; }
-
   bool Supports(const RequestShape& shape, const PolicySpec& policy,
                 const std::vector<LayerInputs>& layers) const override {
     FusedValueMode mode;

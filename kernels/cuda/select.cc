@@ -16,46 +16,34 @@
 namespace laprox::kernels::cuda {
 namespace {
 
-// One top-k step of an allocation (SelectKeepPlan's Take / TakePerHead): candidates compete in
-// segments of `segment_size` consecutive candidate indices, each segment selecting its best `k`
-// among the candidates not selected yet, or the head_uniform_layers recount: every head of a
-// layer re-selects its best T_l / Hkv (+1 for the first T_l % Hkv heads) after the layer is
-// cleared.
+// A step of policy::SelectionSteps as the device runs it: candidates compete in segments of
+// `segment_size` consecutive candidate indices (m per head, Hkv * m per layer, C for the model),
+// each segment selecting its best `k` among the candidates not selected yet; or the
+// head_uniform_layers recount.
 struct SelectStep {
   uint64_t segment_size = 0;
   uint32_t k = 0;
   bool head_uniform = false;
 };
 
-// The steps SelectKeepPlan takes, in its order. Segments are per head (m), per layer (Hkv*m) or
-// the whole model (C); a per-layer sequence "reserve, then compete" is the same as all
-// reservations first, because layers do not interact.
+// policy::SelectionSteps (the order SelectKeepPlan takes too) in device segments. A capped step
+// (max_layer_share) does not reach here: Select refuses it first.
 std::vector<SelectStep> PlanSteps(const RequestShape& shape, const PolicySpec& policy) {
   const uint64_t m = static_cast<uint64_t>(shape.candidates);
   const uint64_t heads = static_cast<uint64_t>(shape.num_kv_heads);
   const uint64_t rows = static_cast<uint64_t>(shape.num_layers) * heads;
-  const uint64_t q = static_cast<uint64_t>(shape.quota);
-  const uint64_t reserve = std::min<uint64_t>(static_cast<uint64_t>(policy.min_per_head), q);
   std::vector<SelectStep> steps;
-  // Quotas fit in uint32: every k <= C < 2^32 (checked by the caller).
-  auto add = [&steps](uint64_t segment_size, uint64_t k) {
-    if (k > 0) steps.push_back({segment_size, static_cast<uint32_t>(k), false});
-  };
-  switch (policy.allocation) {
-    case Allocation::kGlobalNormalized:
-    case Allocation::kGlobalRaw:
-      add(m, reserve);
-      add(rows * m, rows * (q - reserve));
-      break;
-    case Allocation::kPerLayer:
-      add(m, reserve);
-      add(heads * m, heads * (q - reserve));
-      break;
-    case Allocation::kUniform:
-      add(m, q);
-      break;
+  for (const policy::SelectionStep& step : policy::SelectionSteps(shape, policy)) {
+    if (step.kind == policy::SelectionStep::Kind::kHeadUniformRecount) {
+      steps.push_back({m, 0, true});
+      continue;
+    }
+    const uint64_t segment_size = step.scope == policy::SelectionScope::kHead    ? m
+                                  : step.scope == policy::SelectionScope::kLayer ? heads * m
+                                                                                 : rows * m;
+    // Quotas fit in uint32: every k <= C < 2^32 (checked by the caller).
+    steps.push_back({segment_size, static_cast<uint32_t>(step.k), false});
   }
-  if (policy.EffectivePlanShape() == PlanShape::kLayerUniform) steps.push_back({m, 0, true});
   return steps;
 }
 

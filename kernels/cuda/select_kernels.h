@@ -1,6 +1,10 @@
 // Launchers of the device selection (DeviceSelector, cuda/select.h): per-layer sums and
 // normalisation, per-segment top-k by radix sort (v0) or radix-histogram threshold select (v1),
 // and the KeepPlan outputs (per-head counts, offsets, positions, bitmask).
+// One algorithm per .cu file: select_normalize.cu (layer sums, scores), select_quotas.cu
+// (quotas, counts, the head-uniform recount), select_radix_sort.cu (v0), select_histogram.cu
+// (v1), select_outputs.cu (offsets, positions, bitmask); the keys and launch shape they share
+// are in select_keys.cuh.
 //
 // Every launcher works on the flat score space [L, Hkv, n] of one request, described by
 // SelectGeometry. Indices: flat f = (l * Hkv + g) * n + i (< 2^32); candidate index
@@ -108,7 +112,7 @@ struct RadixSelectState {
   uint64_t prefix = 0;     // key bits resolved so far (bits >= shift)
   uint32_t remaining = 0;  // rank (1-based) of the wanted key among keys matching prefix
   int32_t shift = 0;       // lowest resolved bit
-  int32_t mode = 0;        // searching / none / threshold (select_kernels.cu)
+  int32_t mode = 0;        // searching / none / threshold (select_histogram.cu)
   int32_t unused = 0;
 };
 

@@ -232,34 +232,29 @@ absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicyS
   }
 
   Selector selector(shape, scores, stop);
-  const int64_t reserve = std::min<int64_t>(policy.min_per_head, q);
-  switch (policy.allocation) {
-    case Allocation::kGlobalNormalized:
-    case Allocation::kGlobalRaw:
-      if (reserve > 0) {
-        for (int64_t l = 0; l < L; ++l) selector.TakePerHead(l, reserve, 0);
-      }
-      if (const std::optional<int64_t> cap = policy.LayerSelectionCap(L, Hkv, q)) {
-        selector.TakeCapped(L * Hkv * (q - reserve), *cap);
-      } else {
-        selector.Take(0, L * Hkv, L * Hkv * (q - reserve));
-      }
-      break;
-    case Allocation::kPerLayer:
+  for (const SelectionStep& step : SelectionSteps(shape, policy)) {
+    if (step.kind == SelectionStep::Kind::kHeadUniformRecount) {
       for (int64_t l = 0; l < L; ++l) {
-        if (reserve > 0) selector.TakePerHead(l, reserve, 0);
-        selector.Take(l * Hkv, (l + 1) * Hkv, Hkv * (q - reserve));
+        const int64_t total = selector.CountInLayer(l);
+        selector.ClearLayer(l);
+        selector.TakePerHead(l, total / Hkv, total % Hkv);
       }
-      break;
-    case Allocation::kUniform:
-      for (int64_t l = 0; l < L; ++l) selector.TakePerHead(l, q, 0);
-      break;
-  }
-  if (plan_shape == PlanShape::kLayerUniform) {
-    for (int64_t l = 0; l < L; ++l) {
-      const int64_t total = selector.CountInLayer(l);
-      selector.ClearLayer(l);
-      selector.TakePerHead(l, total / Hkv, total % Hkv);
+      continue;
+    }
+    switch (step.scope) {
+      case SelectionScope::kHead:
+        for (int64_t l = 0; l < L; ++l) selector.TakePerHead(l, step.k, 0);
+        break;
+      case SelectionScope::kLayer:
+        for (int64_t l = 0; l < L; ++l) selector.Take(l * Hkv, (l + 1) * Hkv, step.k);
+        break;
+      case SelectionScope::kModel:
+        if (step.layer_cap.has_value()) {
+          selector.TakeCapped(step.k, *step.layer_cap);
+        } else {
+          selector.Take(0, L * Hkv, step.k);
+        }
+        break;
     }
   }
 
@@ -275,6 +270,35 @@ absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicyS
   plan.selected_total = L * Hkv * q;
   plan.layer_sums = std::move(layer_sums);
   return plan;
+}
+
+std::vector<SelectionStep> SelectionSteps(const RequestShape& shape, const PolicySpec& policy) {
+  const int64_t L = shape.num_layers, Hkv = shape.num_kv_heads, q = shape.quota;
+  const int64_t reserve = std::min<int64_t>(policy.min_per_head, q);
+  std::vector<SelectionStep> steps;
+  auto top_k = [&steps](SelectionScope scope, int64_t k, std::optional<int64_t> cap = {}) {
+    if (k > 0) steps.push_back({.scope = scope, .k = k, .layer_cap = cap});
+  };
+  switch (policy.allocation) {
+    case Allocation::kGlobalNormalized:
+    case Allocation::kGlobalRaw:
+      top_k(SelectionScope::kHead, reserve);
+      top_k(SelectionScope::kModel, L * Hkv * (q - reserve), policy.LayerSelectionCap(L, Hkv, q));
+      break;
+    case Allocation::kPerLayer:
+      top_k(SelectionScope::kHead, reserve);
+      top_k(SelectionScope::kLayer, Hkv * (q - reserve));
+      break;
+    case Allocation::kUniform:
+      top_k(SelectionScope::kHead, q);
+      break;
+  }
+  if (policy.EffectivePlanShape() == PlanShape::kLayerUniform) {
+    SelectionStep recount;
+    recount.kind = SelectionStep::Kind::kHeadUniformRecount;
+    steps.push_back(recount);
+  }
+  return steps;
 }
 
 KeepPlan PlanHeader(const RequestShape& shape) {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -45,6 +46,31 @@ void PartitionBest(absl::Span<Ranked<Score>> tokens, int64_t k) {
   if (k <= 0 || k >= static_cast<int64_t>(tokens.size())) return;
   std::nth_element(tokens.begin(), tokens.begin() + k, tokens.end(), RankedBefore<Score>);
 }
+
+// The steps of the selection (SEMANTICS.md "Selection"), in the order every backend takes them:
+// the one description that SelectKeepPlan (the CPU, select.cc) and the CUDA backend's
+// DeviceSelector (cuda/select.cc) both walk. A step is either a top-k: each segment of `scope`
+// (one (layer, KV head) row, one layer's rows, or every row of the model) selects the best `k`
+// of its candidates not selected yet, by RankedBefore's order, all of them when it has at most k;
+// or the head_uniform_layers recount: each layer's selected total T_l is cleared and re-selected
+// as T_l / Hkv per head, plus one for heads 0 .. T_l % Hkv - 1.
+enum class SelectionScope { kHead, kLayer, kModel };
+struct SelectionStep {
+  enum class Kind { kTopK, kHeadUniformRecount };
+  Kind kind = Kind::kTopK;
+  SelectionScope scope = SelectionScope::kHead;  // kTopK only
+  int64_t k = 0;                                 // kTopK only: per segment, > 0
+  // kTopK at kModel scope only: max_layer_share's cap on a layer's selected candidates
+  // (PolicySpec::LayerSelectionCap), reservations included; the model-wide top-k then becomes
+  // the capped walk.
+  std::optional<int64_t> layer_cap;
+};
+// The steps for `policy` over `shape` (after DeriveBudget): the per-head reservation
+// (min(min_per_head, q)) first, then the competition of the allocation, then the recount when
+// the plan shape is LAYER_UNIFORM. PER_LAYER's "reserve, then compete" per layer is written as
+// all reservations, then every layer's competition: the same plan, since layers do not interact.
+// Top-k steps with k = 0 are left out (they select nothing).
+std::vector<SelectionStep> SelectionSteps(const RequestShape& shape, const PolicySpec& policy);
 
 // A KeepPlan with only the fields `shape` fixes: L, Hkv, n, window, sinks, quota.
 KeepPlan PlanHeader(const RequestShape& shape);

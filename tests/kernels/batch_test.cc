@@ -1,14 +1,18 @@
 // Backend::ComputeKeepPlans: a batch of sequences of one model gives each sequence the plan it
 // gets alone (whatever the mix of lengths, policies, shapes and paged inputs), and a bad sequence
-// fails the whole call naming the lowest bad index.
+// fails the whole call naming the lowest bad index; concurrent callers get the same plans.
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "laprox/kernels/registry.h"
 #include "paged_pool.h"
 #include "tiny_model.h"
@@ -143,6 +147,48 @@ TEST_P(BatchTest, ABadSequenceFailsTheCallNamingTheLowestIndex) {
 
   EXPECT_EQ(backend_->ComputeKeepPlans(*model_, {}).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// laproxd computes several requests at once on one backend (--workers, --heavy_workers): callers
+// on four threads at once, each sequence in another order, share the backend's worker pool
+// (common/parallel.h) and must still get the plan each sequence gets alone.
+TEST_P(BatchTest, ConcurrentCallersGetTheirSinglePlans) {
+  const auto batch = MixedBatch();
+  std::vector<KeepPlan> alone;
+  for (const auto& s : batch) {
+    auto plan = backend_->ComputeKeepPlan(*model_, s->request);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    alone.push_back(*std::move(plan));
+  }
+  constexpr int kCallers = 4;
+  std::vector<std::vector<KeepPlan>> got(kCallers, std::vector<KeepPlan>(batch.size()));
+  std::vector<absl::Status> statuses(kCallers);
+  std::vector<std::thread> callers;
+  callers.reserve(kCallers);
+  for (int c = 0; c < kCallers; ++c) {
+    callers.emplace_back([&, c] {
+      for (size_t j = 0; j < batch.size(); ++j) {
+        const size_t i = (j + c) % batch.size();
+        auto plan = backend_->ComputeKeepPlan(*model_, batch[i]->request);
+        if (!plan.ok()) {
+          statuses[c] = plan.status();
+          return;
+        }
+        got[c][i] = *std::move(plan);
+      }
+    });
+  }
+  for (std::thread& t : callers) t.join();
+  for (int c = 0; c < kCallers; ++c) {
+    ASSERT_TRUE(statuses[c].ok()) << "caller " << c << ": " << statuses[c];
+    for (size_t i = 0; i < batch.size(); ++i) {
+      SCOPED_TRACE(absl::StrCat("caller ", c, ", sequence ", i));
+      EXPECT_EQ(got[c][i].counts, alone[i].counts);
+      EXPECT_EQ(got[c][i].positions, alone[i].positions);
+      EXPECT_EQ(got[c][i].scores, alone[i].scores);
+      EXPECT_EQ(got[c][i].layer_sums, alone[i].layer_sums);
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Threads, BatchTest, ::testing::Values(1, 2, 3),

@@ -7,8 +7,14 @@
 // protected ...Impl methods with those preconditions guaranteed. The Impl methods check what
 // needs the data itself (NaN/Inf, probability rows) while they read it.
 //
-// Every backend returns the same KeepPlan for the same inputs (the CPU backend is the
-// reference); see tests/reference/SEMANTICS.md for the exact algorithm.
+// The CPU backend is the reference: it computes tests/reference/SEMANTICS.md's algorithm, and
+// tests/reference holds its plans to the float64 oracle. Another backend (CUDA) computes the
+// same algorithm in fp32 in another order, so its plan may differ from the CPU plan for the same
+// inputs as much as tests/cuda/cuda_backend_test.cc allows: candidate scores within 1e-4 relative
+// (plus 1e-6 of the largest score), layer sums within 1e-4, the same number of kept tokens, and
+// kept sets equal except for swaps of near-ties, tokens whose CPU scores lie within a relative
+// 1e-5 of the selection threshold of their competition (with head_uniform_layers, also a layer's
+// share moved by one token, so that the boundary ranks of its heads differ).
 //
 // Thread safety: a Backend may be used from several threads at once; a PreparedModel is
 // immutable after PrepareModel returns and may be shared by concurrent requests.

@@ -27,9 +27,6 @@ struct BackendOptions {
   std::string cuda_kernels = "v0";
 };
 
-// Whether this build contains the CUDA backend.
-bool CudaBackendBuilt();
-
 // "cpu" or "cuda"; "auto" is cpu for now (README: until the CUDA backend has passed
 // tests/gpu/run.sh on a GPU, then cuda when built and a device is present).
 // INVALID_ARGUMENT for an unknown name; UNIMPLEMENTED when cuda is asked for but not built;
