@@ -55,8 +55,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (absl::Status s = core->regions().Unregister(*id, service::Owner::Laproxd()); !s.ok()) {
         fuzz::Fail(absl::StrCat("Unregister(", *id, "): ", s.ToString()));
       }
-      if (!core->regions().List(service::Owner::Laproxd()).empty())
+      if (!core->regions().List(service::Owner::Laproxd()).empty()) {
         fuzz::Fail("a region is left after Unregister");
+      }
       return 0;
     }
     case v1::RegisterRegionRequest::kCudaIpc: {
