@@ -39,7 +39,6 @@
 #include "laprox/kernels/openblas_core.h"
 #include "laprox/v1/endpoint.h"
 #include "service/grpc/peer_identity.h"
-#include "service/grpc/socket_path.h"
 #include "service/server.h"
 
 ABSL_FLAG(std::string, socket, "auto",
@@ -137,7 +136,6 @@ ABSL_FLAG(int64_t, max_model_memory, 0,
 
 namespace {
 
-constexpr char kVersion[] = "0.1.0";
 // How long past --shutdown_timeout the watchdog waits for in-flight work to end.
 constexpr absl::Duration kWatchdogSlack = absl::Seconds(3);
 
@@ -191,7 +189,6 @@ std::optional<mode_t> ParseMode(const std::string& text) {
 // can get wrong. Server::Start checks the rest.
 absl::StatusOr<laprox::service::ServerOptions> OptionsFromFlags() {
   laprox::service::ServerOptions o;
-  o.version = kVersion;
   const int64_t cpu_window_mb = absl::GetFlag(FLAGS_cpu_window_mb);
   if (cpu_window_mb < 1 || cpu_window_mb > (int64_t{1} << 20)) {
     return absl::InvalidArgumentError(
@@ -308,7 +305,7 @@ int main(int argc, char** argv) {
     return Fail(started.status());
   }
   laprox::service::Server& server = **started;
-  std::printf("laproxd %s: %s; listening on %s\n", kVersion,
+  std::printf("laproxd %s: %s; listening on %s\n", laprox::service::kLaproxdVersion,
               server.core().backend().Describe().c_str(), server.Endpoints().c_str());
   std::fflush(stdout);
 

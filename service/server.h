@@ -29,10 +29,13 @@
 
 namespace laprox::service {
 
+// laproxd's version: GetServerInfo, laprox_build_info, its start-up line.
+inline constexpr char kLaproxdVersion[] = "0.1.0";
+
 // Every field is the laproxd flag of the same name (service/main.cc documents them); an
 // out-of-range value is INVALID_ARGUMENT from Server::Start, naming the flag.
 struct ServerOptions {
-  std::string version = "0.1.0";
+  std::string version = kLaproxdVersion;
   std::string backend = "auto";  // cpu, cuda or auto
   kernels::BackendOptions backend_options;
   CoreLimits limits;
@@ -42,7 +45,8 @@ struct ServerOptions {
   // laproxd's flag takes >= 1, tests use 0 to show the stall).
   int heavy_workers = 1;
   int64_t max_pending = 64;
-  // A path (DefaultSocketPath() resolves laproxd's "auto"); empty: no Unix socket.
+  // A path (laprox::v1::DefaultSocketPath(), laprox/v1/endpoint.h, resolves laproxd's "auto");
+  // empty: no Unix socket.
   std::string socket;
   mode_t socket_mode = 0660;
   AccessPolicy access = AccessPolicy::OwnUser();
