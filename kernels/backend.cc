@@ -1,5 +1,6 @@
 #include "laprox/kernels/backend.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <limits>
@@ -70,6 +71,63 @@ absl::Status ResolveBlockSize(const KeepPlanRequest& request, RequestShape& shap
   return absl::OkStatus();
 }
 
+// A decode re-plan's own checks (SEMANTICS.md, "Decode re-plans"): one entry count per layer,
+// each in [1, n] and the largest n; the window rows inside the shortest layer; LAPROX only, a
+// token plan shape, window queries without lse, a budget in tokens. Fills shape.layer_n.
+absl::Status CheckDecodeReplan(const KeepPlanRequest& request, int64_t L, int64_t wq,
+                               RequestShape& shape) {
+  const std::vector<int64_t>& entries = request.layer_entries;
+  if (static_cast<int64_t>(entries.size()) != L) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cache.layers has ", entries.size(), " layers, the model has ", L));
+  }
+  int64_t shortest = request.n, longest = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    if (entries[l] < 1 || entries[l] > request.n) {
+      return absl::InvalidArgumentError(absl::StrCat("cache.layers[", l, "].entries = ", entries[l],
+                                                     " is outside [1, n = ", request.n, "]"));
+    }
+    shortest = std::min(shortest, entries[l]);
+    longest = std::max(longest, entries[l]);
+  }
+  if (longest != request.n) {
+    return absl::InvalidArgumentError(absl::StrCat("n = ", request.n,
+                                                   " must be the longest layer's entries, ",
+                                                   longest, ", in a decode re-plan"));
+  }
+  if (wq > shortest) {
+    return absl::InvalidArgumentError(absl::StrCat("the window is longer than the cache: ", wq,
+                                                   " window rows, but the shortest layer "
+                                                   "holds ",
+                                                   shortest, " entries"));
+  }
+  const PolicySpec& policy = request.policy;
+  if (policy.kind != PolicyKind::kLaprox) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a decode re-plan takes policy.kind = LAPROX, not ", PolicyKindName(policy.kind)));
+  }
+  const PlanShape plan_shape = policy.EffectivePlanShape();
+  if (IsBlockShape(plan_shape)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a decode re-plan takes policy.plan_shape = RAGGED or LAYER_UNIFORM, not ",
+                     PlanShapeName(plan_shape)));
+  }
+  if (policy.budget.kind != Budget::Kind::kTokensPerHead) {
+    return absl::InvalidArgumentError(
+        "a decode re-plan takes budget.tokens_per_head, not a compression_ratio (of which n?)");
+  }
+  for (int64_t l = 0; l < L; ++l) {
+    const LayerInputs& layer = request.layers[l];
+    if (!layer.window_attention.empty() || !layer.window_lse.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layers[", l, "].", layer.window_lse.empty() ? "window_attention" : "window_lse",
+          " is given; a decode re-plan takes window_queries only"));
+    }
+  }
+  shape.layer_n = entries;
+  return absl::OkStatus();
+}
+
 // The checks ComputeKeepPlan runs before any tensor data is read (the backend-independent
 // part; CheckKeepPlanRequest adds the backend's own). Returns the derived shape.
 absl::StatusOr<RequestShape> ValidateKeepPlanRequest(const ModelGeometry& geometry,
@@ -137,12 +195,16 @@ absl::StatusOr<RequestShape> ValidateKeepPlanRequest(const ModelGeometry& geomet
                                                    " window rows given"));
   }
   shape.window_rows = static_cast<int32_t>(wq);
+  if (!request.layer_entries.empty()) {
+    LAPROX_RETURN_IF_ERROR(CheckDecodeReplan(request, L, wq, shape));
+  }
 
   for (int64_t l = 0; l < L; ++l) {
     const LayerInputs& layer = request.layers[l];
     const std::string prefix = absl::StrCat("layers[", l, "].");
-    LAPROX_RETURN_IF_ERROR(CheckView(prefix + "keys", layer.keys, {Hkv, n, d}, true));
-    LAPROX_RETURN_IF_ERROR(CheckView(prefix + "values", layer.values, {Hkv, n, d}, true));
+    const int64_t entries = LayerEntries(shape, l);
+    LAPROX_RETURN_IF_ERROR(CheckView(prefix + "keys", layer.keys, {Hkv, entries, d}, true));
+    LAPROX_RETURN_IF_ERROR(CheckView(prefix + "values", layer.values, {Hkv, entries, d}, true));
     if (!layer.window_queries.empty() && !layer.window_attention.empty()) {
       return absl::InvalidArgumentError(
           absl::StrCat(prefix, "window_queries and window_attention are both given"));
@@ -208,6 +270,12 @@ absl::StatusOr<std::shared_ptr<const PreparedModel>> Backend::PrepareModel(
 
 absl::StatusOr<RequestShape> Backend::CheckKeepPlanRequest(const PreparedModel& model,
                                                            const KeepPlanRequest& request) const {
+  if (!request.layer_entries.empty() && !CanReplanDecode()) {
+    return absl::UnimplementedError(
+        absl::StrCat("decode re-plans (cache) are not implemented by "
+                     "the ",
+                     BackendKindName(kind()), " backend; the cpu backend computes them"));
+  }
   if (!Supports(request.policy.kind)) {
     return absl::UnimplementedError(
         absl::StrCat("policy.kind = ", PolicyKindName(request.policy.kind),

@@ -130,7 +130,12 @@ class LaproxJob final : public SequenceJob {
         shape_(shape),
         window_bytes_(window_bytes),
         l2_bytes_(l2_bytes),
-        raw_(int64_t{shape.num_layers} * shape.num_kv_heads * shape.n, 0.f) {}
+        raw_(int64_t{shape.num_layers} * shape.num_kv_heads * shape.n, 0.f) {
+    // A decode re-plan scores each layer as a prefill of its own entries.
+    for (int64_t l = 0; l < static_cast<int64_t>(shape.layer_n.size()); ++l) {
+      layer_shapes_.push_back(LayerShape(shape, l));
+    }
+  }
 
   absl::Status Score(int64_t item, ScoreWorkspace& ws) override {
     HeadTask task;
@@ -145,7 +150,8 @@ class LaproxJob final : public SequenceJob {
     task.window_bytes = window_bytes_;
     task.l2_bytes = l2_bytes_;
     task.stop = request_.stop;
-    return ScoreHead(shape_, request_.policy, task, ws, raw_.data() + item * shape_.n);
+    const RequestShape& shape = layer_shapes_.empty() ? shape_ : layer_shapes_[task.layer];
+    return ScoreHead(shape, request_.policy, task, ws, raw_.data() + item * shape_.n);
   }
 
   absl::StatusOr<KeepPlan> Select() override {
@@ -160,6 +166,7 @@ class LaproxJob final : public SequenceJob {
   int64_t window_bytes_;
   int64_t l2_bytes_;
   std::vector<float> raw_;
+  std::vector<RequestShape> layer_shapes_;  // per layer, a decode re-plan's only
 };
 
 class BaselineJob final : public SequenceJob {

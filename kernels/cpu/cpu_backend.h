@@ -36,6 +36,7 @@ class CpuBackend final : public Backend {
  protected:
   bool CanRead(MemorySpace space) const override { return space == MemorySpace::kHost; }
   bool CanReadPaged() const override { return true; }  // cpu/rows.cc reads through the table
+  bool CanReplanDecode() const override { return true; }
   absl::StatusOr<std::shared_ptr<const PreparedModel>> PrepareModelImpl(
       const ModelGeometry& geometry, absl::Span<const TensorView> o_proj,
       const PrepareOptions& options, const StopSignal* stop) override;

@@ -26,10 +26,14 @@ bool KvpressFloorsBudget(const PolicySpec& policy) {
 void DeriveBudget(const PolicySpec& policy, RequestShape& shape) {
   const bool streaming = policy.kind == PolicyKind::kStreamingLlm;
   const bool sinks = streaming || policy.kind == PolicyKind::kLaprox;
-  shape.window = streaming ? 0 : static_cast<int32_t>(std::min<int64_t>(policy.window, shape.n));
-  const int64_t before_window = shape.n - shape.window;
-  shape.sinks = sinks ? static_cast<int32_t>(std::min<int64_t>(policy.sinks, before_window)) : 0;
-  shape.candidates = before_window - shape.sinks;
+  // A decode re-plan's window and sinks fit its shortest layer; candidates are the longest's.
+  const int64_t shortest = shape.layer_n.empty()
+                               ? shape.n
+                               : *std::min_element(shape.layer_n.begin(), shape.layer_n.end());
+  shape.window = streaming ? 0 : static_cast<int32_t>(std::min<int64_t>(policy.window, shortest));
+  shape.sinks =
+      sinks ? static_cast<int32_t>(std::min<int64_t>(policy.sinks, shortest - shape.window)) : 0;
+  shape.candidates = shape.n - shape.window - shape.sinks;
   const int64_t forced = int64_t{shape.window} + shape.sinks;
   shape.tokens_per_head = BudgetTokensPerHead(policy.budget, shape.n);
   int64_t budget = shape.tokens_per_head;

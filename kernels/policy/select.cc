@@ -142,7 +142,9 @@ class Selector {
       if (stopped_.ok()) stopped_ = CheckStop(stop_);
       if (!stopped_.ok()) return;
       if (!closed_.empty() && closed_[row / shape_.num_kv_heads]) continue;
-      const int64_t begin = row * shape_.n + shape_.sinks, end = begin + shape_.candidates;
+      const int64_t begin = row * shape_.n + shape_.sinks;
+      const int64_t end =
+          row * shape_.n + LayerEntries(shape_, row / shape_.num_kv_heads) - shape_.window;
       for (int64_t i = begin; i < end; ++i) {
         if (!selected_[i]) visit(i, OrderKey(scores_[i]));
       }
@@ -181,14 +183,15 @@ absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicyS
                                         std::vector<float>&& raw, const OutputOptions& outputs,
                                         const StopSignal* stop) {
   const int64_t L = shape.num_layers, Hkv = shape.num_kv_heads, n = shape.n;
-  const int64_t se = shape.sinks, m = shape.candidates, q = shape.quota;
-  const int64_t candidates_end = se + m;
+  const int64_t se = shape.sinks, q = shape.quota;
 
   // The competing scores replace the raw ones in place; +inf marks forced tokens (sinks,
-  // window) in the output.
+  // window) in the output, 0 the entries past a decode re-plan's shorter layer.
   std::vector<float> scores = std::move(raw);
   std::vector<double> layer_sums(L, 0.0);
   for (int64_t l = 0; l < L; ++l) {
+    const int64_t entries = LayerEntries(shape, l), candidates_end = entries - shape.window;
+    const int64_t m = candidates_end - se;
     double sum = 0.0;
     for (int64_t g = 0; g < Hkv; ++g) {
       LAPROX_RETURN_IF_ERROR(CheckStop(stop));
@@ -207,7 +210,8 @@ absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicyS
     for (int64_t g = 0; g < Hkv; ++g) {
       float* p = scores.data() + (l * Hkv + g) * n;
       std::fill(p, p + se, std::numeric_limits<float>::infinity());
-      std::fill(p + candidates_end, p + n, std::numeric_limits<float>::infinity());
+      std::fill(p + candidates_end, p + entries, std::numeric_limits<float>::infinity());
+      std::fill(p + entries, p + n, 0.f);
       if (policy.allocation == Allocation::kGlobalRaw) continue;
       for (int64_t i = se; i < candidates_end; ++i) {
         p[i] = static_cast<float>(uniform ? uniform_score : p[i] / sum);
@@ -219,7 +223,7 @@ absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicyS
   if (IsBlockShape(plan_shape)) {
     const BlockRule rule = {.plan_shape = plan_shape,
                             .forced_begin = se,
-                            .forced_end = candidates_end,
+                            .forced_end = se + shape.candidates,
                             .model_wide = policy.allocation == Allocation::kGlobalNormalized ||
                                           policy.allocation == Allocation::kGlobalRaw};
     std::vector<float> output_scores = outputs.scores ? scores : std::vector<float>();
@@ -263,11 +267,13 @@ absl::StatusOr<KeepPlan> SelectKeepPlan(const RequestShape& shape, const PolicyS
   // Kept: forced tokens (sinks, window) and the selected candidates.
   std::vector<uint8_t> kept = selector.TakeSelected();
   for (int64_t lg = 0; lg < L * Hkv; ++lg) {
+    const int64_t entries = LayerEntries(shape, lg / Hkv);
     std::fill_n(kept.begin() + lg * n, se, 1);
-    std::fill(kept.begin() + lg * n + candidates_end, kept.begin() + (lg + 1) * n, 1);
+    std::fill(kept.begin() + lg * n + entries - shape.window, kept.begin() + lg * n + entries, 1);
   }
   KeepPlan plan = BuildKeepPlan(shape, kept, std::move(scores), outputs);
-  plan.selected_total = L * Hkv * q;
+  // K = L * Hkv * q; a decode re-plan whose layers hold fewer candidates selects them all.
+  if (shape.layer_n.empty()) plan.selected_total = L * Hkv * q;
   plan.layer_sums = std::move(layer_sums);
   return plan;
 }
@@ -316,7 +322,7 @@ KeepPlan PlanHeader(const RequestShape& shape) {
 KeepPlan BuildKeepPlan(const RequestShape& shape, absl::Span<const uint8_t> kept,
                        std::vector<float> scores, const OutputOptions& outputs) {
   const int64_t L = shape.num_layers, Hkv = shape.num_kv_heads, n = shape.n;
-  const int64_t candidates_begin = shape.sinks, candidates_end = n - shape.window;
+  const int64_t candidates_begin = shape.sinks;
   KeepPlan plan = PlanHeader(shape);
   plan.counts.resize(L * Hkv);
   plan.offsets.resize(L * Hkv + 1);
@@ -325,6 +331,7 @@ KeepPlan BuildKeepPlan(const RequestShape& shape, absl::Span<const uint8_t> kept
   if (outputs.bitmask) plan.bitmask.assign(L * Hkv * mask_bytes, 0);
   for (int64_t lg = 0; lg < L * Hkv; ++lg) {
     const uint8_t* row = kept.data() + lg * n;
+    const int64_t candidates_end = LayerEntries(shape, lg / Hkv) - shape.window;
     int64_t count = 0;
     for (int64_t i = 0; i < n; ++i) {
       if (row[i] == 0) continue;

@@ -314,6 +314,11 @@ absl::Status PrepareSequence(const KeepPlanCall& call, const CallContext& contex
                                               max_tokens, " tokens (max_tokens)"));
   }
   if (absl::Status s = CheckCall(context, "nothing was computed"); !s.ok()) return s;
+  if (call.cache) {
+    for (const CacheLayer& layer : *call.cache) {
+      sequence.request.layer_entries.push_back(layer.entries);
+    }
+  }
   // Each table is checked once and copied: the views read laproxd's copy, and the request's
   // bytes stay the client's.
   const size_t max_tables = 2 * call.layers.size();
@@ -425,6 +430,67 @@ absl::Status PrepareSequence(const KeepPlanCall& call, const CallContext& contex
     request.outputs.scores |= call.destination->scores_offset.has_value();
   }
   return absl::OkStatus();
+}
+
+// The token positions of a decode re-plan's cache (laprox.proto, DecodeCacheLayer), after the
+// backend checked the entry counts and shapes: Hkv * n_l of them per layer, each in
+// [0, 2^31 - 1), strictly ascending along every head, and the last wq entries of every head the
+// same consecutive positions (the window queries' tokens).
+absl::Status CheckCachePositions(const std::vector<CacheLayer>& cache, int64_t num_kv_heads,
+                                 int64_t window_rows) {
+  int64_t window_start = -1;
+  for (size_t l = 0; l < cache.size(); ++l) {
+    const CacheLayer& layer = cache[l];
+    const int64_t n = layer.entries;
+    if (static_cast<int64_t>(layer.positions.size()) != num_kv_heads * n) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cache.layers[", l, "].positions has ", layer.positions.size(), " values, expected ",
+          num_kv_heads, " KV heads x ", n, " entries = ", num_kv_heads * n));
+    }
+    for (int64_t g = 0; g < num_kv_heads; ++g) {
+      const int32_t* row = layer.positions.data() + g * n;
+      const std::string head = absl::StrCat("cache.layers[", l, "].positions, KV head ", g);
+      for (int64_t i = 0; i < n; ++i) {
+        if (row[i] < 0 || row[i] == std::numeric_limits<int32_t>::max()) {
+          return absl::InvalidArgumentError(absl::StrCat(head, ", entry ", i, ": position ", row[i],
+                                                         " is outside [0, 2^31 - 1)"));
+        }
+        if (i > 0 && row[i] <= row[i - 1]) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              head, ", entries ", i - 1, " and ", i, ": positions ", row[i - 1], " and ", row[i],
+              row[i] == row[i - 1] ? " repeat a token" : " are out of order",
+              "; they must be strictly ascending"));
+        }
+      }
+      // Strictly ascending, so the last wq are consecutive exactly when they span wq - 1.
+      const int64_t start = row[n - window_rows];
+      if (row[n - 1] - start != window_rows - 1) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            head, ": the last ", window_rows, " entries (the window's tokens) hold positions ",
+            start, " .. ", row[n - 1], ", not ", window_rows, " consecutive ones"));
+      }
+      if (window_start < 0) window_start = start;
+      if (start != window_start) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            head, ": the window's tokens start at position ", start, ", but at ", window_start,
+            " in cache.layers[0], KV head 0; every head holds the same most recent tokens"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// A decode re-plan's plan positions are entry indices: the token positions of those entries.
+void ToTokenPositions(const std::vector<CacheLayer>& cache, kernels::KeepPlan& plan) {
+  if (plan.positions.empty()) return;
+  const int64_t Hkv = plan.num_kv_heads;
+  for (int64_t lg = 0; lg < static_cast<int64_t>(plan.counts.size()); ++lg) {
+    const CacheLayer& layer = cache[static_cast<size_t>(lg / Hkv)];
+    const int32_t* row = layer.positions.data() + (lg % Hkv) * layer.entries;
+    for (int64_t k = plan.offsets[lg]; k < plan.offsets[lg + 1]; ++k) {
+      plan.positions[k] = row[plan.positions[k]];
+    }
+  }
 }
 
 int64_t LimitOrShare(int64_t limit, int64_t numerator, int64_t denominator) {
@@ -637,6 +703,16 @@ absl::StatusOr<std::vector<kernels::KeepPlan>> Core::Compute(absl::Span<const Ke
     }
     auto sequence_work = backend_->EstimateKeepPlanWork(*model->prepared, sequence.request);
     if (!sequence_work.ok()) return Prefixed(sequence_work.status(), sequence.prefix);
+    const KeepPlanCall& call = calls[&sequence - sequences.data()];
+    if (call.cache) {
+      // The backend has checked the entry counts and the window rows' shape by now.
+      const int64_t window_rows = sequence.request.layers[0].window_queries.dim(1);
+      if (absl::Status s =
+              CheckCachePositions(*call.cache, model->info.geometry.num_kv_heads, window_rows);
+          !s.ok()) {
+        return Prefixed(s, sequence.prefix);
+      }
+    }
     work.flops = SaturatingAdd(work.flops, sequence_work->flops);
     work.bytes_read = SaturatingAdd(work.bytes_read, sequence_work->bytes_read);
   }
@@ -681,6 +757,9 @@ absl::StatusOr<std::vector<kernels::KeepPlan>> Core::Compute(absl::Span<const Ke
   }
   // Whatever was read from a region its client shrank meanwhile is garbage.
   if (absl::Status s = CheckIntact(sequences); !s.ok()) return s;
+  for (size_t i = 0; i < sequences.size(); ++i) {
+    if (calls[i].cache) ToTokenPositions(*calls[i].cache, plans[i]);
+  }
   std::vector<Area> areas;
   bool destination = false;
   for (size_t i = 0; i < sequences.size(); ++i) {

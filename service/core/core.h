@@ -91,6 +91,13 @@ struct ModelSpec {
 // Backend::CopyToRegion, which has finished the copy when ComputeKeepPlan returns.
 using kernels::OutputDestination;
 
+// One layer of a decode re-plan's cache (laprox.proto, DecodeCache): the entries every KV head
+// holds and their token positions [Hkv, entries], not owned (must outlive the call).
+struct CacheLayer {
+  int64_t entries = 0;
+  absl::Span<const int32_t> positions;
+};
+
 struct KeepPlanCall {
   uint64_t model_id = 0;
   int64_t n = 0;
@@ -99,6 +106,9 @@ struct KeepPlanCall {
   kernels::OutputOptions outputs;
   std::optional<OutputDestination> destination;
   std::vector<BlockTableSpec> block_tables;
+  // Set: a decode re-plan of this cache (one entry per layer); the plan's positions are then
+  // the token positions of the kept entries. Unset: a prefill plan.
+  std::optional<std::vector<CacheLayer>> cache;
 };
 
 struct CoreLimits {

@@ -130,6 +130,12 @@ absl::StatusOr<KeepPlanCall> KeepPlanCallFromProto(const v1::ComputeKeepMaskRequ
                       .byte_offset = table.ids_region().byte_offset(),
                       .count = table.ids_count()};
   }
+  if (proto.has_cache()) {
+    std::vector<CacheLayer>& cache = call.cache.emplace();
+    for (const v1::DecodeCacheLayer& layer : proto.cache().layers()) {
+      cache.push_back({.entries = layer.entries(), .positions = layer.positions()});
+    }
+  }
   return call;
 }
 

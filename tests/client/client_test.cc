@@ -208,6 +208,91 @@ TEST_F(ClientTest, KeepPlanThroughSharedBufferEqualsTheLibrary) {
   EXPECT_EQ(access(("/dev/shm/" + name).c_str(), F_OK), -1);
 }
 
+// A decode re-plan (SequenceRequest::cache): layers holding different numbers of entries at
+// token positions past the prompt. The plan equals the library's plan of the same entries, its
+// positions mapped to tokens; a repeated position is INVALID_ARGUMENT naming it.
+TEST_F(ClientTest, DecodeReplanEqualsTheLibraryInTokenPositions) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<std::vector<float>> o_proj(kL, std::vector<float>(kHidden * kH * kD));
+  for (auto& w : o_proj) {
+    for (float& x : w) x = normal(rng);
+  }
+  const ModelGeometry geometry{kL, kH, kHkv, kD, kHidden, 0.f};
+  std::vector<TensorRef> o_proj_refs;
+  for (const auto& w : o_proj) {
+    o_proj_refs.push_back(TensorRef::Inline(w.data(), DType::kF32, {kHidden, kH * kD}));
+  }
+  auto model = client_->RegisterModel("tiny-decode", geometry, o_proj_refs);
+  ASSERT_TRUE(model.ok()) << model.status();
+
+  const std::vector<int64_t> entries = {70, 45};  // layer 0 holds more than layer 1
+  std::vector<std::vector<float>> keys(kL), values(kL), queries(kL);
+  SequenceRequest sequence;
+  sequence.n = 70;
+  sequence.policy.window = kWindow;
+  sequence.policy.budget = kernels::Budget::TokensPerHead(30);
+  sequence.cache.emplace();
+  kernels::KeepPlanRequest request;
+  request.n = 70;
+  request.policy = sequence.policy;
+  for (int l = 0; l < kL; ++l) {
+    const int64_t n_l = entries[l];
+    for (auto* t : {&keys[l], &values[l]}) {
+      t->resize(kHkv * n_l * kD);
+      for (float& x : *t) x = normal(rng);
+    }
+    queries[l].resize(kH * kWindow * kD);
+    for (float& x : queries[l]) x = normal(rng);
+    LayerRefs& refs = sequence.layers.emplace_back();
+    refs.keys = TensorRef::Inline(keys[l].data(), DType::kF32, {kHkv, n_l, kD});
+    refs.values = TensorRef::Inline(values[l].data(), DType::kF32, {kHkv, n_l, kD});
+    refs.window_queries = TensorRef::Inline(queries[l].data(), DType::kF32, {kH, kWindow, kD});
+    // Every head keeps every third token before the window, then the window's 8 at 500..507.
+    CacheLayer& cache = sequence.cache->emplace_back();
+    cache.entries = n_l;
+    for (int g = 0; g < kHkv; ++g) {
+      for (int64_t i = 0; i < n_l - kWindow; ++i) cache.positions.push_back(3 * i + g);
+      for (int64_t i = 0; i < kWindow; ++i) cache.positions.push_back(500 + i);
+    }
+    kernels::LayerInputs& in = request.layers.emplace_back();
+    in.keys = {keys[l].data(), DType::kF32, {kHkv, n_l, kD}};
+    in.values = {values[l].data(), DType::kF32, {kHkv, n_l, kD}};
+    in.window_queries = {queries[l].data(), DType::kF32, {kH, kWindow, kD}};
+  }
+  request.layer_entries = entries;
+  auto plan = client_->ComputeKeepPlan(*model, sequence);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+
+  auto backend = *kernels::CreateBackend("cpu");
+  std::vector<kernels::TensorView> o_views;
+  for (const auto& w : o_proj) {
+    o_views.emplace_back(w.data(), DType::kF32, kernels::Dims{kHidden, kH * kD});
+  }
+  auto prepared = *backend->PrepareModel(geometry, o_views);
+  const kernels::KeepPlan direct = *backend->ComputeKeepPlan(*prepared, request);
+  EXPECT_EQ(plan->counts, direct.counts);
+  EXPECT_EQ(plan->layer_sums, direct.layer_sums);
+  ASSERT_EQ(plan->positions.size(), direct.positions.size());
+  for (int l = 0; l < kL; ++l) {
+    for (int g = 0; g < kHkv; ++g) {
+      const int64_t row = l * kHkv + g;
+      for (int64_t k = direct.offsets[row]; k < direct.offsets[row + 1]; ++k) {
+        EXPECT_EQ(plan->positions[k],
+                  (*sequence.cache)[l].positions[g * entries[l] + direct.positions[k]]);
+      }
+    }
+  }
+  // On average the budget: L * Hkv * 30 entries.
+  EXPECT_EQ(std::accumulate(plan->counts.begin(), plan->counts.end(), 0), kL * kHkv * 30);
+
+  (*sequence.cache)[1].positions[5] = (*sequence.cache)[1].positions[4];
+  const absl::Status repeated = client_->ComputeKeepPlan(*model, sequence).status();
+  EXPECT_EQ(repeated.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(repeated.message()),
+              ::testing::HasSubstr("cache.layers[1].positions, KV head 0, entries 4 and 5"));
+}
+
 // An engine's vLLM FlashAttention pool [2, num_blocks, block_size, Hkv, d] in a shared buffer,
 // the sequence's blocks at shuffled ids: the paged plans (ragged and BLOCKS_SHARED, one batch)
 // equal the library's plans of the same numbers laid out contiguously, and the block plan's new

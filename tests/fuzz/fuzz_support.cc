@@ -757,6 +757,51 @@ void CheckBlocks(const kernels::KeepPlan& plan, const FuzzModel& model) {
 }  // namespace
 
 // What the API promises about every plan (laprox.proto, ComputeKeepMaskResponse).
+namespace {
+
+// A decode re-plan's plan (laprox.proto, DecodeCache): each head keeps at most its layer's
+// entries, L * Hkv * (window + sinks) + selected_total in all; its positions are token
+// positions of its layer's row, ascending, the row's first `sinks` and last `window` among them.
+void CheckDecodePlan(const kernels::KeepPlan& plan, const service::KeepPlanCall& call,
+                     int64_t heads) {
+  const int64_t Hkv = plan.num_kv_heads;
+  if (plan.offsets[heads] != heads * (plan.window + plan.sinks) + plan.selected_total) {
+    Fail(absl::StrCat("decode re-plan kept ", plan.offsets[heads], ", expected ", heads, " * (",
+                      plan.window, " + ", plan.sinks, ") + ", plan.selected_total));
+  }
+  const bool positions =
+      call.outputs.positions && !(call.destination && call.destination->positions_offset);
+  for (int64_t i = 0; i < heads; ++i) {
+    const service::CacheLayer& layer = (*call.cache)[static_cast<size_t>(i / Hkv)];
+    if (plan.counts[i] > layer.entries) {
+      Fail(absl::StrCat("head ", i, ": keeps ", plan.counts[i], " of ", layer.entries, " entries"));
+    }
+    if (!positions) continue;
+    const int32_t* row = layer.positions.data() + (i % Hkv) * layer.entries;
+    const int32_t* kept = plan.positions.data() + plan.offsets[i];
+    const int64_t count = plan.counts[i];
+    for (int64_t k = 0; k < count; ++k) {
+      if (!std::binary_search(row, row + layer.entries, kept[k]) ||
+          (k > 0 && kept[k] <= kept[k - 1])) {
+        Fail(absl::StrCat("head ", i, ": kept position ", kept[k],
+                          " is not an ascending entry "
+                          "of its row"));
+      }
+    }
+    for (int32_t s = 0; s < plan.sinks; ++s) {
+      if (count <= s || kept[s] != row[s]) Fail(absl::StrCat("head ", i, " lost sink ", s));
+    }
+    for (int32_t w = 0; w < plan.window; ++w) {
+      if (count < plan.window ||
+          kept[count - plan.window + w] != row[layer.entries - plan.window + w]) {
+        Fail(absl::StrCat("head ", i, " lost window entry ", w));
+      }
+    }
+  }
+}
+
+}  // namespace
+
 void CheckPlan(const kernels::KeepPlan& plan, const service::KeepPlanCall& call) {
   const FuzzModel& model = kModels[call.model_id - 1];
   const int64_t heads = int64_t{model.num_layers} * model.num_kv_heads;
@@ -785,7 +830,9 @@ void CheckPlan(const kernels::KeepPlan& plan, const service::KeepPlanCall& call)
     }
   }
   if (plan.blocks) CheckBlocks(plan, model);
-  if (call.policy.kind == kernels::PolicyKind::kLaprox && !plan.blocks) {
+  if (call.cache) {
+    CheckDecodePlan(plan, call, heads);
+  } else if (call.policy.kind == kernels::PolicyKind::kLaprox && !plan.blocks) {
     // "For LAPROX with plan_shape RAGGED or LAYER_UNIFORM that is exactly L * Hkv * (window +
     // sinks + quota)".
     if (plan.offsets[heads] != heads * (plan.window + plan.sinks + plan.quota)) {
@@ -794,7 +841,7 @@ void CheckPlan(const kernels::KeepPlan& plan, const service::KeepPlanCall& call)
     }
   }
   const bool in_region = call.destination.has_value();
-  if (call.outputs.positions && !(in_region && call.destination->positions_offset)) {
+  if (!call.cache && call.outputs.positions && !(in_region && call.destination->positions_offset)) {
     if (static_cast<int64_t>(plan.positions.size()) != plan.offsets[heads]) {
       Fail(absl::StrCat(plan.positions.size(), " positions, offsets say ", plan.offsets[heads]));
     }

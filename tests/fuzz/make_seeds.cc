@@ -6,6 +6,7 @@
 //
 // Writes DIR/<target>/<seed name> (serialized protos; for parsers_fuzzer a selector byte and
 // its input). scripts/fuzz.sh runs it into each working corpus too, so seeds follow the proto.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -179,8 +180,69 @@ v1::ComputeKeepMaskRequest PagedKeepMaskRequest(const KeepMaskShape& s, int64_t 
   return r;
 }
 
+// A valid decode re-plan (laprox.proto, DecodeCache): layer l holds entries[l] entries per KV
+// head in the input region, at token positions 2 * i + g before the window, the window's `rows`
+// tokens at 1000 ..; n is the longest layer's; policy window = rows, budget 16.
+v1::ComputeKeepMaskRequest DecodeKeepMaskRequest(int model, std::vector<int64_t> entries,
+                                                 int64_t rows) {
+  const FuzzModel& m = kModels[model - 1];
+  v1::ComputeKeepMaskRequest r;
+  r.set_model_id(model);
+  r.set_n(*std::max_element(entries.begin(), entries.end()));
+  r.mutable_budget()->set_tokens_per_head(16);
+  r.mutable_policy()->set_window(static_cast<int32_t>(rows));
+  int64_t cursor = 0;
+  for (int l = 0; l < m.num_layers; ++l) {
+    const int64_t n_l = entries[static_cast<size_t>(l)];
+    v1::LayerInputs* in = r.add_layers();
+    RegionTensor(in->mutable_keys(), v1::DTYPE_F32, {m.num_kv_heads, n_l, m.head_dim}, cursor);
+    RegionTensor(in->mutable_values(), v1::DTYPE_F32, {m.num_kv_heads, n_l, m.head_dim}, cursor);
+    RegionTensor(in->mutable_window_queries(), v1::DTYPE_F32, {m.num_heads, rows, m.head_dim},
+                 cursor);
+    v1::DecodeCacheLayer* layer = r.mutable_cache()->add_layers();
+    layer->set_entries(n_l);
+    for (int g = 0; g < m.num_kv_heads; ++g) {
+      for (int64_t i = 0; i < n_l - rows; ++i)
+        layer->add_positions(static_cast<int32_t>(2 * i + g));
+      for (int64_t i = 0; i < rows; ++i) layer->add_positions(static_cast<int32_t>(1000 + i));
+    }
+  }
+  return r;
+}
+
+void DecodeSeeds(SeedWriter& w, const std::string& t) {
+  w.Write(t, "decode_ragged_layers", DecodeKeepMaskRequest(1, {40, 25}, 8));
+  w.Write(t, "decode_model2", DecodeKeepMaskRequest(2, {30}, 4));
+  {
+    v1::ComputeKeepMaskRequest r = DecodeKeepMaskRequest(1, {33, 48}, 8);
+    r.mutable_policy()->set_sinks(2);
+    r.mutable_policy()->set_plan_shape(v1::PLAN_SHAPE_LAYER_UNIFORM);
+    r.mutable_policy()->set_max_layer_share(1.25);
+    w.Write(t, "decode_layer_uniform_sinks_cap", r);
+  }
+  {
+    v1::ComputeKeepMaskRequest r = DecodeKeepMaskRequest(1, {12, 20}, 8);
+    r.mutable_budget()->set_tokens_per_head(18);  // more than the layers hold
+    r.mutable_outputs()->set_bitmask(true);
+    r.mutable_outputs()->set_scores(true);
+    w.Write(t, "decode_fewer_than_budget", r);
+  }
+  {
+    v1::ComputeKeepMaskRequest r = DecodeKeepMaskRequest(1, {40, 25}, 8);
+    r.mutable_cache()->mutable_layers(1)->set_positions(3, 4);  // a repeated position
+    w.Write(t, "decode_repeated_position", r);
+  }
+  {
+    v1::ComputeKeepMaskRequest r = DecodeKeepMaskRequest(1, {40, 25}, 8);
+    r.mutable_outputs()->mutable_destination()->set_region_id(kOutputRegionId);
+    r.mutable_outputs()->mutable_destination()->set_positions_offset(0);
+    w.Write(t, "decode_into_region", r);
+  }
+}
+
 void ComputeKeepMaskSeeds(SeedWriter& w) {
   const std::string t = "compute_keep_mask";
+  DecodeSeeds(w, t);
   w.Write(t, "paged_f32", PagedKeepMaskRequest({}, 16, {5, 2, 7, 0}));
   w.Write(t, "paged_bf16_partial_block",
           PagedKeepMaskRequest({.n = 40, .dtype = v1::DTYPE_BF16}, 16, {3, 1, 6}));
@@ -563,6 +625,13 @@ void ParserSeeds(SeedWriter& w) {
 // shapes, and an output destination beside ordinary sequences.
 void ComputeKeepPlansSeeds(SeedWriter& w) {
   const std::string t = "compute_keep_plans";
+  {
+    v1::ComputeKeepPlansRequest r;
+    *r.add_sequences() = DecodeKeepMaskRequest(1, {40, 25}, 8);
+    *r.add_sequences() = KeepMaskRequest({});
+    *r.add_sequences() = DecodeKeepMaskRequest(1, {20, 36}, 8);
+    w.Write(t, "decode_and_prefill", r);
+  }
   {
     v1::ComputeKeepPlansRequest r;
     *r.add_sequences() = KeepMaskRequest({});

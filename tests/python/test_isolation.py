@@ -51,7 +51,10 @@ def register_model(pb, stub, name):
         o_proj=[inline(pb, np.eye(2))])).model_id
 
 
-def keep_plan(pb, stub, model_id, keys=None, destination=None):
+def keep_plan(pb, stub, model_id, keys=None, destination=None, decode=False):
+    """A keep-plan call of one layer; `decode`: a decode re-plan of N entries at positions
+    100 .. 100 + N - 1 (it holds no session: the model and regions it names are what
+    isolates it)."""
     rng = np.random.default_rng(3)
     layer = pb.LayerInputs(
         keys=keys if keys is not None else inline(pb, rng.standard_normal((1, N, 2))),
@@ -60,9 +63,10 @@ def keep_plan(pb, stub, model_id, keys=None, destination=None):
     outputs = pb.OutputOptions()
     if destination is not None:
         outputs.destination.CopyFrom(pb.OutputDestination(region_id=destination, counts_offset=0))
+    cache = pb.DecodeCache(layers=[pb.DecodeCacheLayer(entries=N, positions=range(100, 100 + N))])
     return stub.ComputeKeepMask(pb.ComputeKeepMaskRequest(
         model_id=model_id, n=N, layers=[layer], policy=pb.Policy(window=WQ),
-        budget=pb.Budget(tokens_per_head=8), outputs=outputs))
+        budget=pb.Budget(tokens_per_head=8), outputs=outputs, cache=cache if decode else None))
 
 
 def make_shm(name, mode):
@@ -93,8 +97,12 @@ def child(target, first):
         return out
     out["listed"] = [r.region_id for r in stub.ListRegions(pb.ListRegionsRequest()).regions]
     out["use_model"] = code_of(lambda: keep_plan(pb, stub, first["model"]))
+    out["decode_use_model"] = code_of(lambda: keep_plan(pb, stub, first["model"], decode=True))
     own_model = register_model(pb, stub, "second")
     out["own_model"] = code_of(lambda: keep_plan(pb, stub, own_model))
+    out["decode_own_model"] = code_of(lambda: keep_plan(pb, stub, own_model, decode=True))
+    out["decode_read_region"] = code_of(lambda: keep_plan(
+        pb, stub, own_model, keys=in_region(pb, first["region"], (1, N, 2)), decode=True))
     out["read_region"] = code_of(lambda: keep_plan(
         pb, stub, own_model, keys=in_region(pb, first["region"], (1, N, 2))))
     out["write_region"] = code_of(lambda: keep_plan(pb, stub, own_model,
@@ -186,8 +194,9 @@ class IsolationTest(unittest.TestCase):
         self.assertEqual(seen["info"], "OK")
         self.assertEqual(seen["listed"], [])
         for attempt in ("use_model", "read_region", "write_region", "unregister_region",
-                        "unregister_model"):
+                        "unregister_model", "decode_use_model", "decode_read_region"):
             self.assertEqual(seen[attempt], "NOT_FOUND", attempt)
+        self.assertEqual(seen["decode_own_model"], "OK")
         self.assertEqual(seen["map_foreign_False"], "PERMISSION_DENIED")
         self.assertEqual(seen["map_foreign_True"], "PERMISSION_DENIED")
         self.assertEqual(seen["own_model"], "OK")

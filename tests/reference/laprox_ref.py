@@ -887,15 +887,37 @@ def keep_plan(geometry, policy, layers, n):
     B = budget_tokens(pol, n)
     q_head = max(0, min(B - f, m))
     K = L * Hkv * q_head
-    r = min(pol["min_per_head"], q_head)
 
     candidate = np.zeros((L, Hkv, n), dtype=bool)
     candidate[:, :, se:nx] = True
 
-    alloc = pol["allocation"]
     if pol["plan_shape"] in BLOCK_SHAPES:
         return _laprox_block_plan(pol, layers, n, B, se, nx, m, raw, scores, layer_sums,
                                   candidate, q_head, Hkv)
+    selected = _select(pol, scores, candidate, q_head)
+
+    kept = selected.copy()
+    kept[:, :, :se] = True
+    kept[:, :, nx:] = True
+    return {
+        "kept": kept,
+        "counts": kept.sum(axis=2).astype(np.int64),
+        "scores": scores,
+        "raw": raw,
+        "layer_sums": layer_sums,
+        "selected": selected,
+        "quota": int(q_head),
+        "total_selected": int(K),
+    }
+
+
+def _select(pol, scores, candidate, q_head):
+    """SEMANTICS.md "Selection": the selected candidates [L, Hkv, n] of a token plan shape
+    (RAGGED or LAYER_UNIFORM) by the allocation, q_head candidates per head on average."""
+    L, Hkv, _ = scores.shape
+    K = L * Hkv * q_head
+    r = min(pol["min_per_head"], q_head)
+    alloc = pol["allocation"]
     if alloc in ("GLOBAL_NORMALIZED", "GLOBAL_RAW"):
         selected = _reserve_per_head(scores, candidate, r)
         if pol["max_layer_share"] is None:
@@ -922,19 +944,115 @@ def keep_plan(geometry, policy, layers, n):
                 head = np.zeros_like(candidate)
                 head[l, g] = candidate[l, g]
                 selected |= select_best(scores, head, int(quota))
+    return selected
 
+
+def decode_keep_plan(geometry, policy, layers, positions):
+    """The keep plan of a decode re-plan (SEMANTICS.md, "Decode re-plans").
+
+    layers: L dicts as keep_plan's, but layer l's "keys" and "values" are [Hkv, n_l, d] (the
+    entries it holds), "queries" [H, wq, d] those of the last wq entries; positions: L integer
+    arrays [Hkv, n_l], the token position of each entry.  Returns a dict: kept [L, Hkv, n]
+    over entries (n = max n_l; False past a shorter layer), kept_positions [L][Hkv] (token
+    positions), counts, scores, layer_sums, selected, quota, total_selected.
+    Raises ValueError on invalid input.
+    """
+    gt = validate_geometry(geometry)
+    L, H, Hkv, d, D, scale, G = gt
+    pol = validate_policy(policy)
+    if pol["kind"] != "LAPROX":
+        raise ValueError(f"a decode re-plan takes kind LAPROX, not {pol['kind']}")
+    if pol["plan_shape"] not in ("RAGGED", "LAYER_UNIFORM"):
+        raise ValueError(f"a decode re-plan takes plan_shape RAGGED or LAYER_UNIFORM, not "
+                         f"{pol['plan_shape']}")
+    if pol["tokens_per_head"] is None:
+        raise ValueError("a decode re-plan takes a budget in tokens_per_head")
+    if len(layers) != L or len(positions) != L:
+        raise ValueError(f"{len(layers)} layers and {len(positions)} position arrays given, "
+                         f"geometry says L={L}")
+    sizes = []
+    for l, layer in enumerate(layers):
+        if layer.get("attention") is not None or layer.get("lse") is not None:
+            raise ValueError(f"layers[{l}]: a decode re-plan takes queries only")
+        keys = np.asarray(layer["keys"])
+        if keys.ndim != 3:
+            raise ValueError(f"layers[{l}].keys: expected [Hkv, n_l, d], got {keys.shape}")
+        sizes.append(keys.shape[1])
+    n, shortest = max(sizes), min(sizes)
+    wq = np.asarray(layers[0]["queries"]).shape[1]
+    if wq > shortest:
+        raise ValueError(f"the window is longer than the cache: {wq} rows, shortest layer "
+                         f"{shortest}")
+    window_start = None
+    for l, pos in enumerate(positions):
+        pos = np.asarray(pos)
+        if pos.shape != (Hkv, sizes[l]) or not np.issubdtype(pos.dtype, np.integer):
+            raise ValueError(f"positions[{l}]: expected integers [{Hkv}, {sizes[l]}], got "
+                             f"{pos.dtype} {pos.shape}")
+        if np.any(pos < 0) or np.any(pos >= 2**31 - 1):
+            raise ValueError(f"positions[{l}]: outside [0, 2^31 - 1)")
+        if np.any(np.diff(pos, axis=1) <= 0):
+            raise ValueError(f"positions[{l}]: not strictly ascending along every head")
+        tail = pos[:, sizes[l] - wq:]
+        if np.any(tail != tail[0, 0] + np.arange(wq)):
+            raise ValueError(f"positions[{l}]: the last {wq} entries are not the same "
+                             "consecutive positions in every head")
+        if window_start is None:
+            window_start = tail[0, 0]
+        elif tail[0, 0] != window_start:
+            raise ValueError(f"positions[{l}]: the window starts at {tail[0, 0]}, layer 0's "
+                             f"at {window_start}")
+
+    w = pol["window"]
+    we = min(w, shortest)
+    se = min(pol["sinks"], shortest - we)
+    f = se + we
+    need_values = pol["indicator"] != "ATTENTION"
+    need_oproj = pol["indicator"] == "ATTENTION_X_PROJECTED_VALUE"
+
+    scores = np.zeros((L, Hkv, n))
+    layer_sums = np.zeros(L)
+    candidate = np.zeros((L, Hkv, n), dtype=bool)
+    for l, layer in enumerate(layers):
+        # Each layer as a prefill of its own n_l entries.
+        n_l = sizes[l]
+        nx, m = n_l - we, n_l - we - se
+        q, _, lse, keys, values, o_proj, _ = _layer_inputs(l, layer, gt, n_l, w, need_values,
+                                                           need_oproj)
+        check_magnitudes(l, gt, pol, we, q, keys, values if need_values else None, o_proj, scale)
+        A = window_attention(q, keys, scale, n_l, we, G, lse)
+        candidate[l, :, se:nx] = True
+        if m == 0:
+            continue
+        p = layer_raw_scores(A, values, o_proj, pol, gt, nx)[:, se:]     # [Hkv, m]
+        S = _fsum(p)
+        layer_sums[l] = S
+        if pol["allocation"] == "GLOBAL_RAW":
+            s = p
+        elif S == 0.0 or not math.isfinite(S):
+            s = np.full((Hkv, m), 1.0 / (Hkv * m))
+        else:
+            s = p / S
+        scores[l, :, se:nx] = s
+
+    B = budget_tokens(pol, n)
+    q_head = max(0, min(B - f, n - f))
+    selected = _select(pol, scores, candidate, q_head)
     kept = selected.copy()
-    kept[:, :, :se] = True
-    kept[:, :, nx:] = True
+    for l in range(L):
+        kept[l, :, :se] = True
+        kept[l, :, sizes[l] - we:sizes[l]] = True
+    kept_positions = [[np.asarray(positions[l])[g][kept[l, g, :sizes[l]]]
+                       for g in range(Hkv)] for l in range(L)]
     return {
         "kept": kept,
+        "kept_positions": kept_positions,
         "counts": kept.sum(axis=2).astype(np.int64),
         "scores": scores,
-        "raw": raw,
         "layer_sums": layer_sums,
         "selected": selected,
         "quota": int(q_head),
-        "total_selected": int(K),
+        "total_selected": int(selected.sum()),
     }
 
 

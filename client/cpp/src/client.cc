@@ -110,6 +110,14 @@ void SequenceToProto(uint64_t model_id, const SequenceRequest& sequence,
       proto->set_ids_count(table.in_region->count);
     }
   }
+  if (sequence.cache) {
+    v1::DecodeCache* cache = request->mutable_cache();
+    for (const CacheLayer& layer : *sequence.cache) {
+      v1::DecodeCacheLayer* proto = cache->add_layers();
+      proto->set_entries(layer.entries);
+      proto->mutable_positions()->Assign(layer.positions.begin(), layer.positions.end());
+    }
+  }
 }
 
 ServerTiming ServerTimingOf(const v1::Timing& timing) {

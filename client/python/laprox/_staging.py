@@ -114,11 +114,33 @@ def _bf16_flag(dtype: Optional[str]) -> bool:
                            "accepted here; float arrays carry their own dtype")
 
 
+def _cache_positions(value: Any, num_layers: int) -> List[np.ndarray]:
+    """A decode re-plan's positions: per layer an integer array [Hkv, n_l] in the int32 range
+    (a list, or one stacked [L, Hkv, n] array)."""
+    layers = _per_layer("cache_positions", value, 2)
+    if len(layers) != num_layers:
+        raise invalid_argument(f"cache_positions: {len(layers)} layers given, keys have "
+                               f"{num_layers}")
+    out = []
+    for l, positions in enumerate(layers):
+        if hasattr(positions, "detach"):  # a torch tensor
+            positions = positions.detach().cpu().numpy()
+        a = np.asarray(positions)
+        if a.ndim != 2 or (a.size and a.dtype.kind not in "iu"):
+            raise invalid_argument(f"cache_positions[{l}]: expected integers [Hkv, n_l], got "
+                                   f"{a.dtype} {a.shape}")
+        if a.size and (int(a.min()) < -2**31 or int(a.max()) >= 2**31):
+            raise invalid_argument(f"cache_positions[{l}]: values outside the int32 range")
+        out.append(a.astype(np.int32))
+    return out
+
+
 def _fill_keep_plan_request(request: Any, model_id: int, seq: t.SequenceInputs,
-                            staging: _Staging) -> t.Outputs:
+                            staging: _Staging) -> Tuple[t.Outputs, Optional[List[np.ndarray]]]:
     """Fills a ComputeKeepMaskRequest with one sequence's inputs, adding its tensors to
     `staging` (each paged tensor's block table once per distinct table); returns the outputs
-    requested. Raises LaproxError (INVALID_ARGUMENT) for inputs that cannot be sent."""
+    requested and a decode re-plan's positions (None for a prefill). Raises LaproxError
+    (INVALID_ARGUMENT) for inputs that cannot be sent."""
     pol = t.Policy.of(seq.policy, **seq.policy_options)
     bud = t.Budget.of(seq.budget)
     out = t.Outputs.of(seq.outputs)
@@ -141,6 +163,14 @@ def _fill_keep_plan_request(request: Any, model_id: int, seq: t.SequenceInputs,
 
     request.model_id = model_id
     request.n = int(key_shape[1])
+    cache = None
+    if seq.cache_positions is not None:
+        # A decode re-plan: layers may hold different counts; n is the longest.
+        cache = _cache_positions(seq.cache_positions, num_layers)
+        request.n = max(int(k.shape[1]) for k in per_layer["keys"])
+        for positions in cache:
+            request.cache.layers.add(entries=positions.shape[1],
+                                     positions=positions.ravel().tolist())
     policy_to_proto(pol, request.policy)
     if bud is not None:
         if bud.tokens_per_head is not None:
@@ -170,5 +200,5 @@ def _fill_keep_plan_request(request: Any, model_id: int, seq: t.SequenceInputs,
                 staging.add_paged(field, value, getattr(layer, name), table_index(value.table))
             else:
                 staging.add(field, value, getattr(layer, name), bf16)
-    return out
+    return out, cache
 

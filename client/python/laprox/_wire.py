@@ -5,7 +5,7 @@ tests/python/test_client.py pins each to the generated descriptor."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -72,11 +72,12 @@ def plans_of(raw: Union[bytes, memoryview]) -> List[memoryview]:
     return _packed_chunks(raw, (PLANS_FIELD,)).get(PLANS_FIELD, [])
 
 
-def _decode_plan(raw: Union[bytes, memoryview], outputs: t.Outputs) -> t.KeepPlan:
+def _decode_plan(raw: Union[bytes, memoryview], outputs: t.Outputs,
+                 cache_positions: Optional[List[np.ndarray]] = None) -> t.KeepPlan:
     """A KeepPlan from the serialized ComputeKeepMaskResponse (with the `outputs` requested;
-    for a batch, a view of one plan inside the ComputeKeepPlansResponse bytes). Positions and
-    scores are read straight from the packed bytes (sfixed32 / float), not element by
-    element."""
+    for a batch, a view of one plan inside the ComputeKeepPlansResponse bytes; a decode
+    re-plan's with the cache positions sent). Positions and scores are read straight from the
+    packed bytes (sfixed32 / float), not element by element."""
     r = pb.ComputeKeepMaskResponse.FromString(raw)
     L, Hkv, n = r.num_layers, r.num_kv_heads, r.n
     chunks = _packed_chunks(raw, (POSITIONS_FIELD, SCORES_FIELD))
@@ -100,7 +101,8 @@ def _decode_plan(raw: Union[bytes, memoryview], outputs: t.Outputs) -> t.KeepPla
         effective_policy=policy_from_proto(r.effective_policy),
         timing=t.Timing(timing.queue_seconds, timing.validate_seconds, timing.score_seconds,
                         timing.select_seconds, timing.respond_seconds, timing.total_seconds),
-        blocks=_decode_blocks(r) if r.HasField("blocks") else None)
+        blocks=_decode_blocks(r) if r.HasField("blocks") else None,
+        cache_positions=cache_positions)
 
 
 def _decode_blocks(r: Any) -> t.BlockPlan:

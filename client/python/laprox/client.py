@@ -281,8 +281,9 @@ class Client:
                           outputs: Union[t.Outputs, Mapping[str, bool], Sequence[str],
                                          None] = None,
                           dtype: Optional[str] = None, timeout: Optional[float] = None,
+                          cache_positions: Any = None,
                           **policy_options: Any) -> t.KeepPlan:
-        """The keep-plan of one prefilled sequence of n tokens.
+        """The keep-plan of one prefilled sequence of n tokens, or a decode re-plan.
 
         Args:
             model_id: from register_model.
@@ -302,6 +303,12 @@ class Client:
             dtype: "bf16" to send uint16/int16 arrays as bfloat16 bits.
             timeout: this call's deadline in seconds, staging the inputs included (default:
                 the client's); laprox.client.plan_deadline(n) suits an engine's path.
+            cache_positions: a decode re-plan of the cache the engine holds after earlier
+                plans (laprox.proto, DecodeCache): per layer the token position of every entry,
+                integers [Hkv, n_l], strictly ascending along each head; keys and values are
+                then [Hkv, n_l, d] per layer (layers may differ), window_queries those of the
+                wq most recent tokens, the last wq entries of every head. The plan's kept()
+                are token positions, kept_entries() the indices into the cache sent.
             **policy_options: Policy fields applied on top of `policy`, e.g. window=32,
                 kind="snapkv", allocation="per_layer".
 
@@ -309,12 +316,12 @@ class Client:
         """
         seq = t.SequenceInputs(keys, values, window_queries, window_attention, window_lse,
                                policy=policy, budget=budget, outputs=outputs, dtype=dtype,
-                               **policy_options)
+                               cache_positions=cache_positions, **policy_options)
         staging = _Staging()
         request = pb.ComputeKeepMaskRequest()
-        out = _fill_keep_plan_request(request, model_id, seq, staging)
+        out, cache = _fill_keep_plan_request(request, model_id, seq, staging)
         return _decode_plan(self._stage_and_call(staging, self._compute_raw, request, timeout),
-                            out)
+                            out, cache)
 
     def compute_keep_plans(self, model_id: int,
                            sequences: Sequence[Union[t.SequenceInputs, Mapping[str, Any]]], *,
@@ -350,7 +357,7 @@ class Client:
         if len(plans) != len(outs):
             raise LaproxError(grpc.StatusCode.INTERNAL, f"laproxd answered {len(plans)} plans "
                               f"for {len(outs)} sequences")
-        return [_decode_plan(plan, out) for plan, out in zip(plans, outs)]
+        return [_decode_plan(plan, out, cache) for plan, (out, cache) in zip(plans, outs)]
 
     # --- helpers ----------------------------------------------------------------------------
 

@@ -360,7 +360,8 @@ class SequenceInputs:
                  policy: Union["Policy", str, Mapping[str, Any], None] = None,
                  budget: Union["Budget", int, float, None] = None,
                  outputs: Union["Outputs", Mapping[str, bool], Iterable[str], None] = None,
-                 dtype: Optional[str] = None, **policy_options: Any):
+                 dtype: Optional[str] = None, cache_positions: Any = None,
+                 **policy_options: Any):
         self.keys = keys
         self.values = values
         self.window_queries = window_queries
@@ -370,6 +371,7 @@ class SequenceInputs:
         self.budget = budget
         self.outputs = outputs
         self.dtype = dtype
+        self.cache_positions = cache_positions
         self.policy_options: Dict[str, Any] = dict(policy_options)
 
     @classmethod
@@ -519,6 +521,11 @@ class BlockPlan:
 class KeepPlan:
     """The keep-plan of one prefill: which positions each (layer, KV head) keeps.
 
+    A decode re-plan's plan (compute_keep_plan(..., cache_positions=...)) keeps the entries of
+    the cache it was sent: positions (and kept()) are their token positions, while counts,
+    bitmask, scores and to_masks() index the entries, as kept_entries() does; n is the longest
+    layer's entries and cache_positions the positions that were sent, per layer [Hkv, n_l].
+
     Arrays:
         counts     int32 [L, Hkv]: kept tokens per (layer, KV head), window and sinks included.
         offsets    int64 [L * Hkv + 1]: positions[offsets[i]:offsets[i + 1]] belong to
@@ -550,16 +557,29 @@ class KeepPlan:
     effective_policy: Policy
     timing: Timing
     blocks: Optional[BlockPlan] = None
+    cache_positions: Optional[List[np.ndarray]] = None
 
     def kept(self, layer: int, head: int) -> np.ndarray:
-        """Kept positions of (layer, KV head), ascending, int32."""
+        """Kept positions of (layer, KV head), ascending, int32 (a decode re-plan's: the kept
+        entries' token positions)."""
         if not (0 <= layer < self.num_layers and 0 <= head < self.num_kv_heads):
             raise IndexError(f"(layer, head) = ({layer}, {head}) outside "
                              f"[{self.num_layers}, {self.num_kv_heads}]")
         i = layer * self.num_kv_heads + head
         if self.positions is None:
-            return np.flatnonzero(self._unpacked()[layer, head]).astype(np.int32)
+            entries = np.flatnonzero(self._unpacked()[layer, head]).astype(np.int32)
+            if self.cache_positions is None:
+                return entries
+            return self.cache_positions[layer][head][entries].astype(np.int32)
         return self.positions[self.offsets[i]:self.offsets[i + 1]]
+
+    def kept_entries(self, layer: int, head: int) -> np.ndarray:
+        """The kept entries of (layer, KV head) as indices into the cache that was sent,
+        ascending, int64: a decode re-plan's entries; a prefill plan's positions."""
+        kept = self.kept(layer, head)
+        if self.cache_positions is None:
+            return kept.astype(np.int64)
+        return np.searchsorted(self.cache_positions[layer][head], kept).astype(np.int64)
 
     def kept_positions(self) -> List[List[np.ndarray]]:
         """kept(l, g) for every layer l and head g, as [L][Hkv] arrays."""
@@ -572,8 +592,10 @@ class KeepPlan:
             L, Hkv, n = self.num_layers, self.num_kv_heads, self.n
             base = np.repeat(np.arange(L * Hkv, dtype=np.int64) * n,
                              self.counts.reshape(-1).astype(np.int64))
+            entries = self.positions if self.cache_positions is None else np.concatenate(
+                [self.kept_entries(l, g) for l in range(L) for g in range(Hkv)])
             mask = np.zeros(L * Hkv * n, dtype=bool)
-            mask[base + self.positions] = True
+            mask[base + entries] = True
             return mask.reshape(L, Hkv, n)
         return self._unpacked()
 

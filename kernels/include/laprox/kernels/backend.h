@@ -94,6 +94,12 @@ struct LayerInputs {
 struct KeepPlanRequest {
   int64_t n = 0;                    // prompt tokens, 1 <= n <= kMaxTokens
   std::vector<LayerInputs> layers;  // one per model layer
+  // A decode re-plan (tests/reference/SEMANTICS.md, "Decode re-plans"): n_l, the entries every
+  // KV head of layer l holds now, keys and values [Hkv, n_l, d], the window rows the last wq
+  // entries of every layer; n must be the largest. Empty: a prefill, every layer n entries.
+  // Each layer is scored as a prefill of n_l tokens; one selection spans all of them. Plan
+  // positions are entry indices (the service maps them to the engine's token positions).
+  std::vector<int64_t> layer_entries;
   PolicySpec policy;
   OutputOptions outputs;
   // When the caller began checking this request (decoding it, resolving its regions). The
@@ -214,6 +220,8 @@ class Backend {
   virtual bool CanRead(MemorySpace space) const = 0;
   // Whether keys and values may be paged views (TensorView::Paged).
   virtual bool CanReadPaged() const { return false; }
+  // Whether ComputeKeepPlan takes decode re-plans (KeepPlanRequest::layer_entries).
+  virtual bool CanReplanDecode() const { return false; }
   // Preconditions: geometry valid, o_proj.size() == L, each [D, H*d] in a readable space.
   virtual absl::StatusOr<std::shared_ptr<const PreparedModel>> PrepareModelImpl(
       const ModelGeometry& geometry, absl::Span<const TensorView> o_proj,

@@ -6,6 +6,7 @@
 #define LAPROX_KERNELS_REQUEST_SHAPE_H_
 
 #include <cstdint>
+#include <vector>
 
 namespace laprox::kernels {
 
@@ -38,7 +39,25 @@ struct RequestShape {
   int64_t num_blocks = 0;        // nb = ceil(n / bs) logical blocks; 0 unless block-shaped
   bool attention_given = false;  // window_attention instead of window_queries
   bool lse_given = false;
+  // A decode re-plan's entries per layer (KeepPlanRequest::layer_entries; n is the largest,
+  // window and sinks fit the shortest, candidates is the longest layer's); empty: n everywhere.
+  std::vector<int64_t> layer_n;
 };
+
+// The entries every KV head of layer l holds: n_l of a decode re-plan, else n.
+inline int64_t LayerEntries(const RequestShape& shape, int64_t layer) {
+  return shape.layer_n.empty() ? shape.n : shape.layer_n[static_cast<size_t>(layer)];
+}
+
+// The shape one layer is scored with: a prefill of its own entries (n = n_l, candidates
+// n_l - window - sinks), the rest as the request's.
+inline RequestShape LayerShape(const RequestShape& shape, int64_t layer) {
+  RequestShape layer_shape = shape;
+  layer_shape.layer_n.clear();
+  layer_shape.n = LayerEntries(shape, layer);
+  layer_shape.candidates = layer_shape.n - layer_shape.window - layer_shape.sinks;
+  return layer_shape;
+}
 
 }  // namespace laprox::kernels
 

@@ -123,6 +123,14 @@ struct PagedKv {
                                  uint32_t table);
 };
 
+// One layer of a decode re-plan's cache (laprox.proto, DecodeCacheLayer): the entries every KV
+// head holds and each entry's token position, [Hkv, entries] row-major, strictly ascending
+// along every head.
+struct CacheLayer {
+  int64_t entries = 0;
+  std::vector<int32_t> positions;
+};
+
 // One sequence of a keep-plan call: its tensors, policy, outputs and block tables.
 struct SequenceRequest {
   int64_t n = 0;
@@ -131,6 +139,10 @@ struct SequenceRequest {
   OutputOptions outputs;
   std::optional<OutputDestination> destination;  // set: outputs written into that region
   std::vector<BlockTableRef> block_tables;       // named by paged keys and values
+  // Set: a decode re-plan of the cache the engine holds (one per layer; layer l's keys and
+  // values are [Hkv, entries, d], n the longest layer's entries). The plan's positions are then
+  // the kept entries' token positions, its bitmask and scores index entries.
+  std::optional<std::vector<CacheLayer>> cache;
 };
 
 struct ServerInfo {
