@@ -315,6 +315,12 @@ absl::Status PrepareSequence(const KeepPlanCall& call, const CallContext& contex
   }
   if (absl::Status s = CheckCall(context, "nothing was computed"); !s.ok()) return s;
   if (call.cache) {
+    // An empty cache would leave the backend a prefill (no layer_entries): refuse it here.
+    if (call.cache->empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cache.layers is empty; a decode re-plan gives one per model layer (",
+                       call.layers.size(), " layers given)"));
+    }
     for (const CacheLayer& layer : *call.cache) {
       sequence.request.layer_entries.push_back(layer.entries);
     }

@@ -259,6 +259,10 @@ class DecodeBadInputTest(DecodeTestCase):
                               "n = 120 must be the longest layer's entries, 100")
         self.assertRawRefused(lambda r: setattr(r.cache.layers[2], "entries", 0),
                               "cache.layers[2].entries = 0 is outside [1, n = 100]")
+        # A cache with no layers is a decode re-plan all the same (a fuzz finding: it was
+        # planned as a prefill, then its positions were read past the empty list).
+        self.assertRawRefused(lambda r: r.cache.ClearField("layers"),
+                              "cache.layers is empty; a decode re-plan gives one per model layer")
 
     def test_window_attention_is_refused(self):
         def to_attention(request):
