@@ -14,7 +14,9 @@ cache holds c = B + N) the script prefills a prompt of c tokens cut from the lic
 - re-plan: laprox.Client.compute_keep_plan with cache_positions (every layer's c entries, the
   window's 32 queries), budget c - N with N = c / 3 (B = 2N), client wall time: host copies into
   the client's shared memory, the gRPC call, laproxd's scoring and selection; and laproxd's own
-  total (Timing.total_seconds) and score stage.
+  total (Timing.total_seconds) and score stage;
+- the same call with indicator "attention" (no value side): its score stage is the part a
+  per-sequence session could not save, since every attention column depends on the new window.
 
 A re-plan runs once per N decode steps, so its cost per generated token is re-plan / N; the
 table gives both. Medians over --rounds rounds with the lowest and highest round. Prints a
@@ -119,7 +121,7 @@ def main() -> int:
             positions = [np.tile(np.arange(c, dtype=np.int32), (g.num_kv_heads, 1))
                          for _ in range(g.num_layers)]
             nxt = out.logits[:, -1:].argmax(-1)
-            step_s, call_s, server_s, score_s = [], [], [], []
+            step_s, call_s, server_s, score_s, attention_s = [], [], [], [], []
             for _ in range(args.rounds):
                 # One decode step over the c-entry cache, then the cache cut back to c so that
                 # every round measures the same step.
@@ -136,11 +138,17 @@ def main() -> int:
                 call_s.append(time.perf_counter() - t0)
                 server_s.append(plan.timing.total_seconds)
                 score_s.append(plan.timing.score_seconds)
+                # The same call without the value side (indicator ATTENTION): all that a
+                # per-sequence session caching each entry's ||v W_O|| could save at most.
+                bare = client.compute_keep_plan(model_id, keys, values, window_queries=queries,
+                                                cache_positions=positions, budget=budget,
+                                                window=WINDOW, indicator="attention")
+                attention_s.append(bare.timing.score_seconds)
             step, call = spread(step_s), spread(call_s)
             kv_bytes = sum(k.nbytes + v.nbytes for k, v in zip(keys, values))
             rows.append(dict(cache=c, budget=budget, buffer=buffer, kv_bytes=kv_bytes,
                              step_s=step, call_s=call, server_s=spread(server_s),
-                             score_s=spread(score_s),
+                             score_s=spread(score_s), attention_s=spread(attention_s),
                              per_token_ratio=call[0] / buffer / step[0],
                              call_over_step=call[0] / step[0]))
             print(f"c={c}: step {step[0] * 1e3:.2f} ms, re-plan {call[0] * 1e3:.2f} ms "
@@ -157,15 +165,17 @@ def main() -> int:
           f"{torch.get_num_threads()}, laproxd --threads=2, {args.rounds} rounds, window "
           f"{WINDOW}. Median (lowest–highest round).\n")
     print("| cache c = B + N | B / N | K+V sent | decode step | re-plan (client) | laproxd total "
-          "| of which scoring | re-plan / step | re-plan / N / step |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| of which scoring | scoring, attention side only | re-plan / step "
+          "| re-plan / N / step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
 
     def ms(t):
         return f"{t[0] * 1e3:.2f} ({t[1] * 1e3:.2f}–{t[2] * 1e3:.2f}) ms"
     for r in rows:
         print(f"| {r['cache']} | {r['budget']} / {r['buffer']} | {r['kv_bytes'] / 2**20:.1f} MiB "
               f"| {ms(r['step_s'])} | {ms(r['call_s'])} | {ms(r['server_s'])} "
-              f"| {ms(r['score_s'])} | {r['call_over_step']:.2f} | {r['per_token_ratio']:.3f} |")
+              f"| {ms(r['score_s'])} | {ms(r['attention_s'])} | {r['call_over_step']:.2f} "
+              f"| {r['per_token_ratio']:.4f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
