@@ -7,6 +7,10 @@ Run:    /usr/bin/python3 tests/python/run_tests.py -k hf   (skipped without torc
         eviction, a budget >= n changes nothing, compaction equals masking, generate() works,
         state is restored. StoppedLaproxdTest runs the real laproxd (--laproxd) and stops it
         with SIGSTOP: generate() returns within the plan deadline with the full cache.
+        DecodeReplanTest runs the real laproxd too: Compressor(decode_buffer=N) holds the cache
+        at budget + N through generate(), its re-plans are the oracle's plans of what they
+        sent, with the last tokens' queries, and the cache holds the planned entries.
+        CI runs this file in the vLLM venv (tests/integration/vllm/run.sh, step 3a).
 Extend: add a test method; self.model is a fresh random LlamaForCausalLM (L=2, H=4, Hkv=2).
 """
 
@@ -389,6 +393,192 @@ class StoppedLaproxdTest(unittest.TestCase):
             self.assertEqual(press.timeouts, 1)
             self.generate()
             self.assertIsNotNone(press.plan)
+
+
+class RecordingClient:
+    """The real laprox.Client, recording the arguments and plan of every decode re-plan."""
+
+    def __init__(self, client):
+        self.client, self.replans = client, []
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def compute_keep_plan(self, model_id, keys, values, **kwargs):
+        plan = self.client.compute_keep_plan(model_id, keys, values, **kwargs)
+        if kwargs.get("cache_positions") is not None:
+            self.replans.append(dict(keys=[np.array(k) for k in keys],
+                                     values=[np.array(v) for v in values],
+                                     queries=[np.array(q) for q in kwargs["window_queries"]],
+                                     positions=[np.array(p) for p in kwargs["cache_positions"]],
+                                     plan=plan))
+        return plan
+
+
+class DecodeReplanTest(unittest.TestCase):
+    """Compressor(decode_buffer=N) against the real laproxd: the cache stays within budget + N
+    entries per head through a long generation, each re-plan is the oracle's plan of the cache
+    it was sent, and the cache holds exactly the planned entries at their token positions."""
+
+    B, N, W = 16, 8, 4  # budget, buffer, window (the tiny model's 40-token prompt)
+
+    @classmethod
+    def setUpClass(cls):
+        cls.server = support.Laproxd()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.stop()
+
+    def setUp(self):
+        self.model = tiny_llama()
+        self.ids = torch.randint(3, 97, (1, 40))
+        self.client = laprox.Client(self.server.target, timeout=30)
+        self.addCleanup(self.client.close)
+
+    def press(self, client=None, **kwargs):
+        kwargs.setdefault("decode_buffer", self.N)
+        return lhf.Compressor(self.model, client or self.client, budget=self.B, window=self.W,
+                              **kwargs)
+
+    def test_generate_holds_the_cache_at_budget_plus_buffer(self):
+        new_tokens = 64
+        press = self.press()
+        with torch.no_grad(), press:
+            out = self.model.generate(self.ids, max_new_tokens=new_tokens, do_sample=False)
+        self.assertEqual(out.shape[1], 40 + new_tokens)
+        # One entry after the prefill, then one per decode forward (the last token is not fed).
+        self.assertEqual(len(press.cache_lengths), new_tokens)
+        for step, (mean, longest) in enumerate(press.cache_lengths):
+            self.assertLessEqual(mean, self.B + self.N, f"after forward {step}")
+        self.assertGreaterEqual(press.replans, (new_tokens - self.N) // self.N - 1)
+        self.assertEqual(press.timeouts, 0)
+        for rows in press.positions:
+            self.assertTrue((np.diff(rows, axis=1) > 0).all(), "positions not ascending")
+            # The last token fed (position 40 + 62) and the window before it are held.
+            np.testing.assert_array_equal(rows[:, -self.W:],
+                                          np.tile(np.arange(103 - self.W, 103), (HKV, 1)))
+        # Planned once, after the prefill, the same cache grows by one entry per token.
+        once = self.press(decode_buffer=0, compact=True, plan_shape="layer_uniform")
+        with torch.no_grad(), once:
+            out = self.model.generate(self.ids, max_new_tokens=new_tokens, do_sample=False,
+                                      return_dict_in_generate=True)
+        grown = [lhf.cache_layer_kv(out.past_key_values, l)[0].shape[2] for l in range(L)]
+        self.assertGreater(np.mean(grown), self.B + new_tokens - 2)
+
+    def forced_tokens(self, steps):
+        torch.manual_seed(1)
+        return torch.randint(3, 97, (1, steps))
+
+    def layer0_queries(self, tokens, positions):
+        """Layer 0's post-RoPE queries [H, len(positions), d] of `tokens` (the whole sequence)
+        at `positions`, computed from the model's modules: they depend on nothing else."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        pos = torch.as_tensor(positions, dtype=torch.long)[None]
+        with torch.no_grad():
+            x = self.model.model.layers[0].input_layernorm(
+                self.model.model.embed_tokens(tokens[:, pos[0]]))
+            q = self.model.model.layers[0].self_attn.q_proj(x).view(1, -1, H, D_HEAD)
+            cos, sin = self.model.model.rotary_emb(x, pos)
+            q, _ = apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), cos, sin)
+        return q[0].numpy()
+
+    def teacher_forced(self, press, steps):
+        """Prefill, then `steps` one-token forwards of fixed tokens; the cache."""
+        tokens = self.forced_tokens(steps)
+        cache = DynamicCache(config=self.model.config)
+        with torch.no_grad(), (press or contextlib.nullcontext()):
+            self.model(self.ids, past_key_values=cache, use_cache=True)
+            for i in range(steps):
+                self.model(tokens[:, i:i + 1], past_key_values=cache, use_cache=True,
+                           position_ids=torch.tensor([[40 + i]]),
+                           cache_position=torch.tensor([40 + i]))
+        return cache
+
+    def test_replans_are_the_oracles_plans_and_the_cache_holds_their_entries(self):
+        steps = 40
+        recording = RecordingClient(self.client)
+        press = self.press(recording)
+        cache = self.teacher_forced(press, steps)
+        full = self.teacher_forced(None, steps)
+        self.assertGreaterEqual(len(recording.replans), 3)
+        o_proj = [m.o_proj.weight.detach().double().numpy() for m in lhf.attention_modules(
+            self.model)]
+        geometry = dict(L=L, H=H, Hkv=HKV, d=D_HEAD, D=HIDDEN, scale=D_HEAD ** -0.5)
+        for r in recording.replans:
+            layers = [dict(keys=r["keys"][l], values=r["values"][l], queries=r["queries"][l],
+                           o_proj=o_proj[l]) for l in range(L)]
+            ref = support.laprox_ref.decode_keep_plan(
+                geometry, dict(window=self.W, tokens_per_head=self.B,
+                               plan_shape="LAYER_UNIFORM"), layers, r["positions"])
+            self.assertEqual(support.kept_differences(r["plan"].to_masks(), ref), [])
+            # The window's queries are those of the last W tokens.
+            sequence = torch.cat([self.ids, self.forced_tokens(steps)], dim=1)
+            np.testing.assert_allclose(
+                r["queries"][0], self.layer0_queries(sequence, r["positions"][0][0, -self.W:]),
+                rtol=1e-4, atol=1e-5)
+        # The cache after the last re-plan and the steps since: every layer's entries are the
+        # last re-plan's kept ones (heads padded to one length) followed by the later tokens.
+        last = recording.replans[-1]
+        since = 40 + steps - 1 - int(last["positions"][0][0, -1])
+        for l in range(L):
+            keys = lhf.cache_layer_kv(cache, l)[0][0].numpy()
+            rows = press.positions[l]
+            for g in range(HKV):
+                kept = last["plan"].kept(l, g)
+                held = rows[g, :rows.shape[1] - since]
+                self.assertTrue(set(kept.tolist()) <= set(held.tolist()))
+                self.assertLessEqual(held.size - kept.size, 1)  # at most one padded entry
+                entries = np.searchsorted(last["positions"][l][g], held)
+                np.testing.assert_array_equal(last["positions"][l][g][entries], held)
+                np.testing.assert_array_equal(keys[g, :held.size], last["keys"][l][g][entries])
+            if l == 0:
+                # Layer 0's keys depend only on the token and its position: those the cache
+                # holds equal the full cache's at the positions it says they have.
+                full_keys = lhf.cache_layer_kv(full, 0)[0][0].numpy()
+                np.testing.assert_allclose(keys, np.take_along_axis(
+                    full_keys, rows[:, :, None].repeat(D_HEAD, axis=2), axis=1),
+                    rtol=1e-5, atol=1e-6)
+
+    def test_a_missed_deadline_keeps_the_cache_and_tries_again_later(self):
+        press = self.press(deadline=0.3)
+        torch.manual_seed(2)
+        tokens = torch.randint(3, 97, (1, 30))
+        cache = DynamicCache(config=self.model.config)
+        with torch.no_grad(), press:
+            self.model(self.ids, past_key_values=cache, use_cache=True)
+
+            def step(i):
+                self.model(tokens[:, i:i + 1], past_key_values=cache, use_cache=True,
+                           position_ids=torch.tensor([[40 + i]]),
+                           cache_position=torch.tensor([40 + i]))
+            i = 0
+            while press.cache_lengths[-1][0] + 1 < self.B + self.N:
+                step(i)
+                i += 1
+            with self.server.paused(), self.assertLogs("laprox.hf", "WARNING") as logged:
+                step(i)  # reaches B + N: the re-plan runs into its deadline
+            self.assertIn("missed its deadline", logged.output[0])
+            self.assertEqual((press.timeouts, press.replans), (1, 0))
+            self.assertGreaterEqual(press.cache_lengths[-1][0], self.B + self.N)
+            for j in range(1, self.N // 4 + 1):  # the retry comes N / 4 tokens later
+                step(i + j)
+            self.assertEqual(press.replans, 1)
+            self.assertLessEqual(press.cache_lengths[-1][0], self.B + 1)
+
+    def test_decode_options_are_checked(self):
+        for kwargs, needle in ((dict(budget=0.5), "tokens per head"),
+                               (dict(kind="snapkv"), "policy kind LAPROX"),
+                               (dict(plan_shape="ragged"), "plan_shape LAYER_UNIFORM"),
+                               (dict(decode_buffer=-1), ">= 0")):
+            kwargs = dict(dict(budget=self.B, decode_buffer=self.N), **kwargs)
+            with self.subTest(**kwargs), self.assertRaises(ValueError) as caught:
+                lhf.Compressor(self.model, self.client, **kwargs)
+            self.assertIn(needle, str(caught.exception))
+        press = self.press()
+        with torch.no_grad(), press, self.assertRaises(ValueError) as caught:
+            self.model(self.ids.repeat(2, 1), use_cache=True)
+        self.assertIn("one sequence; the batch has 2", str(caught.exception))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,18 @@ keys/values returned by the cache, so:
    answer in time (stopped, overloaded), generate() goes on with the full cache of that
    prefill, counted in `timeouts` and logged; the next prefill asks again.
 
+6. With `decode_buffer=N` the cache stays within `budget + N` entries per head through a long
+   generation (batch 1): the prefill's plan is LAYER_UNIFORM and compacts the cache, the heads
+   of a layer one short padded with their most recent evicted entry (a real entry, attended as
+   it is, so no mask is needed and positions stay distinct); every later forward appends its
+   tokens and records their post-RoPE queries; when the mean over layers of a head's entries
+   reaches `budget + N`, the cache as it is (every entry's token position tracked in
+   `positions`) goes to laproxd as a decode re-plan (laprox.proto DecodeCache) with the last
+   `window` tokens' queries, and is compacted to the plan again. `cache_lengths` records the
+   mean and the longest layer's entries per head after every forward, `replans` counts the
+   re-plans. A re-plan past its deadline keeps the cache as it is (counted in `timeouts`) and
+   is tried again N / 4 tokens later.
+
 Batches are compressed sequence by sequence (one keep-plan each); left padding is not supported
 (every sequence of the batch must have n real tokens). Chunked prefill is not supported: the
 prefill must be one forward call.
@@ -58,7 +70,7 @@ import contextlib
 import logging
 import math
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -155,6 +167,10 @@ class _State:
         # Per layer: the decode mask [B, H, 1, capacity] (prefix bias, then zeros for appended
         # tokens) in the queries' dtype and device, built once and sliced at every step.
         self._decode_bias: Dict[int, torch.Tensor] = {}
+        # > 0 (decode re-plans): every forward after a prefill keeps the last that many query
+        # rows of each layer in `recent` ([B, H, <= rows, d], post-RoPE).
+        self.recent_rows = 0
+        self.recent: Dict[int, torch.Tensor] = {}
 
     def set_masks(self, masks: Optional[Sequence[Any]]) -> None:
         """masks[l]: bool [B, Hkv, n] or [Hkv, n] (True = keep), or None to clear."""
@@ -184,6 +200,14 @@ class _State:
             evicts.append(not bool(m.all()))
         self.prefix_bias = biases
         self.evicts = evicts
+
+    def remember(self, layer: int, query: torch.Tensor) -> None:
+        """Keeps the last `recent_rows` query rows of `layer` ([B, H, q, d], post-RoPE)."""
+        rows = query.detach()
+        previous = self.recent.get(layer)
+        if previous is not None:
+            rows = torch.cat([previous, rows], dim=2)
+        self.recent[layer] = rows[:, :, -self.recent_rows:].clone()
 
     def decode_bias(self, layer: int, query: torch.Tensor, kv_len: int) -> torch.Tensor:
         """The additive mask [B, H, 1, kv_len] of one query row over `kv_len` keys: the layer's
@@ -231,11 +255,14 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
     if state is not None:
         q_len, kv_len = query.shape[2], key.shape[2]
         layer = module.layer_idx
-        if q_len == kv_len and q_len > 1:
+        prefill = q_len == kv_len and q_len > 1
+        if prefill:
             # A new sequence's prefill: it runs on the full cache; earlier masks are void.
             if state.capture_rows > 0:
                 state.captured[layer] = query[:, :, -state.capture_rows:].detach().clone()
-        elif state.prefix_bias is not None and state.prefix_bias[layer] is not None:
+        elif state.recent_rows > 0:
+            state.remember(layer, query)
+        if not prefill and state.prefix_bias is not None and state.prefix_bias[layer] is not None:
             if q_len == 1 and attention_mask is None:
                 # Decoding (the model's mask was skipped: no padding, one query row). A layer
                 # with nothing evicted runs exactly like the full cache; the others take their
@@ -397,25 +424,38 @@ class Compressor:
         deadline: seconds a prefill waits for its plans, for a prompt of up to
             PLAN_DEADLINE_TOKENS tokens in all (laprox.client.plan_deadline: as much again per
             that many more); past it the prefill keeps its full cache (point 5).
+        decode_buffer: N > 0 keeps the cache within budget + N entries per head through the
+            generation by re-planning (point 6): batch 1, kind LAPROX, an int budget, plan
+            shape LAYER_UNIFORM (set when not given), compaction. 0: plan once, after the
+            prefill.
 
     Use as a context manager (or attach()/detach()); the model's attention implementation is
     "laprox" while attached and restored afterwards. `plan` holds the last prefill's KeepPlan
     (a list, one per batch sequence, when the batch has more than one), `masks` its keep masks;
     both are None when laproxd missed the deadline. `timeouts` counts the sequences that kept
-    their full cache for that reason.
+    their full cache for that reason (and, with decode_buffer, the re-plans that kept the cache
+    as it was). With decode_buffer: `positions` holds each layer's token positions [Hkv, n_l]
+    of the entries it holds, `replans` the re-plans made, `cache_lengths` one (mean over layers,
+    longest layer) of the entries per head after every forward since the prefill.
     """
 
     def __init__(self, model: Any, client: Any, budget: Union[int, float, t.Budget] = 128,
                  policy: Any = None, *, model_id: Optional[int] = None,
                  prepare_cross_grams: bool = False, window_rows: int = DEFAULT_WINDOW_ROWS,
                  compact: bool = False, deadline: float = PLAN_DEADLINE_S,
-                 **policy_options: Any):
+                 decode_buffer: int = 0, **policy_options: Any):
         if not deadline > 0:
             raise invalid_argument(f"deadline: {deadline} s; it must be > 0")
         self.model = model
         self.client = client
         self.budget = budget
         self.policy = t.Policy.of(policy, **policy_options)
+        self.decode_buffer = int(decode_buffer)
+        if self.decode_buffer < 0:
+            raise invalid_argument(f"decode_buffer: {decode_buffer}; it must be >= 0")
+        if self.decode_buffer > 0:
+            self._check_decode_options()
+            compact = True
         self.compact = compact
         self.deadline = float(deadline)
         self.timeouts = 0
@@ -427,6 +467,13 @@ class Compressor:
         self.plan: Any = None
         self.masks: Optional[List[torch.Tensor]] = None
         self.compacted = False
+        # Decode re-plans (decode_buffer > 0): the token positions of the entries each layer
+        # holds, the next token's position, and what happened since the prefill.
+        self.positions: Optional[List[np.ndarray]] = None
+        self.replans = 0
+        self.cache_lengths: List[Tuple[float, int]] = []
+        self._next_position = 0
+        self._retry_at = 0
         g = self.geometry
         self._state = _State(g.num_layers, g.num_kv_heads, g.num_heads)
         self._modules: List[Any] = []
@@ -471,6 +518,11 @@ class Compressor:
     def _after_forward(self, module: Any, args: Any, kwargs: Any, output: Any) -> Any:
         captured = self._state.captured
         if not captured:
+            if self.positions is not None:
+                cache = getattr(output, "past_key_values", None) or \
+                    kwargs.get("past_key_values")
+                if cache is not None:
+                    self._after_decode_forward(cache)
             return output
         self._state.captured = {}
         if len(captured) != self.geometry.num_layers:
@@ -490,6 +542,11 @@ class Compressor:
         L = self.geometry.num_layers
         kv = [cache_layer_kv(cache, l) for l in range(L)]
         batch, _, n, _ = kv[0][0].shape
+        self.positions = None
+        self._state.recent_rows, self._state.recent = 0, {}
+        if self.decode_buffer > 0 and batch != 1:
+            raise invalid_argument(f"decode_buffer: re-plans follow one sequence; the batch has "
+                                   f"{batch}")
         plans, masks = [], [torch.zeros(batch, self.geometry.num_kv_heads, n, dtype=torch.bool)
                             for _ in range(L)]
         deadline = plan_deadline(batch * n, self.deadline)
@@ -519,6 +576,19 @@ class Compressor:
         if not self.compacted:
             self._state.set_masks(masks)
             return self.plan
+        if self.decode_buffer > 0:
+            # Positions 0 .. n - 1, then the decode steps' tokens; the window's queries seed
+            # the recent rows the first re-plan reads.
+            self._compact_to(cache, plans[0],
+                             [np.tile(np.arange(n), (self.geometry.num_kv_heads, 1))] * L)
+            self._next_position, self._retry_at = n, 0
+            self.replans, self.cache_lengths = 0, []
+            self._state.recent_rows = self.window
+            self._state.recent = {l: q[:, :, -self.window:].detach().clone()
+                                  for l, q in enumerate(window_queries)}
+            widths = [p.shape[1] for p in self.positions]
+            self.cache_lengths.append((float(np.mean(widths)), int(max(widths))))
+            return self.plan
         compact_masks = []
         for l in range(L):
             keys, values = kv[l]
@@ -542,6 +612,109 @@ class Compressor:
         # needs no mask in a layer without padded slots, and a prebuilt one in the others.
         self._state.set_masks(compact_masks)
         return self.plan
+
+    # --- decode re-plans -------------------------------------------------------------------------
+
+    @property
+    def window(self) -> int:
+        """The observation window the plans use (the policy's, else LAPROX's default 32)."""
+        return int(self.policy.window or 32)
+
+    def _check_decode_options(self) -> None:
+        if t.Budget.of(self.budget).tokens_per_head is None:
+            raise invalid_argument(f"decode_buffer: the budget must be tokens per head (an int), "
+                                   f"not {self.budget!r}")
+        if self.policy.kind is not None and \
+                t.PolicyKind.parse(self.policy.kind) != t.PolicyKind.LAPROX:
+            raise invalid_argument(f"decode_buffer: re-plans take policy kind LAPROX, not "
+                                   f"{self.policy.kind}")
+        shape = self.policy.plan_shape
+        if shape is None:
+            self.policy = self.policy.replace(plan_shape=t.PlanShape.LAYER_UNIFORM)
+        elif t.PlanShape.parse(shape) != t.PlanShape.LAYER_UNIFORM:
+            raise invalid_argument(f"decode_buffer: the cache is compacted to one length per "
+                                   f"layer, which takes plan_shape LAYER_UNIFORM, not {shape}")
+
+    def _compact_to(self, cache: Any, plan: Any, positions: Sequence[np.ndarray]) -> None:
+        """Compacts a batch-1 `cache` to `plan` (LAYER_UNIFORM: the heads of a layer keep
+        counts that differ by at most one): each head keeps its planned entries, the heads one
+        short also their most recent evicted entry, a real one, so every head of a layer holds
+        the same count, in position order, and no mask is needed. `positions` are the token
+        positions of the entries the cache holds now; self.positions become the kept ones."""
+        kept_positions, widths = [], []
+        for l, rows in enumerate(positions):
+            keys, values = cache_layer_kv(cache, l)
+            heads = [np.asarray(plan.kept_entries(l, g)) for g in range(rows.shape[0])]
+            width = max(h.size for h in heads)
+            padded = []
+            for g, entries in enumerate(heads):
+                if entries.size < width:
+                    evicted = np.setdiff1d(np.arange(rows.shape[1]), entries)
+                    entries = np.sort(np.concatenate([entries, evicted[entries.size - width:]]))
+                padded.append(entries)
+            idx = torch.from_numpy(np.stack(padded).astype(np.int64))
+            gather = idx.to(keys.device)[None, :, :, None].expand(1, -1, -1, keys.shape[-1])
+            _set_cache_layer_kv(cache, l, keys.gather(2, gather).contiguous(),
+                                values.gather(2, gather).contiguous())
+            kept_positions.append(np.take_along_axis(rows, np.stack(padded), axis=1))
+            widths.append(width)
+        self.positions = kept_positions
+        # Layers differ in length: calls of several query rows need masks of each layer's
+        # length (_masked); decoding needs none (nothing in them is evicted).
+        Hkv = self.geometry.num_kv_heads
+        self._state.set_masks([torch.ones(1, Hkv, w, dtype=torch.bool) for w in widths])
+
+    def _after_decode_forward(self, cache: Any) -> None:
+        """After a forward that appended tokens: their positions, then a re-plan when the
+        mean over layers of the entries per head reached budget + decode_buffer."""
+        L, Hkv = self.geometry.num_layers, self.geometry.num_kv_heads
+        lengths = [int(cache_layer_kv(cache, l)[0].shape[2]) for l in range(L)]
+        added = lengths[0] - self.positions[0].shape[1]
+        if any(n - p.shape[1] != added for n, p in zip(lengths, self.positions)) or added < 0:
+            followed = [p.shape[1] for p in self.positions]
+            raise invalid_argument(f"decode_buffer: the cache holds {lengths} entries per "
+                                   f"layer, {followed} before this call: was it cropped or "
+                                   "replaced?")
+        if added > 0:
+            new = np.arange(self._next_position, self._next_position + added)
+            self.positions = [np.concatenate([p, np.tile(new, (Hkv, 1))], axis=1)
+                              for p in self.positions]
+            self._next_position += added
+        budget = t.Budget.of(self.budget).tokens_per_head
+        if np.mean(lengths) >= budget + self.decode_buffer and \
+                self._next_position >= self._retry_at:
+            self._replan(cache)
+        widths = [p.shape[1] for p in self.positions]
+        self.cache_lengths.append((float(np.mean(widths)), int(max(widths))))
+
+    def _replan(self, cache: Any) -> None:
+        """Sends the cache as it is to laproxd (a decode re-plan) and compacts it to the plan;
+        past the deadline the cache stays as it is, and the next try is decode_buffer / 4 tokens
+        later."""
+        L = self.geometry.num_layers
+        kv = [cache_layer_kv(cache, l) for l in range(L)]
+        queries = [self._state.recent[l][0, :, -self.window:] for l in range(L)]
+        deadline = plan_deadline(max(p.shape[1] for p in self.positions), self.deadline)
+        try:
+            plan = self.client.compute_keep_plan(
+                self.model_id, [_host(k[0], self._device_ok) for k, _ in kv],
+                [_host(v[0], self._device_ok) for _, v in kv],
+                window_queries=[_host(q, self._device_ok) for q in queries],
+                cache_positions=self.positions, policy=self.policy, budget=self.budget,
+                timeout=deadline)
+        except LaproxError as e:
+            if e.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            self.timeouts += 1
+            self._retry_at = self._next_position + max(1, self.decode_buffer // 4)
+            logger.warning("laprox: a decode re-plan missed its deadline of %.3g s; the cache "
+                           "keeps its %d entries per head until a retry %d tokens later",
+                           deadline, max(p.shape[1] for p in self.positions),
+                           self._retry_at - self._next_position)
+            return
+        self._compact_to(cache, plan, self.positions)
+        self.plan = plan
+        self.replans += 1
 
     def _keep_full_cache(self, batch: int, deadline: float) -> None:
         """After a missed deadline: this prefill's sequences decode with their full cache."""
