@@ -325,13 +325,8 @@ class HfIntegrationTest(unittest.TestCase):
                                    atol=1e-6)
 
 
-class StoppedLaproxdTest(unittest.TestCase):
-    """Compressor against the real laproxd, stopped with SIGSTOP during generate(): the plan
-    call runs into its deadline (the Compressor's default, plan_deadline(n) = 2.002 s here, not
-    the client's 60 s), generate() returns with the tokens of the full cache, the timeout is
-    counted, and once laproxd runs again (SIGCONT) the next prefill is compressed."""
-
-    SLACK_S = 1.0  # scheduling on a busy 2-vCPU machine
+class WithLaproxd(unittest.TestCase):
+    """A test class served by one real laproxd (self.server)."""
 
     @classmethod
     def setUpClass(cls):
@@ -340,6 +335,15 @@ class StoppedLaproxdTest(unittest.TestCase):
     @classmethod
     def tearDownClass(cls):
         cls.server.stop()
+
+
+class StoppedLaproxdTest(WithLaproxd):
+    """Compressor against the real laproxd, stopped with SIGSTOP during generate(): the plan
+    call runs into its deadline (the Compressor's default, plan_deadline(n) = 2.002 s here, not
+    the client's 60 s), generate() returns with the tokens of the full cache, the timeout is
+    counted, and once laproxd runs again (SIGCONT) the next prefill is compressed."""
+
+    SLACK_S = 1.0  # scheduling on a busy 2-vCPU machine
 
     def setUp(self):
         self.model = tiny_llama()
@@ -415,20 +419,12 @@ class RecordingClient:
         return plan
 
 
-class DecodeReplanTest(unittest.TestCase):
+class DecodeReplanTest(WithLaproxd):
     """Compressor(decode_buffer=N) against the real laproxd: the cache stays within budget + N
     entries per head through a long generation, each re-plan is the oracle's plan of the cache
     it was sent, and the cache holds exactly the planned entries at their token positions."""
 
     B, N, W = 16, 8, 4  # budget, buffer, window (the tiny model's 40-token prompt)
-
-    @classmethod
-    def setUpClass(cls):
-        cls.server = support.Laproxd()
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.server.stop()
 
     def setUp(self):
         self.model = tiny_llama()
