@@ -644,20 +644,13 @@ class Compressor:
         kept_positions, widths = [], []
         for l, rows in enumerate(positions):
             keys, values = cache_layer_kv(cache, l)
-            heads = [np.asarray(plan.kept_entries(l, g)) for g in range(rows.shape[0])]
-            width = max(h.size for h in heads)
-            padded = []
-            for g, entries in enumerate(heads):
-                if entries.size < width:
-                    evicted = np.setdiff1d(np.arange(rows.shape[1]), entries)
-                    entries = np.sort(np.concatenate([entries, evicted[entries.size - width:]]))
-                padded.append(entries)
-            idx = torch.from_numpy(np.stack(padded).astype(np.int64))
-            gather = idx.to(keys.device)[None, :, :, None].expand(1, -1, -1, keys.shape[-1])
+            entries = plan.layer_entries(l)  # [Hkv, width], short heads padded
+            idx = torch.from_numpy(entries).to(keys.device)
+            gather = idx[None, :, :, None].expand(1, -1, -1, keys.shape[-1])
             _set_cache_layer_kv(cache, l, keys.gather(2, gather).contiguous(),
                                 values.gather(2, gather).contiguous())
-            kept_positions.append(np.take_along_axis(rows, np.stack(padded), axis=1))
-            widths.append(width)
+            kept_positions.append(np.take_along_axis(rows, entries, axis=1))
+            widths.append(entries.shape[1])
         self.positions = kept_positions
         # Layers differ in length: calls of several query rows need masks of each layer's
         # length (_masked); decoding needs none (nothing in them is evicted).

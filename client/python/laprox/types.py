@@ -581,6 +581,23 @@ class KeepPlan:
             return kept.astype(np.int64)
         return np.searchsorted(self.cache_positions[layer][head], kept).astype(np.int64)
 
+    def layer_entries(self, layer: int) -> np.ndarray:
+        """The kept entries of every head of `layer` with one count per head, int64 [Hkv, c]
+        (c: the layer's largest count), ascending: a head that keeps fewer also keeps its most
+        recent evicted entries. The shape an engine compacts a LAYER_UNIFORM plan to (its
+        heads' counts differ by at most one), each padded slot a real entry, attended as it
+        is."""
+        heads = [self.kept_entries(layer, g) for g in range(self.num_kv_heads)]
+        n = self.n if self.cache_positions is None else self.cache_positions[layer].shape[1]
+        width = max(h.size for h in heads)
+        rows = []
+        for kept in heads:
+            if kept.size < width:
+                evicted = np.setdiff1d(np.arange(n), kept)
+                kept = np.sort(np.concatenate([kept, evicted[kept.size - width:]]))
+            rows.append(kept)
+        return np.stack(rows).astype(np.int64)
+
     def kept_positions(self) -> List[List[np.ndarray]]:
         """kept(l, g) for every layer l and head g, as [L][Hkv] arrays."""
         return [[self.kept(l, g) for g in range(self.num_kv_heads)]
