@@ -9,6 +9,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
 
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
@@ -47,6 +48,22 @@ class ClientTest : public ::testing::Test {
     client_.reset();
     server_.reset();
     work_.reset();
+  }
+
+  // Registers a model of the test geometry with seeded random o_proj (kept in `o_proj`, one
+  // [kHidden, kH * kD] matrix per layer, for the library's own plan).
+  absl::StatusOr<uint64_t> RegisterRandomModel(const std::string& name, std::mt19937& rng,
+                                               std::vector<std::vector<float>>& o_proj) {
+    std::normal_distribution<float> normal(0.f, 1.f);
+    o_proj.assign(kL, std::vector<float>(kHidden * kH * kD));
+    for (auto& w : o_proj) {
+      for (float& x : w) x = normal(rng);
+    }
+    std::vector<TensorRef> refs;
+    for (const auto& w : o_proj) {
+      refs.push_back(TensorRef::Inline(w.data(), DType::kF32, {kHidden, kH * kD}));
+    }
+    return client_->RegisterModel(name, {kL, kH, kHkv, kD, kHidden, 0.f}, refs);
   }
 
   std::unique_ptr<service::Core> core_;
@@ -214,17 +231,10 @@ TEST_F(ClientTest, KeepPlanThroughSharedBufferEqualsTheLibrary) {
 TEST_F(ClientTest, DecodeReplanEqualsTheLibraryInTokenPositions) {
   std::mt19937 rng(11);
   std::normal_distribution<float> normal(0.f, 1.f);
-  std::vector<std::vector<float>> o_proj(kL, std::vector<float>(kHidden * kH * kD));
-  for (auto& w : o_proj) {
-    for (float& x : w) x = normal(rng);
-  }
-  const ModelGeometry geometry{kL, kH, kHkv, kD, kHidden, 0.f};
-  std::vector<TensorRef> o_proj_refs;
-  for (const auto& w : o_proj) {
-    o_proj_refs.push_back(TensorRef::Inline(w.data(), DType::kF32, {kHidden, kH * kD}));
-  }
-  auto model = client_->RegisterModel("tiny-decode", geometry, o_proj_refs);
+  std::vector<std::vector<float>> o_proj;
+  auto model = RegisterRandomModel("tiny-decode", rng, o_proj);
   ASSERT_TRUE(model.ok()) << model.status();
+  const ModelGeometry geometry{kL, kH, kHkv, kD, kHidden, 0.f};
 
   const std::vector<int64_t> entries = {70, 45};  // layer 0 holds more than layer 1
   std::vector<std::vector<float>> keys(kL), values(kL), queries(kL);

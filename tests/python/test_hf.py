@@ -330,13 +330,8 @@ class HfIntegrationTest(unittest.TestCase):
                                    atol=1e-6)
 
 
-class StoppedLaproxdTest(unittest.TestCase):
-    """Compressor against the real laproxd, stopped with SIGSTOP during generate(): the plan
-    call runs into its deadline (the Compressor's default, plan_deadline(n) = 2.002 s here, not
-    the client's 60 s), generate() returns with the tokens of the full cache, the timeout is
-    counted, and once laproxd runs again (SIGCONT) the next prefill is compressed."""
-
-    SLACK_S = 1.0  # scheduling on a busy 2-vCPU machine
+class WithLaproxd(unittest.TestCase):
+    """A test class served by one real laproxd (self.server)."""
 
     @classmethod
     def setUpClass(cls):
@@ -345,6 +340,15 @@ class StoppedLaproxdTest(unittest.TestCase):
     @classmethod
     def tearDownClass(cls):
         cls.server.stop()
+
+
+class StoppedLaproxdTest(WithLaproxd):
+    """Compressor against the real laproxd, stopped with SIGSTOP during generate(): the plan
+    call runs into its deadline (the Compressor's default, plan_deadline(n) = 2.002 s here, not
+    the client's 60 s), generate() returns with the tokens of the full cache, the timeout is
+    counted, and once laproxd runs again (SIGCONT) the next prefill is compressed."""
+
+    SLACK_S = 1.0  # scheduling on a busy 2-vCPU machine
 
     def setUp(self):
         self.model = tiny_llama()
@@ -534,20 +538,12 @@ def check_generate_against_held_reference(test, model, press, ids, new_tokens, a
     return diff
 
 
-class DecodeReplanTest(unittest.TestCase):
+class DecodeReplanTest(WithLaproxd):
     """Compressor(decode_buffer=N) against the real laproxd: the cache stays within budget + N
     entries per head through a long generation, each re-plan is the oracle's plan of the cache
     it was sent, and the cache holds exactly the planned entries at their token positions."""
 
     B, N, W = 16, 8, 4  # budget, buffer, window (the tiny model's 40-token prompt)
-
-    @classmethod
-    def setUpClass(cls):
-        cls.server = support.Laproxd()
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.server.stop()
 
     def setUp(self):
         self.model = tiny_llama()
@@ -706,7 +702,7 @@ class DecodeReplanTest(unittest.TestCase):
         self.assertIn("one sequence; the batch has 2", str(caught.exception))
 
 
-class RealModelDecodeReplanTest(unittest.TestCase):
+class RealModelDecodeReplanTest(WithLaproxd):
     """Compressor(decode_buffer=N) on a real model, SmolLM2-135M-Instruct (fp32; the checkout
     tests/integration/vllm/setup.sh writes to build/vllm-model, or $LAPROX_TEST_HF_MODEL;
     skipped without it), against the real laproxd: 4 buffers of greedy tokens after a prompt of
@@ -728,11 +724,7 @@ class RealModelDecodeReplanTest(unittest.TestCase):
         with open(os.path.join(support.REPO, "README.md")) as f:
             text = f.read()
         cls.ids = tokenizer(text, return_tensors="pt").input_ids[:, :300]
-        cls.server = support.Laproxd()
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.server.stop()
+        super().setUpClass()
 
     def test_generate_equals_the_full_cache_masked_to_the_entries_held(self):
         client = laprox.Client(self.server.target, timeout=30)
