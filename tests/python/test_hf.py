@@ -587,6 +587,32 @@ class DecodeReplanTest(WithLaproxd):
         check_generate_against_held_reference(self, self.model, self.press(), self.ids, 64,
                                               atol=1e-5)
 
+    def test_tokens_at_other_positions_than_the_cache_continues_are_refused(self):
+        # A second generate() on the compacted cache takes its positions from the cache's
+        # length (far below the tokens' own) and feeds again what it thinks is missing; a
+        # forward with explicit position_ids that skip one is refused the same way.
+        press = self.press()
+        with torch.no_grad(), press:
+            out = self.model.generate(self.ids, max_new_tokens=20, do_sample=False,
+                                      return_dict_in_generate=True)
+            last = int(press.positions[0][0, -1])
+            self.assertEqual(last, 40 + 20 - 2)
+            more = torch.cat([out.sequences, torch.randint(3, 97, (1, 5))], dim=1)
+            with self.assertRaises(ValueError) as caught:
+                self.model.generate(more, past_key_values=out.past_key_values,
+                                    max_new_tokens=2, do_sample=False)
+            self.assertIn(f"but the cache ends at position {last}", str(caught.exception))
+        cache = DynamicCache(config=self.model.config)
+        with torch.no_grad(), self.press() as press:
+            self.model(self.ids, past_key_values=cache, use_cache=True)
+            self.model(self.ids[:, :1], past_key_values=cache, use_cache=True,
+                       position_ids=torch.tensor([[40]]))
+            with self.assertRaises(ValueError) as caught:
+                self.model(self.ids[:, :1], past_key_values=cache, use_cache=True,
+                           position_ids=torch.tensor([[42]]))
+            self.assertIn("positions 42..42, but the cache ends at position 40",
+                          str(caught.exception))
+
     def forced_tokens(self, steps):
         torch.manual_seed(1)
         return torch.randint(3, 97, (1, steps))
