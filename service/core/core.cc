@@ -355,10 +355,17 @@ absl::Status PrepareSequence(const KeepPlanCall& call, const CallContext& contex
     const int64_t given =
         spec.in_region ? spec.in_region->count : static_cast<int64_t>(spec.ids.size());
     // Every table is this sequence's: its length follows from n, checked before the ids are
-    // copied and sorted so that a bloated table costs nothing.
+    // copied and sorted so that a bloated table costs nothing. A decode re-plan's layers hold
+    // n_l <= n entries each: its tables have at most as many ids as n needs (each tensor read
+    // through one then needs exactly its own count, TensorView::Paged).
     if (spec.block_size >= 1 && call.n >= 1) {
       const int64_t blocks = kernels::BlockTable::BlocksFor(call.n, spec.block_size);
-      if (given != blocks) {
+      if (call.cache && (given < 1 || given > blocks)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "block_tables[", t, "] has ", given, " ids; a decode re-plan's tables have 1 to ceil(n",
+            " / ", spec.block_size, ") = ", blocks, " (n = ", call.n, ")"));
+      }
+      if (!call.cache && given != blocks) {
         return absl::InvalidArgumentError(absl::StrCat(
             "block_tables[", t, "] has ", given, " ids, but n = ", call.n, " tokens in blocks of ",
             spec.block_size, " need ceil(", call.n, " / ", spec.block_size, ") = ", blocks));

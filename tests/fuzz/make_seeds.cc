@@ -202,8 +202,9 @@ v1::ComputeKeepMaskRequest DecodeKeepMaskRequest(int model, std::vector<int64_t>
     v1::DecodeCacheLayer* layer = r.mutable_cache()->add_layers();
     layer->set_entries(n_l);
     for (int g = 0; g < m.num_kv_heads; ++g) {
-      for (int64_t i = 0; i < n_l - rows; ++i)
+      for (int64_t i = 0; i < n_l - rows; ++i) {
         layer->add_positions(static_cast<int32_t>(2 * i + g));
+      }
       for (int64_t i = 0; i < rows; ++i) layer->add_positions(static_cast<int32_t>(1000 + i));
     }
   }

@@ -170,6 +170,28 @@ class DecodeMatchesOracleTest(DecodeTestCase):
             alone = self.replan(case)
             np.testing.assert_array_equal(plan.positions, alone.positions)
 
+    def test_paged_layers_read_through_one_table_each_equal_the_dense_plan(self):
+        # An engine's paged cache (vLLM FlashAttention layout, shared memory): one sequence's
+        # table of 7 blocks of 16; layer l reads its first ceil(n_l / 16) ids.
+        case = decode_case((100, 70, 45))
+        rng = np.random.default_rng(3)
+        table = rng.permutation(12)[:7].astype(np.int32)
+        keys, values = [], []
+        for l, n_l in enumerate(case["lengths"]):
+            pool = self.client.shared_array((2, 12, 16, HKV, D), "float32")
+            self.addCleanup(pool.close)
+            pool.array[...] = np.nan  # a slot read by mistake poisons the plan
+            i = np.arange(n_l)
+            pool.array[0][table[i // 16], i % 16] = case["keys"][l].transpose(1, 0, 2)
+            pool.array[1][table[i // 16], i % 16] = case["values"][l].transpose(1, 0, 2)
+            k, v = laprox.PagedKV.vllm_flash_attn(pool, table, n_l)
+            keys.append(k)
+            values.append(v)
+        paged = self.replan(dict(case, keys=keys, values=values))
+        dense = self.replan(case)
+        np.testing.assert_array_equal(paged.positions, dense.positions)
+        np.testing.assert_array_equal(paged.counts, dense.counts)
+
     def test_the_comparison_detects_a_wrong_plan(self):
         # The oracle with another allocation than the server's must disagree: the comparison
         # above can fail.
