@@ -9,12 +9,17 @@ Run:    /usr/bin/python3 tests/python/run_tests.py -k hf   (skipped without torc
         with SIGSTOP: generate() returns within the plan deadline with the full cache.
         DecodeReplanTest runs the real laproxd too: Compressor(decode_buffer=N) holds the cache
         at budget + N through generate(), its re-plans are the oracle's plans of what they
-        sent, with the last tokens' queries, and the cache holds the planned entries.
+        sent, with the last tokens' queries, and the cache holds the planned entries; every
+        step of a generate() gives the logits of the full cache masked to the entries the
+        compressor says it held (HeldEntriesReference, an attention function of its own), on
+        the tiny model and, in RealModelDecodeReplanTest, on SmolLM2-135M-Instruct
+        (build/vllm-model, which tests/integration/vllm/setup.sh writes; skipped without it).
         CI runs this file in the vLLM venv (tests/integration/vllm/run.sh, step 3a).
 Extend: add a test method; self.model is a fresh random LlamaForCausalLM (L=2, H=4, Hkv=2).
 """
 
 import contextlib
+import os
 import time
 import unittest
 import warnings
@@ -419,6 +424,120 @@ class RecordingClient:
         return plan
 
 
+HELD_ATTENTION = "laprox_test_held"
+
+
+def held_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                   **kwargs):
+    """The reference of HeldEntriesReference: float64 attention of one forward over the whole
+    sequence (query length = key length = T) in which query row p of KV head g sees only the
+    keys module._held[g, p] allows. Written here, sharing nothing with laprox.hf's attention."""
+    allowed = module._held  # bool [Hkv, T, T]
+    group = query.shape[1] // key.shape[1]
+    q = query[0].double()
+    k = key[0].double().repeat_interleave(group, 0)
+    v = value[0].double().repeat_interleave(group, 0)
+    scores = (q @ k.transpose(-1, -2)) * scaling
+    scores = scores.masked_fill(~allowed.repeat_interleave(group, 0), float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v
+    return out.to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous(), None
+
+
+class HeldEntriesReference:
+    """What a generation with Compressor(decode_buffer=N) must compute, from the full cache.
+
+    Attached to a Compressor before generate(), it snapshots the token positions the cache
+    holds (press.positions) before every forward. logits(sequence) then runs the whole
+    sequence through the model in one forward whose attention (held_attention) lets the token
+    at position p see, in layer l and KV head g, exactly the positions the compressor's cache
+    held in (l, g) when p was fed, plus p itself; the prompt's rows see their causal prefix (the
+    prefill is exact). Equal logits mean the compacted cache held the keys and values of the
+    positions it claims, at the right RoPE positions, and nothing else."""
+
+    def __init__(self, model, press):
+        self.model, self.press, self.snapshots = model, press, []
+        decoder = model.get_decoder()
+        self._hook = decoder.register_forward_pre_hook(self._snapshot)
+
+    def _snapshot(self, module, args):
+        held = self.press.positions
+        self.snapshots.append(None if held is None else [p.copy() for p in held])
+
+    def close(self):
+        self._hook.remove()
+
+    def logits(self, sequence, prompt):
+        """Logits [T, vocab] of `sequence` [1, T] (the prompt of `prompt` tokens, then the
+        tokens fed one per forward, as the snapshots saw them)."""
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        T = sequence.shape[1]
+        fed = len(self.snapshots) - 1  # the prefill, then one token per forward
+        assert self.snapshots[0] is None and prompt + fed == T, (prompt, fed, T)
+        modules = lhf.attention_modules(self.model)
+        hkv = self.model.config.num_key_value_heads
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        for l, module in enumerate(modules):
+            allowed = causal.repeat(hkv, 1, 1)
+            allowed[:, prompt:] = False
+            for i in range(1, fed + 1):
+                p = prompt + i - 1
+                held = torch.from_numpy(self.snapshots[i][l].astype(np.int64))
+                assert held.shape[0] == hkv and int(held.max()) < p
+                allowed[:, p].scatter_(1, held, True)
+                allowed[:, p, p] = True
+            module._held = allowed
+        AttentionInterface.register(HELD_ATTENTION, held_attention)
+        AttentionMaskInterface.register(HELD_ATTENTION, sdpa_mask)
+        previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation(HELD_ATTENTION)
+        try:
+            with torch.no_grad():
+                return self.model(sequence, use_cache=False).logits[0]
+        finally:
+            self.model.set_attn_implementation(previous)
+            for module in modules:
+                del module._held
+
+
+def check_generate_against_held_reference(test, model, press, ids, new_tokens, atol):
+    """generate() with `press` (decode_buffer > 0) for `new_tokens` greedy tokens: the bound
+    budget + buffer on the mean entries per head after every forward, two re-plans or more,
+    the positions held strictly ascending and ending with the last token fed, and every step's
+    logits equal (within `atol`) to HeldEntriesReference's: the full cache masked to the
+    entries the compressor says it held. Returns the per-step largest logit difference."""
+    n = ids.shape[1]
+    bound = press.budget + press.decode_buffer
+    reference = HeldEntriesReference(model, press)
+    try:
+        with torch.no_grad(), press:
+            out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=new_tokens, do_sample=False,
+                                 return_dict_in_generate=True, output_logits=True)
+    finally:
+        reference.close()
+    test.assertEqual(out.sequences.shape[1], n + new_tokens)
+    test.assertEqual(len(press.cache_lengths), new_tokens)
+    for step, (mean, longest) in enumerate(press.cache_lengths):
+        test.assertLessEqual(mean, bound, f"after forward {step}")
+    test.assertGreaterEqual(press.replans, 2)
+    test.assertEqual(press.timeouts, 0)
+    for l, rows in enumerate(press.positions):
+        test.assertTrue((np.diff(rows, axis=1) > 0).all(), f"layer {l}: not strictly ascending")
+        # generate() never feeds its last token: the last one fed is at n + new_tokens - 2.
+        np.testing.assert_array_equal(rows[:, -1], n + new_tokens - 2)
+    expected = reference.logits(out.sequences[:, :-1], n)[n - 1:]
+    got = torch.cat(out.logits).to(expected.dtype)
+    diff = (got - expected).abs().max(dim=-1).values
+    worst = int(diff.argmax())
+    test.assertLessEqual(float(diff[worst]), atol,
+                         f"step {worst}: logits differ by {float(diff[worst]):.3g} from the "
+                         f"full cache masked to the entries held (steps over {atol}: "
+                         f"{int((diff > atol).sum())} of {new_tokens})")
+    test.assertTrue(torch.equal(out.sequences[0, n:], expected.argmax(-1)))
+    return diff
+
+
 class DecodeReplanTest(WithLaproxd):
     """Compressor(decode_buffer=N) against the real laproxd: the cache stays within budget + N
     entries per head through a long generation, each re-plan is the oracle's plan of the cache
@@ -461,6 +580,38 @@ class DecodeReplanTest(WithLaproxd):
                                       return_dict_in_generate=True)
         grown = [lhf.cache_layer_kv(out.past_key_values, l)[0].shape[2] for l in range(L)]
         self.assertGreater(np.mean(grown), self.B + new_tokens - 2)
+
+    def test_generate_equals_the_full_cache_masked_to_the_entries_held(self):
+        # 64 tokens = 8 buffers: the prefill's plan and 7 re-plans, each compaction checked by
+        # the logits of every step after it.
+        check_generate_against_held_reference(self, self.model, self.press(), self.ids, 64,
+                                              atol=1e-5)
+
+    def test_tokens_at_other_positions_than_the_cache_continues_are_refused(self):
+        # A second generate() on the compacted cache takes its positions from the cache's
+        # length (far below the tokens' own) and feeds again what it thinks is missing; a
+        # forward with explicit position_ids that skip one is refused the same way.
+        press = self.press()
+        with torch.no_grad(), press:
+            out = self.model.generate(self.ids, max_new_tokens=20, do_sample=False,
+                                      return_dict_in_generate=True)
+            last = int(press.positions[0][0, -1])
+            self.assertEqual(last, 40 + 20 - 2)
+            more = torch.cat([out.sequences, torch.randint(3, 97, (1, 5))], dim=1)
+            with self.assertRaises(ValueError) as caught:
+                self.model.generate(more, past_key_values=out.past_key_values,
+                                    max_new_tokens=2, do_sample=False)
+            self.assertIn(f"but the cache ends at position {last}", str(caught.exception))
+        cache = DynamicCache(config=self.model.config)
+        with torch.no_grad(), self.press() as press:
+            self.model(self.ids, past_key_values=cache, use_cache=True)
+            self.model(self.ids[:, :1], past_key_values=cache, use_cache=True,
+                       position_ids=torch.tensor([[40]]))
+            with self.assertRaises(ValueError) as caught:
+                self.model(self.ids[:, :1], past_key_values=cache, use_cache=True,
+                           position_ids=torch.tensor([[42]]))
+            self.assertIn("positions 42..42, but the cache ends at position 40",
+                          str(caught.exception))
 
     def forced_tokens(self, steps):
         torch.manual_seed(1)
@@ -575,6 +726,41 @@ class DecodeReplanTest(WithLaproxd):
         with torch.no_grad(), press, self.assertRaises(ValueError) as caught:
             self.model(self.ids.repeat(2, 1), use_cache=True)
         self.assertIn("one sequence; the batch has 2", str(caught.exception))
+
+
+class RealModelDecodeReplanTest(WithLaproxd):
+    """Compressor(decode_buffer=N) on a real model, SmolLM2-135M-Instruct (fp32; the checkout
+    tests/integration/vllm/setup.sh writes to build/vllm-model, or $LAPROX_TEST_HF_MODEL;
+    skipped without it), against the real laproxd: 4 buffers of greedy tokens after a prompt of
+    README text, the bound at every step, and every step's logits those of the full cache
+    masked to the entries held (HeldEntriesReference)."""
+
+    B, N, W = 64, 32, 16
+
+    @classmethod
+    def setUpClass(cls):
+        path = os.environ.get("LAPROX_TEST_HF_MODEL", os.path.join(
+            support.REPO, "build", "vllm-model", "SmolLM2-135M-Instruct"))
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise unittest.SkipTest(f"no model at {path} (tests/integration/vllm/setup.sh)")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        cls.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        cls.model.set_attn_implementation("sdpa")
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        with open(os.path.join(support.REPO, "README.md")) as f:
+            text = f.read()
+        cls.ids = tokenizer(text, return_tensors="pt").input_ids[:, :300]
+        super().setUpClass()
+
+    def test_generate_equals_the_full_cache_masked_to_the_entries_held(self):
+        client = laprox.Client(self.server.target, timeout=30)
+        self.addCleanup(client.close)
+        press = lhf.Compressor(self.model, client, budget=self.B, window=self.W,
+                               decode_buffer=self.N)
+        diff = check_generate_against_held_reference(self, self.model, press, self.ids,
+                                                     4 * self.N, atol=2e-3)
+        print(f"\nSmolLM2-135M, B={self.B} N={self.N} w={self.W}: {press.replans} re-plans, "
+              f"logits within {float(diff.max()):.2g} of the masked full cache", flush=True)
 
 
 if __name__ == "__main__":

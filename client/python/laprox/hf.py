@@ -54,7 +54,10 @@ keys/values returned by the cache, so:
    `window` tokens' queries, and is compacted to the plan again. `cache_lengths` records the
    mean and the longest layer's entries per head after every forward, `replans` counts the
    re-plans. A re-plan past its deadline keeps the cache as it is (counted in `timeouts`) and
-   is tried again N / 4 tokens later.
+   is tried again N / 4 tokens later. New tokens must continue the positions held: a second
+   generate() on the compacted cache (which takes its positions from the cache's length and
+   feeds again the tokens it thinks are missing) raises INVALID_ARGUMENT instead of tracking
+   them at wrong positions; continue with model(..., position_ids=...) or start from the prompt.
 
 Batches are compressed sequence by sequence (one keep-plan each); left padding is not supported
 (every sequence of the batch must have n real tokens). Chunked prefill is not supported: the
@@ -388,6 +391,17 @@ def _set_cache_layer_kv(cache: Any, layer: int, keys: torch.Tensor,
         cache.key_cache[layer], cache.value_cache[layer] = keys, values
 
 
+def _fed_positions(kwargs: Dict[str, Any], cached: int, added: int) -> np.ndarray:
+    """The token positions (RoPE) a batch-1 decoder forward gave its last `added` tokens:
+    position_ids, else cache_position (transformers 5.2 passes both, 5.19 only position_ids),
+    else those the model derives from the cache's length, `cached` entries in layer 0."""
+    for key in ("position_ids", "cache_position"):
+        value = kwargs.get(key)
+        if value is not None:
+            return np.asarray(torch.as_tensor(value).detach().cpu()).reshape(-1)[-added:]
+    return np.arange(cached, cached + added)
+
+
 def _server_reads_device(client: Any) -> bool:
     """Whether laproxd can read CUDA tensors (its CUDA backend); a CPU server gets host copies."""
     try:
@@ -522,7 +536,7 @@ class Compressor:
                 cache = getattr(output, "past_key_values", None) or \
                     kwargs.get("past_key_values")
                 if cache is not None:
-                    self._after_decode_forward(cache)
+                    self._after_decode_forward(cache, kwargs)
             return output
         self._state.captured = {}
         if len(captured) != self.geometry.num_layers:
@@ -657,9 +671,12 @@ class Compressor:
         Hkv = self.geometry.num_kv_heads
         self._state.set_masks([torch.ones(1, Hkv, w, dtype=torch.bool) for w in widths])
 
-    def _after_decode_forward(self, cache: Any) -> None:
+    def _after_decode_forward(self, cache: Any, kwargs: Dict[str, Any]) -> None:
         """After a forward that appended tokens: their positions, then a re-plan when the
-        mean over layers of the entries per head reached budget + decode_buffer."""
+        mean over layers of the entries per head reached budget + decode_buffer. The tokens
+        must continue the positions held: a forward that gave them others (e.g. a second
+        generate() on the compacted cache, which takes its positions from the cache's length
+        and feeds again the tokens it thinks are missing) is refused, not tracked wrongly."""
         L, Hkv = self.geometry.num_layers, self.geometry.num_kv_heads
         lengths = [int(cache_layer_kv(cache, l)[0].shape[2]) for l in range(L)]
         added = lengths[0] - self.positions[0].shape[1]
@@ -670,6 +687,15 @@ class Compressor:
                                    "replaced?")
         if added > 0:
             new = np.arange(self._next_position, self._next_position + added)
+            fed = _fed_positions(kwargs, lengths[0] - added, added)
+            if not np.array_equal(fed, new):
+                raise invalid_argument(
+                    f"decode_buffer: this forward gave its {added} token(s) positions "
+                    f"{fed[0]}..{fed[-1]}, but the cache ends at position "
+                    f"{self._next_position - 1} (it holds {lengths[0] - added} entries per head "
+                    "in layer 0): new tokens must continue it. A generate() continuing a "
+                    "compacted cache takes positions from the cache's length; start from the "
+                    "prompt, or call the model with position_ids")
             self.positions = [np.concatenate([p, np.tile(new, (Hkv, 1))], axis=1)
                               for p in self.positions]
             self._next_position += added
