@@ -234,6 +234,33 @@ void DecodeSeeds(SeedWriter& w, const std::string& t) {
     w.Write(t, "decode_repeated_position", r);
   }
   {
+    // Paged: each layer's keys and values through a table of its own length, blocks of 16
+    // (vLLM FlashAttention layout, 4 physical blocks per pool).
+    v1::ComputeKeepMaskRequest r = DecodeKeepMaskRequest(1, {40, 25}, 8);
+    const FuzzModel& m = kModels[0];
+    const int64_t block = 16 * m.num_kv_heads * m.head_dim;
+    int64_t cursor = 0;
+    for (int l = 0; l < m.num_layers; ++l) {
+      v1::BlockTable* table = r.add_block_tables();
+      const std::vector<int32_t> ids =
+          l == 0 ? std::vector<int32_t>{2, 0, 3} : std::vector<int32_t>{1, 3};
+      table->mutable_block_ids()->Assign(ids.begin(), ids.end());
+      table->set_block_size(16);
+      for (v1::TensorRef* t :
+           {r.mutable_layers(l)->mutable_keys(), r.mutable_layers(l)->mutable_values()}) {
+        t->mutable_region()->set_byte_offset(SectionOffset(v1::DTYPE_F32) + cursor);
+        cursor += 4 * block * 4;
+        v1::PagedLayout* paged = t->mutable_paged();
+        paged->set_block_table(static_cast<uint32_t>(l));
+        paged->set_block_stride(block);
+        paged->set_slot_stride(m.num_kv_heads * m.head_dim);
+        paged->set_head_stride(m.head_dim);
+        paged->set_dim_stride(1);
+      }
+    }
+    w.Write(t, "decode_paged_tables_per_layer", r);
+  }
+  {
     v1::ComputeKeepMaskRequest r = DecodeKeepMaskRequest(1, {40, 25}, 8);
     r.mutable_outputs()->mutable_destination()->set_region_id(kOutputRegionId);
     r.mutable_outputs()->mutable_destination()->set_positions_offset(0);
