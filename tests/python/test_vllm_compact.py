@@ -103,6 +103,63 @@ class MoveTest(unittest.TestCase):
             self.assertTrue(torch.equal(caches[l][1][0][untouched], before[l][0][untouched]))
 
 
+class ReplanTest(unittest.TestCase):
+    """A decode re-plan of a compacted request: what it sends (every layer's token positions)
+    and how its plan is compacted (entries, not positions, are the move's sources)."""
+
+    def compacted(self):
+        # Layer 0 kept prompt positions [1, 5, 7] / [2, 5, 8], layer 1 [0, 3] / [3, 6]; prompt
+        # of 10, computed 14: tokens 10 .. 13 follow in every layer.
+        return _compact.Compacted(10, np.array([7, 8]),
+                                  [np.array([[1, 5, 7], [2, 5, 8]]), np.array([[0, 3], [3, 6]])])
+
+    def test_cache_positions_are_the_kept_ones_then_the_generated_ones(self):
+        positions = self.compacted().cache_positions(14)
+        np.testing.assert_array_equal(positions[0], [[1, 5, 7, 10, 11, 12, 13],
+                                                     [2, 5, 8, 10, 11, 12, 13]])
+        np.testing.assert_array_equal(positions[1], [[0, 3, 10, 11, 12, 13],
+                                                     [3, 6, 10, 11, 12, 13]])
+
+    def test_a_replan_moves_entries_and_keeps_their_positions(self):
+        class Plan:  # what note_replan reads: KeepPlan.layer_entries
+            def layer_entries(self, layer):
+                return [np.array([[0, 3, 5, 6], [1, 3, 5, 6]]), np.array([[1, 4, 5]] * 2)][layer]
+
+        compacted = self.compacted()
+        pending = _compact.note_replan(Plan(), compacted.cache_positions(14), 14)
+        self.assertEqual((pending.prompt_len, pending.computed), (14, 14))
+        np.testing.assert_array_equal(pending.positions[0], [[1, 10, 12, 13], [5, 10, 12, 13]])
+        np.testing.assert_array_equal(pending.positions[1], [[3, 12, 13], [6, 12, 13]])
+        self.assertEqual(_compact.ready(pending, replan=True), _compact.Ready(14, 4, 14, True))
+        # The move reads the entries' slots (not their positions) and writes slots 0 ...
+        rng = np.random.default_rng(5)
+        caches = [vec_cache(rng, 6, 2, 4, 8) for _ in range(2)]
+        before = [(k.clone(), v.clone()) for _, (k, v) in caches]
+        block_ids = [3, 1]  # 8 slots: layer 0 holds 7 entries, layer 1 holds 6
+        order = _compact.Order(sources=2, dest=(1,), released=1)
+        drops = _compact.move(pending, block_ids, order, [views for _, views in caches])
+        np.testing.assert_array_equal(drops, [10, 11])  # 14 - 4, 14 - 3
+        for l in range(2):
+            keys, values = caches[l][1]
+            for h in range(2):
+                for j, entry in enumerate(pending.kept[l][h]):
+                    src = block_ids[entry // 4], entry % 4
+                    self.assertTrue(torch.equal(keys[1, h, :, j], before[l][0][src[0], h, :,
+                                                                               src[1]]))
+                    self.assertTrue(torch.equal(values[1, h, j], before[l][1][src[0], h,
+                                                                              src[1]]))
+
+    def test_the_last_queries_are_kept_oldest_first(self):
+        compacted = self.compacted()
+        compacted.queries = np.zeros((2, 1, 3, 2), np.float32)
+        for step in range(5):
+            compacted.remember(1, torch.full((1, 1, 2), float(step)))
+        np.testing.assert_array_equal(compacted.queries[1, 0, :, 0], [2, 3, 4])
+        compacted.remember(1, torch.arange(8.).view(4, 1, 2))  # 4 rows at once: the last 3
+        np.testing.assert_array_equal(compacted.queries[1, 0, :, 0], [2, 4, 6])
+        self.assertFalse(compacted.queries[0].any())
+
+
 class ShiftTest(unittest.TestCase):
     def test_slots_and_lengths_per_layer(self):
         rng = np.random.default_rng(3)

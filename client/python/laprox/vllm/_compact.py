@@ -34,7 +34,7 @@ Scheduler and worker may run in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0) o
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -53,6 +53,7 @@ class Ready:
     prompt_len: int   # P: positions the plan covers
     longest: int      # C_max: the longest layer's kept prompt entries per head
     computed: int     # N: positions in the cache when planned (>= P after a preemption)
+    replan: bool = False  # a decode re-plan of a compacted request (P = N: it covers them all)
 
 
 @dataclass(frozen=True)
@@ -65,18 +66,46 @@ class Order:
 
 @dataclass
 class Pending:
-    """Worker: a plan waiting for its order. kept[l] [Hkv, C_l] are the prompt positions each
-    head of layer l keeps, ascending (padded to the layer's longest head)."""
+    """Worker: a plan waiting for its order. kept[l] [Hkv, C_l] are the slots each head of
+    layer l keeps (its prompt positions before the first compaction, the entries of a decode
+    re-plan), ascending and padded to the layer's longest head; positions[l] their token
+    positions (None: kept, the slots are the positions)."""
     prompt_len: int
     computed: int
     kept: List[np.ndarray]
+    positions: Optional[List[np.ndarray]] = None
 
 
 @dataclass
 class Compacted:
-    """Worker: a compacted request. drops [L] = P - C_l."""
+    """Worker: a compacted request. drops [L] = P - C_l; positions[l] [Hkv, C_l] the token
+    positions of the entries each head of layer l kept, in slots 0 .. C_l - 1 (the tokens from
+    P on follow them). With decode re-plans (Config.decode_buffer): the post-RoPE queries of the
+    last w decode tokens, [L, H, w, d] oldest first, `filled` of them recorded; the positions
+    computed after the last step seen; the position before which no re-plan is tried; whether
+    one waits for its order."""
     prompt_len: int
     drops: np.ndarray
+    positions: List[np.ndarray] = field(default_factory=list)
+    queries: Optional[np.ndarray] = None
+    filled: int = 0
+    computed: int = 0  # positions in the cache after the last step seen
+    retry_at: int = 0
+    replanning: bool = False
+
+    def cache_positions(self, computed: int) -> List[np.ndarray]:
+        """Every layer's token positions of the entries it holds with `computed` positions."""
+        after = np.arange(self.prompt_len, computed, dtype=np.int64)
+        return [np.concatenate([p, np.broadcast_to(after, (p.shape[0], after.size))], axis=1)
+                for p in self.positions]
+
+    def remember(self, layer: int, rows: torch.Tensor) -> None:
+        """Keeps the last w of this layer's decode query rows ([count, H, d])."""
+        w = self.queries.shape[2]
+        new = rows.float().transpose(0, 1).numpy()[:, -w:]  # [H, <= w, d]
+        kept = self.queries[layer]
+        kept[:, :w - new.shape[1]] = kept[:, new.shape[1]:].copy()
+        kept[:, w - new.shape[1]:] = new
 
 
 # --- the worker ---------------------------------------------------------------------------------
@@ -98,8 +127,18 @@ def note_plan(masks: np.ndarray, prompt_len: int, computed: int) -> Tuple[Pendin
     return Pending(prompt_len, computed, kept), masks
 
 
-def ready(pending: Pending) -> Ready:
-    return Ready(pending.prompt_len, max(k.shape[1] for k in pending.kept), pending.computed)
+def note_replan(plan: Any, positions: List[np.ndarray], computed: int) -> Pending:
+    """The compaction of a decode re-plan `plan` (LAYER_UNIFORM) of a cache whose layers hold
+    the token positions `positions`: each layer's kept entries, padded as note_plan pads
+    (KeepPlan.layer_entries), and their positions; it covers every entry (P = N)."""
+    kept = [plan.layer_entries(l) for l in range(len(positions))]
+    return Pending(computed, computed, kept,
+                   [np.take_along_axis(p, k, axis=1) for p, k in zip(positions, kept)])
+
+
+def ready(pending: Pending, replan: bool = False) -> Ready:
+    return Ready(pending.prompt_len, max(k.shape[1] for k in pending.kept), pending.computed,
+                 replan)
 
 
 def move(pending: Pending, block_ids: List[int], order: Order,
@@ -187,8 +226,11 @@ def decide(scheduler: Any, req_id: str, found: Ready) -> None:
 
     manager = _manager(scheduler)
     request = scheduler.requests.get(req_id)
+    # A first compaction is of a request not compacted yet; a re-plan of one compacted before,
+    # whose previous order has been carried out (its blocks are no longer held).
     if (manager is None or request is None or request.status != RequestStatus.RUNNING
-            or req_id not in manager.req_to_blocks or req_id in SCHED.drops
+            or req_id not in manager.req_to_blocks or (req_id in SCHED.drops) != found.replan
+            or req_id in SCHED.pending or req_id in SCHED.held
             or request.num_computed_tokens != found.computed):
         return
     blocks = manager.req_to_blocks[req_id]

@@ -24,6 +24,8 @@ sums the files by model at scrape time:
   laprox_vllm_compactions_total{model_name}    planned sequences whose evicted entries left
                                                the cache (LAPROX_VLLM_MODE=compact)
   laprox_vllm_blocks_released_total{model_name} KV blocks they gave back to vLLM's pool
+  laprox_vllm_replans_total{model_name}        decode re-plans of compacted sequences
+                                               (LAPROX_VLLM_DECODE_BUFFER)
   laprox_vllm_stage_seconds{model_name,stage}  histogram per engine step of the time spent
       capturing window queries (stage="capture"), calling laproxd (stage="call", one per
       ComputeKeepPlans call) and recomputing masked decode rows (stage="apply")
@@ -50,7 +52,7 @@ logger = logging.getLogger("laprox.vllm")
 
 DIR_VARIABLE = "LAPROX_VLLM_METRICS_DIR"
 COUNTERS = ("plans", "failures", "prefill_steps", "not_captured", "timeouts", "not_ready",
-            "compactions", "blocks_released")
+            "compactions", "blocks_released", "replans")
 STAGES = ("capture", "call", "apply")
 # Upper bounds of the stage histograms' buckets, seconds (the last bucket, +Inf, is the count).
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -198,6 +200,8 @@ class _Collector:
             "compactions": "Planned sequences whose evicted entries left vLLM's KV cache "
                            "(the rest decode masked)",
             "blocks_released": "KV blocks compacted sequences gave back to vLLM's pool",
+            "replans": "Decode re-plans of compacted sequences whose cache reached budget + "
+                       "LAPROX_VLLM_DECODE_BUFFER",
         }
         for counter in COUNTERS:
             family = CounterMetricFamily(f"laprox_vllm_{counter}", help_text[counter],

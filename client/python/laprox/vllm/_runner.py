@@ -109,7 +109,7 @@ def _prepare_inputs(original: Any) -> Any:
         result = original(self, scheduler_output, num_scheduled_tokens)
         STATE.step = {}
         STATE.decode_rows = {}
-        STATE.shift = None
+        STATE.shift, STATE.shift_rows = None, []
         if STATE.geometry is None or STATE.segment is None:
             return result
         try:
@@ -157,16 +157,19 @@ def _note_rows(batch: Any, num_scheduled_tokens: np.ndarray) -> None:
 
 def _shift(batch: Any, num_scheduled_tokens: np.ndarray) -> Optional[_compact.Shift]:
     """This step's slots and lengths of the compacted requests' rows (_compact.shift)."""
+    STATE.shift_rows = []
     if not STATE.compacted:
         return None
     rows = []
+    starts = np.concatenate([[0], np.cumsum(num_scheduled_tokens)])
     for i, req_id in enumerate(batch.req_ids):
         compacted = STATE.compacted.get(req_id)
         if compacted is not None and num_scheduled_tokens[i] > 0:
             rows.append((i, int(batch.num_computed_tokens_cpu[i]), int(num_scheduled_tokens[i]),
                          compacted.drops))
+            STATE.shift_rows.append((req_id, int(starts[i]), int(num_scheduled_tokens[i]),
+                                     int(batch.num_computed_tokens_cpu[i])))
     table = batch.block_table.block_tables[0]
-    starts = np.concatenate([[0], np.cumsum(num_scheduled_tokens)])
     return _compact.shift(rows, starts, table.block_table.np, table.block_size,
                           STATE.geometry.num_layers, len(batch.req_ids))
 
@@ -184,8 +187,16 @@ def _update_states(original: Any) -> Any:
         for req_id in ended:
             for table in (STATE.compressed, STATE.pending, STATE.ready, STATE.compacted):
                 table.pop(req_id, None)
-        for req_id, order in (getattr(scheduler_output, "_laprox_compact", None) or {}).items():
+        orders = getattr(scheduler_output, "_laprox_compact", None) or {}
+        for req_id, order in orders.items():
             _carry_out(self, req_id, order)
+        # A re-plan's order comes on the step after its plan or never (the scheduler declined
+        # it: the request moved on, or its previous blocks are still held): try again later.
+        for req_id, compacted in STATE.compacted.items():
+            if compacted.replanning and req_id not in orders and req_id not in STATE.ready:
+                STATE.pending.pop(req_id, None)
+                compacted.replanning = False
+                compacted.retry_at = _retry_position(compacted)
         return result
 
     return update_states
@@ -208,8 +219,15 @@ def _carry_out(runner: Any, req_id: str, order: _compact.Order) -> None:
     if row is not None:
         runner.input_batch.block_table.block_tables[0].add_row(block_ids, row)
     STATE.compressed.pop(req_id, None)
-    STATE.compacted[req_id] = _compact.Compacted(pending.prompt_len, drops)
-    STATE.metrics.compactions += 1
+    before = STATE.compacted.get(req_id)
+    compacted = _compact.Compacted(
+        pending.prompt_len, drops,
+        pending.positions if pending.positions is not None else pending.kept)
+    if before is not None:  # a re-plan: the decode queries recorded so far stay
+        compacted.queries, compacted.filled = before.queries, before.filled
+    else:
+        STATE.metrics.compactions += 1
+    STATE.compacted[req_id] = compacted
     STATE.metrics.blocks_released += order.released
 
 
@@ -268,6 +286,8 @@ def _forward(original: Any) -> Any:
             return original(self, layer, query, key, value, kv_cache, shifted, output,
                             *args, **kwargs)
 
+        if attn_metadata is not None and STATE.shift_rows and STATE.config.decode_buffer:
+            _remember_queries(layer, query)
         if attn_metadata is not None and STATE.step:
             started = time.perf_counter()
             try:
@@ -321,6 +341,11 @@ def _execute_model(original: Any) -> Any:
                 _plan(self, done)
             except Exception as e:  # never the engine's failure: no plans this step
                 STATE.warn(f"planning failed ({e!r})", len(done))
+        if STATE.config.decode_buffer and STATE.shift_rows:
+            try:
+                _replan(self)
+            except Exception as e:  # never the engine's failure: the caches stay as they are
+                STATE.warn(f"re-planning failed ({e!r})", 0)
         return _report_ready(result)
 
     return execute_model
@@ -403,6 +428,97 @@ def _plan(runner: Any, done: List[Tuple[str, _Prefill]]) -> None:
         STATE.compressed[req_id] = _Compressed(prefill.prompt_len, masks, prefill.block_ids)
     while len(STATE.plans) > MAX_PLANS:
         STATE.plans.popitem(last=False)
+
+
+def _remember_queries(layer: Any, query: torch.Tensor) -> None:
+    """Keeps the last w post-RoPE query rows of every compacted request of this step, per
+    layer: the window of its next decode re-plan."""
+    index = _layer_index(layer)
+    g = STATE.geometry
+    for req_id, start, count, _ in STATE.shift_rows:
+        compacted = STATE.compacted[req_id]
+        if compacted.queries is None:
+            compacted.queries = np.zeros((g.num_layers, g.num_heads, STATE.config.window,
+                                          g.head_dim), np.float32)
+        compacted.remember(index, query[start:start + count])
+        if index == g.num_layers - 1:
+            compacted.filled = min(compacted.filled + count, STATE.config.window)
+
+
+def _retry_position(compacted: _compact.Compacted) -> int:
+    """Where the next re-plan may be tried after one failed or was declined: N / 4 positions
+    later, so that a failing laproxd costs a call per N / 4 tokens, not per step."""
+    return compacted.computed + max(1, STATE.config.decode_buffer // 4)
+
+
+def _replan(runner: Any) -> None:
+    """Decode re-plans (Config.decode_buffer) of this step's compacted requests whose mean
+    entries per head reached budget + N: one ComputeKeepPlans call with each request's cache as
+    it holds it (every layer's entries read in place through its blocks, their token positions,
+    the last w tokens' queries); each plan is compacted like a prefill's (_compact)."""
+    import laprox
+
+    limit = STATE.config.budget + STATE.config.decode_buffer
+    due = []
+    for req_id, _, count, position in STATE.shift_rows:
+        compacted = STATE.compacted.get(req_id)
+        state = runner.requests.get(req_id)
+        if compacted is None or state is None:
+            continue
+        computed = compacted.computed = position + count
+        if compacted.replanning or compacted.filled < STATE.config.window:
+            continue
+        if computed < compacted.retry_at or np.mean(computed - compacted.drops) < limit:
+            continue
+        due.append((req_id, compacted, computed, np.asarray(state.block_ids[0])))
+    if not due:
+        return
+    link = STATE.link
+    if link is None:
+        for _, compacted, computed, _ in due:
+            compacted.retry_at = _retry_position(compacted)
+        STATE.metrics.failures += len(due)
+        STATE.metrics.not_ready += len(due)
+        return
+    started = time.perf_counter()
+    context = runner.compilation_config.static_forward_context
+    names = _layer_names(runner)
+    sequences, positions = [], []
+    for _, compacted, computed, block_ids in due:
+        cache = compacted.cache_positions(computed)
+        keys, values = [], []
+        for name, rows in zip(names, cache):
+            k, v = _paged_layer(context[name], link.region_id, block_ids, rows.shape[1])
+            keys.append(k)
+            values.append(v)
+        positions.append(cache)
+        sequences.append(laprox.SequenceInputs(
+            keys, values, list(compacted.queries), budget=STATE.config.budget,
+            cache_positions=cache, **STATE.config.plan_policy()))
+    deadline = plan_deadline(sum(int(p[0].shape[1]) for p in positions), STATE.config.deadline)
+    try:
+        plans = link.client.compute_keep_plans(link.model_id, sequences, timeout=deadline)
+    except Exception as e:
+        for _, compacted, _, _ in due:
+            compacted.retry_at = _retry_position(compacted)
+        code = _code(e)
+        if code == "DEADLINE_EXCEEDED":
+            STATE.link = None
+            STATE.connector.give_back(link, stale=False)
+            STATE.metrics.timeouts += len(due)
+        elif code in _RECONNECT_CODES:
+            STATE.link = None
+            STATE.connector.give_back(link, stale=True)
+        STATE.warn(f"a decode re-plan failed ({e}); the caches stay as they are", len(due))
+        return
+    finally:
+        STATE.metrics.observe("call", time.perf_counter() - started)
+    for (req_id, compacted, computed, _), cache, plan in zip(due, positions, plans):
+        pending = _compact.note_replan(plan, cache, computed)
+        STATE.pending[req_id] = pending
+        STATE.ready[req_id] = _compact.ready(pending, replan=True)
+        compacted.replanning = True
+        STATE.metrics.replans += 1
 
 
 _INSTALLED = False

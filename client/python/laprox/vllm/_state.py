@@ -12,7 +12,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -50,6 +50,10 @@ class Config:
     # "compact": a planned sequence's evicted entries leave the cache and its blocks go back to
     # vLLM (LAYER_UNIFORM plans; _compact); "mask": they stay and decode leaves them out.
     mode: str = "compact"
+    # N > 0 (compact mode, a budget in tokens): a compacted sequence is re-planned and compacted
+    # again whenever the mean over layers of its entries per head reaches budget + N, so that a
+    # long generation stays within it (DESIGN.md, section 7). 0: planned once, after the prefill.
+    decode_buffer: int = 0
 
     @property
     def compacts(self) -> bool:
@@ -86,8 +90,15 @@ class Config:
                            "applies layer_uniform plans only, so the plugin masks instead",
                            policy["plan_shape"])
             mode = "mask"
+        decode_buffer = int(os.environ.get("LAPROX_VLLM_DECODE_BUFFER", "0"))
+        if decode_buffer < 0:
+            raise ValueError(f"LAPROX_VLLM_DECODE_BUFFER must be >= 0, not {decode_buffer}")
+        if decode_buffer and (mode != "compact" or not isinstance(budget, int)):
+            logger.warning("laprox: LAPROX_VLLM_DECODE_BUFFER needs compact mode and a budget in "
+                           "tokens per head; sequences are planned once, after the prefill")
+            decode_buffer = 0
         return Config(target=os.environ["LAPROX_VLLM_TARGET"], budget=budget, policy=policy,
-                      mode=mode,
+                      mode=mode, decode_buffer=decode_buffer,
                       window=int(os.environ.get("LAPROX_VLLM_WINDOW", "32")),
                       model_name=os.environ.get("LAPROX_VLLM_MODEL", ""),
                       deadline=_seconds("LAPROX_VLLM_DEADLINE_SECONDS", PLAN_DEADLINE_S),
@@ -158,6 +169,9 @@ class _State:
         self.ready: Dict[str, _compact.Ready] = {}
         self.compacted: Dict[str, _compact.Compacted] = {}
         self.shift: Optional[_compact.Shift] = None
+        # This step's compacted rows: (request id, index of its first token in the step, count,
+        # its first token's position).
+        self.shift_rows: List[Tuple[str, int, int, int]] = []
         self.plans: "OrderedDict[str, Any]" = OrderedDict()  # the last MAX_PLANS requests
         self.metrics = _metrics.Metrics()
         # Seconds of this step's capture and masked decode, observed at its end (_execute_model).
