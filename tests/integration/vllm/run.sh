@@ -20,6 +20,8 @@
 #    LAYER_UNIFORM plans: greedy tokens equal and log-probs within 1e-3, every sequence
 #    compacted and the pool's free blocks back at their count; prefix caching with a request
 #    sharing the blocks of one being compacted; compacted requests preempted and compacted again;
+# 3c. replan.py: decode re-plans (LAPROX_VLLM_DECODE_BUFFER) keep two 512-token generations
+#    within budget + buffer blocks, against the engine planning once; the pool whole at the end;
 # 4. bad_paths.py: laproxd's budget-share metrics for the model; laproxd down and laproxd
 #    refusing the plans: vLLM serves every request with its full cache, the failures counted;
 #    laproxd started after vLLM, then restarted: the plugin registers again, plans resume;
@@ -29,8 +31,8 @@
 # 6. serve.py: vLLM's OpenAI server (engine core in its own process): the plugin's counters and
 #    stage histograms on vLLM's /metrics beside vLLM's own, before and after laproxd stops.
 # --smoke (what .ci/run runs): steps 1 and 2, platform_check and the chunked parity of step 3,
-# test_hf.py, test_vllm_compact.py and compaction.py's parity and block-return check, and steps
-# 5 and 6.
+# test_hf.py, test_vllm_compact.py, compaction.py's parity and block-return check, replan.py,
+# and steps 5 and 6.
 # Exit status 0 when every check passes. About 15 minutes on 2 cores once set up (--smoke: 5).
 set -euo pipefail
 
@@ -81,6 +83,8 @@ if (( smoke )); then
 else
   "$python" "$here/compaction.py" --laproxd "$laproxd" --model "$model"
 fi
+echo "== decode re-plans: a long generation held within budget + buffer"
+"$python" "$here/replan.py" --laproxd "$laproxd" --model "$model"
 if (( ! smoke )); then
   echo "== metrics and bad paths"
   "$python" "$here/bad_paths.py" --laproxd "$laproxd" --model "$model"

@@ -17,6 +17,11 @@ Configuration (environment, read once per process; see Config):
                           they free go back to vLLM (plans are asked for with plan_shape
                           layer_uniform and max_layer_share 1.25 unless LAPROX_VLLM_POLICY
                           sets them; null unsets); mask: they stay and decode leaves them out
+    LAPROX_VLLM_DECODE_BUFFER
+                          N > 0 (compact mode, an int budget): a compacted sequence is
+                          re-planned through laproxd and compacted again whenever its cache
+                          reaches budget + N entries per head on average, so that a long
+                          generation stays within it (default 0: planned once, after the prefill)
     LAPROX_VLLM_DEADLINE_SECONDS
                           how long a step waits for its plans (default 2; per call
                           laprox.client.plan_deadline: as much again per 32K prompt tokens);
