@@ -161,7 +161,15 @@ def run(args) -> Dict[str, Any]:
                                  output_logits=True, return_dict_in_generate=True)
         return out.sequences[:, prompt.shape[1]:], torch.stack(out.logits)[:, 0].double()
 
-    result: Dict[str, Any] = dict(continuation=[], needle=[])
+    result: Dict[str, Any] = dict(continuation=[], needle=[],
+                                  model=os.path.basename(os.path.normpath(args.model)),
+                                  budget=B, buffer=N, prompt=args.prompt, cont=args.cont,
+                                  passage=args.passage, torch=torch.__version__)
+
+    def save() -> None:  # after every item, so that a run cut short keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f)
     rng = random.Random("decode/documents")
     spans = [corpus.span(rng, args.prompt, index=i) for i in range(args.documents)]
     for i, (label, ids) in enumerate(spans):
@@ -185,6 +193,7 @@ def run(args) -> Dict[str, Any]:
                 top1=[float(top1[s:s + SEGMENT].mean()) for s in segs],
                 max_entries=max(sizes), mean_entries=float(np.mean(sizes)))
         result["continuation"].append(doc)
+        save()
         print(f"[{shard}] document {i} ({label}): {time.time() - t0:.0f} s; " + ", ".join(
             f"{m} KL {np.mean(d['kl']):.3f} top1 {np.mean(d['top1']):.3f}"
             for m, d in doc["methods"].items()), flush=True)
@@ -220,14 +229,12 @@ def run(args) -> Dict[str, Any]:
             item["methods"][name] = dict(em=code in re.sub(r"\s", "", text), answer=text,
                                          max_entries=max(sizes))
         result["needle"].append(item)
+        save()
         print(f"[{shard}] needle {i} ({label}, depth {item['depth']:.2f}): "
               f"{time.time() - t0:.0f} s; " + ", ".join(
                   f"{m} {'ok' if d['em'] else 'miss'}" for m, d in item["methods"].items()),
               flush=True)
     client.close()
-    result.update(model=os.path.basename(os.path.normpath(args.model)), budget=B, buffer=N,
-                  prompt=args.prompt, cont=args.cont, passage=args.passage,
-                  torch=torch.__version__)
     return result
 
 
