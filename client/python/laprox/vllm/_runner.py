@@ -370,6 +370,21 @@ def _report_ready(output: Any) -> Any:
     return output
 
 
+def _call_failed(link: Any, error: Exception, sequences: int) -> str:
+    """After a failed plan call of `sequences` sequences: past the deadline (laproxd stopped or
+    overloaded) no step waits on laproxd again until it answers; a code that means laproxd lost
+    the registrations makes them again. Returns the status code's name."""
+    code = _code(error)
+    if code == "DEADLINE_EXCEEDED":
+        STATE.link = None
+        STATE.connector.give_back(link, stale=False)
+        STATE.metrics.timeouts += sequences
+    elif code in _RECONNECT_CODES:
+        STATE.link = None
+        STATE.connector.give_back(link, stale=True)
+    return code
+
+
 def _plan(runner: Any, done: List[Tuple[str, _Prefill]]) -> None:
     import laprox
 
@@ -398,18 +413,10 @@ def _plan(runner: Any, done: List[Tuple[str, _Prefill]]) -> None:
                 **STATE.config.plan_policy()))
         plans = link.client.compute_keep_plans(link.model_id, sequences, timeout=deadline)
     except Exception as e:
-        code = _code(e)
-        if code == "DEADLINE_EXCEEDED":
-            # laproxd stopped or overloaded: no step waits on it again until it answers.
-            STATE.link = None
-            STATE.connector.give_back(link, stale=False)
-            STATE.metrics.timeouts += len(done)
+        if _call_failed(link, e, len(done)) == "DEADLINE_EXCEEDED":
             STATE.warn(f"laproxd did not answer within the plan deadline of {deadline:.3g} s "
                        f"(LAPROX_VLLM_DEADLINE_SECONDS); plans resume once it answers", len(done))
         else:
-            if code in _RECONNECT_CODES:
-                STATE.link = None
-                STATE.connector.give_back(link, stale=True)
             STATE.warn(f"ComputeKeepPlans failed ({e})", len(done))
         return
     finally:
@@ -501,14 +508,7 @@ def _replan(runner: Any) -> None:
     except Exception as e:
         for _, compacted, _, _ in due:
             compacted.retry_at = _retry_position(compacted)
-        code = _code(e)
-        if code == "DEADLINE_EXCEEDED":
-            STATE.link = None
-            STATE.connector.give_back(link, stale=False)
-            STATE.metrics.timeouts += len(due)
-        elif code in _RECONNECT_CODES:
-            STATE.link = None
-            STATE.connector.give_back(link, stale=True)
+        _call_failed(link, e, len(due))
         STATE.warn(f"a decode re-plan failed ({e}); the caches stay as they are", len(due))
         return
     finally:
