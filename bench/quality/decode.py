@@ -284,17 +284,24 @@ def report(paths: List[str], out: str, merged_path: str, command: str) -> None:
                          f" | {mean:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}] "
                          f"| {size:.0f} |")
         lines.append("")
-    lines += ["**laprox replan against each other method** (paired over documents, the mean "
-              "over all segments; difference replan − other with its bootstrap interval and "
-              "p; negative KL and positive top-1 favour re-planning):", "",
-              "| other | Δ KL | p | Δ top-1 | p |", "|---|---|---|---|---|"]
+    lines += ["**laprox replan against each other method** (paired over documents, each "
+              "document's mean over all segments; the difference replan − other with its "
+              "bootstrap interval over documents, on how many documents re-planning did "
+              "better, and the exact two-sided sign test of that count; negative KL and "
+              f"positive top-1 favour re-planning). With {len(docs)} documents the sign "
+              f"test's smallest p is {min(1.0, 2.0 / 2 ** len(docs)):.3g}.",
+              "", "| other | Δ KL | replan better | sign p | Δ top-1 | replan better | sign p |",
+              "|---|---|---|---|---|---|---|"]
     for m in METHODS[1:]:
         row = []
         for metric in ("kl", "top1"):
-            a = [float(np.mean(d["methods"]["laprox replan"][metric])) for d in docs]
-            b = [float(np.mean(d["methods"][m][metric])) for d in docs]
-            diff, lo, hi, p = S.paired_bootstrap(a, b)
-            row += [f"{diff:+.4f} [{lo:+.4f}, {hi:+.4f}]", f"{p:.3f}"]
+            a = np.array([float(np.mean(d["methods"]["laprox replan"][metric])) for d in docs])
+            b = np.array([float(np.mean(d["methods"][m][metric])) for d in docs])
+            diff, lo, hi, _ = S.paired_bootstrap(a, b)
+            better = (a < b) if metric == "kl" else (a > b)
+            _, _, p = S.mcnemar_exact(better, (a > b) if metric == "kl" else (a < b))
+            row += [f"{diff:+.4f} [{lo:+.4f}, {hi:+.4f}]", f"{int(better.sum())}/{len(a)}",
+                    f"{p:.3f}"]
         lines.append(f"| {m} | " + " | ".join(row) + " |")
     lines += ["", "## Late needle: exact match after a long generated passage", "",
               f"{len(needles)} prompts; the needle in the prompt, then {data['passage']} "
@@ -311,7 +318,7 @@ def report(paths: List[str], out: str, merged_path: str, command: str) -> None:
             wa, wb, p = S.mcnemar_exact([it["methods"]["laprox replan"]["em"] for it in needles],
                                         em)
             versus = f"{wa} / {wb}", f"{p:.3f}"
-        size = max(it["methods"][m]["max_entries"] for it in needles)
+        size = max((it["methods"][m]["max_entries"] for it in needles), default=float("nan"))
         lines.append(f"| {m} | {sum(em)}/{len(em)} | [{lo:.2f}, {hi:.2f}] | {versus[0]} "
                      f"| {versus[1]} | {size:.0f} |")
     with open(out, "w") as f:
