@@ -370,6 +370,16 @@ def _report_ready(output: Any) -> Any:
     return output
 
 
+def _ready_link(sequences: int) -> Any:
+    """The link to laproxd, or None after counting `sequences` sequences that go without a plan
+    (not registered yet, or laproxd being checked after a timeout: logged there)."""
+    link = STATE.link
+    if link is None:
+        STATE.metrics.failures += sequences
+        STATE.metrics.not_ready += sequences
+    return link
+
+
 def _call_failed(link: Any, error: Exception, sequences: int) -> str:
     """After a failed plan call of `sequences` sequences: past the deadline (laproxd stopped or
     overloaded) no step waits on laproxd again until it answers; a code that means laproxd lost
@@ -388,11 +398,8 @@ def _call_failed(link: Any, error: Exception, sequences: int) -> str:
 def _plan(runner: Any, done: List[Tuple[str, _Prefill]]) -> None:
     import laprox
 
-    link = STATE.link
+    link = _ready_link(len(done))
     if link is None:
-        # Not registered yet, or laproxd is being checked after a timeout (logged there).
-        STATE.metrics.failures += len(done)
-        STATE.metrics.not_ready += len(done)
         return
     started = time.perf_counter()
     context = runner.compilation_config.static_forward_context
@@ -480,12 +487,10 @@ def _replan(runner: Any) -> None:
         due.append((req_id, compacted, computed, np.asarray(state.block_ids[0])))
     if not due:
         return
-    link = STATE.link
+    link = _ready_link(len(due))
     if link is None:
-        for _, compacted, computed, _ in due:
+        for _, compacted, _, _ in due:
             compacted.retry_at = _retry_position(compacted)
-        STATE.metrics.failures += len(due)
-        STATE.metrics.not_ready += len(due)
         return
     started = time.perf_counter()
     context = runner.compilation_config.static_forward_context
