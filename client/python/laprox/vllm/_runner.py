@@ -287,7 +287,12 @@ def _forward(original: Any) -> Any:
                             *args, **kwargs)
 
         if attn_metadata is not None and STATE.shift_rows and STATE.config.decode_buffer:
-            _remember_queries(layer, query)
+            try:
+                _remember_queries(layer, query)
+            except Exception as e:  # never the engine's failure: these requests re-plan later
+                STATE.warn(f"recording decode queries failed ({e!r})", 0)
+                for req_id, _, _, _ in STATE.shift_rows:
+                    STATE.compacted[req_id].filled = 0
         if attn_metadata is not None and STATE.step:
             started = time.perf_counter()
             try:
