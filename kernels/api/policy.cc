@@ -212,6 +212,8 @@ absl::string_view PoolingName(Pooling p) {
       return "MAX";
     case Pooling::kNone:
       return "NONE";
+    case Pooling::kAvgPeak:
+      return "AVG_PEAK";
   }
   return "?";
 }

@@ -260,7 +260,8 @@ void Pool(Pooling kind, int64_t kernel, const float* x, int64_t len, int64_t beg
         out[i] = best;
       }
       break;
-    case Pooling::kAvg: {
+    case Pooling::kAvg:
+    case Pooling::kAvgPeak: {
       // Window sums without a subtraction (van Herk / Gil-Werman blocks, as for a running max):
       // cut the zero-padded array y[p] = x[p - half] into blocks of `kernel` positions. The window
       // of output i is y[i, i + kernel): it starts in some block and, unless it is that block,
@@ -282,9 +283,11 @@ void Pool(Pooling kind, int64_t kernel, const float* x, int64_t len, int64_t beg
         for (int64_t p = b1 - 1; p >= b0; --p) suffix[p] = run += y[p];
       }
       const double k = static_cast<double>(kernel);
+      const bool peak = kind == Pooling::kAvgPeak;
       for (int64_t i = begin; i < len; ++i) {
         const double sum = suffix[i] + (i % kernel == 0 ? 0.0 : prefix[i + kernel - 1]);
-        out[i] = static_cast<float>(sum / k);
+        const float avg = static_cast<float>(sum / k);
+        out[i] = peak ? std::max(avg, x[i]) : avg;
       }
       break;
     }

@@ -168,8 +168,8 @@ cudaError_t LaunchFusedScore(const FusedLayerArgs& args, FusedValueMode mode, co
 
 // raw[g * n + i] for i in [begin, len), len = n - we: pool(c[g * n + .] over [0, len))_i times
 // r[g * n + i] (not for kNone), or with pool_score pool(c * r) (pool_target SCORE; c alone for
-// kNone). pooling: 0 none, 1 max, 2 avg (the values of kernels::Pooling are mapped by the
-// caller), odd kernel >= 1. raw points at layer l's first row (d_raw + l * Hkv * n).
+// kNone). pooling: 0 none, 1 max, 2 avg, 3 avg_peak (the values of kernels::Pooling are mapped by
+// the caller), odd kernel >= 1. raw points at layer l's first row (d_raw + l * Hkv * n).
 cudaError_t LaunchPoolScore(const float* c, const float* r, FusedValueMode mode, bool pool_score,
                             int pooling, int kernel, int64_t n, int64_t begin, int64_t len,
                             int num_kv_heads, float* raw, cudaStream_t stream);

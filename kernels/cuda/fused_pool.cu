@@ -32,12 +32,13 @@ __global__ void PoolScoreKernel(const float* __restrict__ c, const float* __rest
   const int64_t half = kernel / 2;
   for (int64_t i = first; i < last; ++i) {
     float pooled;
-    if (pooling == 2) {
+    if (pooling == 2 || pooling == 3) {  // avg; 3: avg, never below the position's own term
       const int64_t lo = i - half > 0 ? i - half : 0;
       const int64_t hi = i + half < len - 1 ? i + half : len - 1;
       double window_sum = 0.0;
       for (int64_t j = lo; j <= hi; ++j) window_sum += term(j);
       pooled = static_cast<float>(window_sum / static_cast<double>(kernel));
+      if (pooling == 3) pooled = fmaxf(pooled, term(i));
     } else if (pooling == 1) {
       const int64_t lo = i - half > 0 ? i - half : 0;
       const int64_t hi = i + half < len - 1 ? i + half : len - 1;
@@ -56,7 +57,7 @@ __global__ void PoolScoreKernel(const float* __restrict__ c, const float* __rest
 cudaError_t LaunchPoolScore(const float* c, const float* r, FusedValueMode mode, bool pool_score,
                             int pooling, int kernel, int64_t n, int64_t begin, int64_t len,
                             int num_kv_heads, float* raw, cudaStream_t stream) {
-  if (kernel < 1 || kernel % 2 == 0 || pooling < 0 || pooling > 2) return cudaErrorInvalidValue;
+  if (kernel < 1 || kernel % 2 == 0 || pooling < 0 || pooling > 3) return cudaErrorInvalidValue;
   if (begin >= len) return cudaSuccess;
   const int64_t runs = (len - begin + fused::kPoolRun - 1) / fused::kPoolRun;
   const int64_t threads = runs * num_kv_heads;

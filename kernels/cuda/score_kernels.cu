@@ -219,12 +219,14 @@ __device__ __forceinline__ float PoolAt(const float* x, int64_t i, int64_t prefi
       for (int64_t j = lo; j <= hi; ++j) best = fmaxf(best, x[j]);
       return best;
     }
-    case PoolKind::kAvg: {
+    case PoolKind::kAvg:
+    case PoolKind::kAvgPeak: {
       // Zero padding counted: always divided by the kernel size (the CPU adds each window's
-      // own terms in fp64 too).
+      // own terms in fp64 too). AVG_PEAK: never below the position's own value.
       double sum = 0.0;
       for (int64_t j = lo; j <= hi; ++j) sum += static_cast<double>(x[j]);
-      return static_cast<float>(sum / static_cast<double>(kernel));
+      const float avg = static_cast<float>(sum / static_cast<double>(kernel));
+      return pool == PoolKind::kAvgPeak ? fmaxf(avg, x[i]) : avg;
     }
     case PoolKind::kNone:
       break;

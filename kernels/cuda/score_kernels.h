@@ -29,7 +29,7 @@ namespace laprox::kernels::cuda {
 // kSummed F = 1; kPerHead F = G; kExact F = G(G+1)/2.
 
 // Pooling along tokens (SEMANTICS.md "pool"): the values of laprox::kernels::Pooling.
-enum class PoolKind : int { kAvg = 0, kMax = 1, kNone = 2 };
+enum class PoolKind : int { kAvg = 0, kMax = 1, kNone = 2, kAvgPeak = 3 };
 
 // Where pooling applies (SEMANTICS.md "pool_target"): the values of laprox::kernels::PoolTarget.
 enum class PoolPlacement : int { kAttention = 0, kScore = 1 };

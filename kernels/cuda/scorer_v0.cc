@@ -48,6 +48,8 @@ PoolKind ToPoolKind(Pooling pooling) {
       return PoolKind::kAvg;
     case Pooling::kMax:
       return PoolKind::kMax;
+    case Pooling::kAvgPeak:
+      return PoolKind::kAvgPeak;
     case Pooling::kNone:
       break;
   }

@@ -92,6 +92,8 @@ int PoolingCode(Pooling pooling) {
       return 1;
     case Pooling::kAvg:
       return 2;
+    case Pooling::kAvgPeak:
+      return 3;
   }
   return 0;
 }

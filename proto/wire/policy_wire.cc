@@ -10,7 +10,7 @@ namespace k = ::laprox::kernels;
 static_assert(ALLOCATION_UNIFORM == static_cast<int>(k::Allocation::kUniform) + 1);
 static_assert(INDICATOR_ATTENTION == static_cast<int>(k::Indicator::kAttention) + 1);
 static_assert(GQA_VALUE_EXACT_BLOCK == static_cast<int>(k::GqaValue::kExactBlock) + 1);
-static_assert(POOLING_NONE == static_cast<int>(k::Pooling::kNone) + 1);
+static_assert(POOLING_AVG_PEAK == static_cast<int>(k::Pooling::kAvgPeak) + 1);
 static_assert(POOL_TARGET_SCORE == static_cast<int>(k::PoolTarget::kScore) + 1);
 static_assert(POLICY_KIND_CAKE == static_cast<int>(k::PolicyKind::kCake) + 1);
 static_assert(PLAN_SHAPE_BLOCKS_PER_LAYER == static_cast<int>(k::PlanShape::kBlocksPerLayer) + 1);

@@ -504,7 +504,7 @@ std::vector<Case> Cases() {
                         {Indicator::kAttentionXProjectedValue, GqaValue::kExactBlock},
                         {Indicator::kAttentionXValue, GqaValue::kMeanHeadNorm},
                         {Indicator::kAttention, GqaValue::kMeanHeadNorm}}) {
-      for (Pooling p : {Pooling::kAvg, Pooling::kMax}) {
+      for (Pooling p : {Pooling::kAvg, Pooling::kMax, Pooling::kAvgPeak}) {
         Case c;
         c.Hkv = 2;
         c.H = 8;
@@ -520,7 +520,7 @@ std::vector<Case> Cases() {
       }
     }
   }
-  for (Pooling p : {Pooling::kAvg, Pooling::kMax, Pooling::kNone}) {
+  for (Pooling p : {Pooling::kAvg, Pooling::kMax, Pooling::kNone, Pooling::kAvgPeak}) {
     for (int k : {1, 5, 7, 31}) {
       Case c;
       c.policy.pooling = p;

@@ -343,6 +343,13 @@ void ComputeKeepMaskSeeds(SeedWriter& w) {
   {
     auto r = KeepMaskRequest({});
     v1::Policy* p = r.mutable_policy();
+    p->set_pooling(v1::POOLING_AVG_PEAK);
+    p->set_pool_kernel(5);
+    w.Write(t, "avg_peak_pooling", r);
+  }
+  {
+    auto r = KeepMaskRequest({});
+    v1::Policy* p = r.mutable_policy();
     p->set_min_per_head(2);
     p->set_plan_shape(v1::PLAN_SHAPE_LAYER_UNIFORM);
     p->set_max_layer_share(1.25);

@@ -277,6 +277,18 @@ TEST(PoolTest, AveragePoolKeepsTinyWindowsAfterHugeValues) {
   }
 }
 
+// AVG_PEAK is the zero-padded average, raised to the position's own value where that is larger
+// (SEMANTICS.md, "pool"): an isolated peak keeps its value, its neighbours get the average.
+TEST(PoolTest, AvgPeakNeverGoesBelowThePositionsOwnValue) {
+  const std::vector<float> x = {9.f, 0.f, 0.f, 3.f, 3.f, 3.f, 0.f};
+  std::vector<float> out(x.size(), -1.f);
+  std::vector<double> scratch;
+  cpu::Pool(Pooling::kAvgPeak, 3, x.data(), static_cast<int64_t>(x.size()), 0, out.data(), scratch);
+  // avg k=3: [3, 3, 1, 2, 3, 2, 1]; own values [9, 0, 0, 3, 3, 3, 0]
+  const std::vector<float> want = {9.f, 3.f, 1.f, 3.f, 3.f, 3.f, 1.f};
+  for (size_t i = 0; i < x.size(); ++i) EXPECT_FLOAT_EQ(out[i], want[i]) << "i " << i;
+}
+
 TEST_P(VectorOpsTest, AllFiniteFindsNaNAndInfAnywhere) {
   std::vector<float> x(37, 1.f);
   EXPECT_TRUE(cpu::AllFinite(x.data(), 37));

@@ -43,7 +43,7 @@ TEST(ProtoContractTest, EveryPolicyOptionHasAWireValue) {
                      GqaValue::kMeanHeadProduct, GqaValue::kExactBlock}) {
     ExpectValue(v1::GqaValue_descriptor(), "GQA_VALUE", GqaValueName(g), static_cast<int>(g));
   }
-  for (Pooling p : {Pooling::kAvg, Pooling::kMax, Pooling::kNone}) {
+  for (Pooling p : {Pooling::kAvg, Pooling::kMax, Pooling::kNone, Pooling::kAvgPeak}) {
     ExpectValue(v1::Pooling_descriptor(), "POOLING", PoolingName(p), static_cast<int>(p));
   }
   for (PoolTarget t : {PoolTarget::kAttention, PoolTarget::kScore}) {

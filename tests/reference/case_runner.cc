@@ -102,9 +102,12 @@ absl::StatusOr<kernels::PolicySpec> ParsePolicy(const json& p) {
                                         {"MEAN_HEAD_PRODUCT", GqaValue::kMeanHeadProduct},
                                         {"EXACT_BLOCK", GqaValue::kExactBlock}},
                                        &spec.gqa_value));
-  s.Update(ParseEnum<Pooling>(
-      p, "pooling", {{"AVG", Pooling::kAvg}, {"MAX", Pooling::kMax}, {"NONE", Pooling::kNone}},
-      &spec.pooling));
+  s.Update(ParseEnum<Pooling>(p, "pooling",
+                              {{"AVG", Pooling::kAvg},
+                               {"MAX", Pooling::kMax},
+                               {"NONE", Pooling::kNone},
+                               {"AVG_PEAK", Pooling::kAvgPeak}},
+                              &spec.pooling));
   s.Update(ParseOptionalEnum<kernels::PoolTarget>(
       p, "pool_target",
       {{"ATTENTION", kernels::PoolTarget::kAttention}, {"SCORE", kernels::PoolTarget::kScore}},

@@ -21,7 +21,8 @@ Run it
     ctest -R reference_compare         (from the build tree), or
     /usr/bin/python3 tests/reference/compare_test.py --runner build/tests/reference/laprox_case_runner
     Options: --seed N, --only SUBSTRING (case names), --keep DIR (keep the case directories),
-    --plant-bug raw|reserve|pool|pool_target|defaults|blocks|block_competition|table|layer_cap
+    --plant-bug raw|reserve|pool|pool_target|defaults|blocks|block_competition|table|layer_cap|
+                peak
     (sends C++ a wrong policy: GLOBAL_RAW while the oracle normalises, min_per_head 10 while
     the oracle has 0, for baselines pool_kernel 1 while the oracle pools over 5 or 7, the other
     pool_target where a case sets one, the old LAPROX defaults MEAN_HEAD_NORM and pool_kernel 7
@@ -173,14 +174,15 @@ def build_grid():
                 grid.append(case(f"{dtype}-{layout}-{inputs}", dtype=dtype, layout=layout,
                                  inputs=inputs, H=6, Hkv=2, n=200))
     # Pooling variants.
-    for pooling, k in (("AVG", 1), ("AVG", 3), ("AVG", 31), ("MAX", 7), ("NONE", 7)):
+    for pooling, k in (("AVG", 1), ("AVG", 3), ("AVG", 31), ("MAX", 7), ("NONE", 7),
+                       ("AVG_PEAK", 3), ("AVG_PEAK", 31)):
         grid.append(case(f"pool-{pooling}{k}", policy=dict(pooling=pooling, pool_kernel=k)))
     # pool_target with every attention summary and value factor, AVG and MAX pooling (G = 3,
     # sinks in the pooled range), and at G = 1, where EXACT_BLOCK is MEAN_HEAD_NORM.
     modes = [("ATTENTION_X_PROJECTED_VALUE", gqa) for gqa in laprox_ref.GQA_VALUES]
     modes += [("ATTENTION_X_VALUE", "MEAN_HEAD_NORM"), ("ATTENTION", "MEAN_HEAD_NORM")]
     for target in laprox_ref.POOL_TARGETS:
-        for pooling in ("AVG", "MAX"):
+        for pooling in ("AVG", "MAX", "AVG_PEAK"):
             for ind, gqa in modes:
                 grid.append(case(f"pooltarget-{target}-{pooling}-{ind}-{gqa}", H=6, Hkv=2, n=257,
                                  policy=dict(indicator=ind, gqa_value=gqa, pooling=pooling,
@@ -788,7 +790,8 @@ def write_case(case_dir, c, rng, plant_bug):
         # changes); "blocks" swaps BLOCKS_SHARED and BLOCKS_PER_LAYER; "block_competition"
         # makes BLOCKS_PER_LAYER with GLOBAL_NORMALIZED compete per layer (PER_LAYER: the
         # same scores, only the kept blocks change); "table" rotates every block table's ids
-        # (C++ reads the pool's blocks in another order).
+        # (C++ reads the pool's blocks in another order); "peak" pools AVG where the oracle
+        # pools AVG_PEAK.
         with open(os.path.join(case_dir, "ref_case.json"), "w") as fh:
             json.dump(doc, fh)
         if plant_bug == "raw" and policy.get("allocation",
@@ -812,6 +815,8 @@ def write_case(case_dir, c, rng, plant_bug):
                 policy.get("kind", "LAPROX") == "LAPROX" and \
                 policy.get("allocation", "GLOBAL_NORMALIZED") == "GLOBAL_NORMALIZED":
             doc["policy"] = dict(policy, allocation="PER_LAYER")
+        if plant_bug == "peak" and policy.get("pooling") == "AVG_PEAK":
+            doc["policy"] = dict(policy, pooling="AVG")
         if plant_bug == "layer_cap" and policy.get("max_layer_share") is not None:
             doc["policy"] = {k: v for k, v in policy.items() if k != "max_layer_share"}
         if plant_bug == "table" and tables:
@@ -1137,7 +1142,7 @@ def main():
     ap.add_argument("--keep", default="")
     ap.add_argument("--plant-bug", choices=("raw", "reserve", "pool", "pool_target", "defaults",
                                             "blocks", "block_competition", "table",
-                                            "layer_cap"),
+                                            "layer_cap", "peak"),
                     default=None)
     args = ap.parse_args()
 

@@ -30,7 +30,7 @@ Baselines (policy["kind"] != "LAPROX")
         tokens_per_head | compression_ratio   exactly one (as for LAPROX)
         window, pool_kernel, pooling   LAPROX 32/31/AVG; STREAMING_LLM 32/7/AVG (unused);
                            SNAPKV, PYRAMIDKV, ADAKV, CRITICALKV, CRITICAL_ADAKV 64/5/AVG;
-                           CAKE 32/5/AVG (pooling MAX/NONE also accepted)
+                           CAKE 32/5/AVG (pooling MAX/NONE/AVG_PEAK also accepted)
         sinks              LAPROX 0; STREAMING_LLM 4; ignored by the other baselines
         numeric_mode       "EXACT" | "KVPRESS_COMPAT" (default EXACT; ignored by LAPROX)
         pyramid_beta 20.0, alpha_safeguard 0.2, epsilon 1e-4, first_stage_ratio 0.5,
@@ -164,7 +164,7 @@ import numpy as np
 ALLOCATIONS = ("GLOBAL_NORMALIZED", "GLOBAL_RAW", "PER_LAYER", "UNIFORM")
 INDICATORS = ("ATTENTION_X_PROJECTED_VALUE", "ATTENTION_X_VALUE", "ATTENTION")
 GQA_VALUES = ("MEAN_HEAD_NORM", "SUMMED_PROJECTION", "MEAN_HEAD_PRODUCT", "EXACT_BLOCK")
-POOLINGS = ("AVG", "MAX", "NONE")
+POOLINGS = ("AVG", "MAX", "NONE", "AVG_PEAK")
 POOL_TARGETS = ("ATTENTION", "SCORE")
 
 # Defaults for policy fields a caller leaves out: docs/design.md §2, except gqa_value and
@@ -458,16 +458,18 @@ def check_magnitudes(l, gt, pol, we, q, keys, values, o_proj, logit_scale):
 
 def pool1d(x, pooling, k):
     """Pool along the last axis (SEMANTICS.md): zero padding, AVG always divides by k,
-    MAX takes the max over the in-range neighbourhood |j - i| <= k // 2."""
+    MAX takes the max over the in-range neighbourhood |j - i| <= k // 2, AVG_PEAK is AVG but
+    never below the position's own value, max(x_i, AVG(x)_i)."""
     x = np.asarray(x, dtype=np.float64)
     if pooling == "NONE" or x.shape[-1] == 0:
         return x.copy()
     half = k // 2
     pad = [(0, 0)] * (x.ndim - 1) + [(half, half)]
-    if pooling == "AVG":
+    if pooling in ("AVG", "AVG_PEAK"):
         padded = np.pad(x, pad, constant_values=0.0)
         windows = np.lib.stride_tricks.sliding_window_view(padded, k, axis=-1)
-        return windows.sum(axis=-1) / k
+        avg = windows.sum(axis=-1) / k
+        return avg if pooling == "AVG" else np.maximum(x, avg)
     if pooling == "MAX":
         padded = np.pad(x, pad, constant_values=-np.inf)
         windows = np.lib.stride_tricks.sliding_window_view(padded, k, axis=-1)

@@ -163,6 +163,20 @@ class HandWorkedSingleHead(unittest.TestCase):
         p = self.plan(tokens_per_head=4, pooling="MAX", pool_kernel=3)
         self.assertEqual(kept_sets(p), [[[0, 2, 3, 4]]])
 
+    def test_avg_peak_pooling(self):
+        # SCORE target, p = c * r = [.5, .2, .3, .4]: avg k=3 gives [.7/3, 1/3, .3, .7/3];
+        # AVG_PEAK takes the larger of each and its own p: [.5, 1/3, .3, .4], so the isolated
+        # peak at 0 (which AVG ranks last, test_pool_target) is kept with 3: q = 2 keeps 0, 3.
+        p = self.plan(tokens_per_head=3, pooling="AVG_PEAK", pool_kernel=3, pool_target="SCORE")
+        np.testing.assert_allclose(p["raw"][0, 0, :4], [.5, 1 / 3, .3, .4], rtol=1e-13)
+        self.assertEqual(kept_sets(p), [[[0, 3, 4]]])
+        # ATTENTION target: max(c, avg(c)) = [.05, .10, .15, .20] vs avg [.05, .10, .15,
+        # .11667] -> [.05, .10, .15, .20]; * r = [.5, .2, .3, .4]: keeps 0 and 3.
+        p = self.plan(tokens_per_head=3, pooling="AVG_PEAK", pool_kernel=3,
+                      pool_target="ATTENTION")
+        np.testing.assert_allclose(p["raw"][0, 0, :4], [.5, .2, .3, .4], rtol=1e-13)
+        self.assertEqual(kept_sets(p), [[[0, 3, 4]]])
+
     def test_indicators(self):
         # ATTENTION_X_VALUE: c * |v| = [.25, .1, .15, .2]; ATTENTION: c.
         p = self.plan(tokens_per_head=3, indicator="ATTENTION_X_VALUE")

@@ -108,6 +108,7 @@ class Pooling(_WireEnum):
     AVG = 1
     MAX = 2
     NONE = 3
+    AVG_PEAK = 4   # max(x_i, AVG(x)_i): AVG that never averages an isolated peak away
 
 
 class PoolTarget(_WireEnum):

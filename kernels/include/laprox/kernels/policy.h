@@ -63,7 +63,10 @@ enum class GqaValue {
   kExactBlock,        // ||sum_h A^h col (outer) v W_O^h||_F, needs PrepareOptions::cross_grams
 };
 
-enum class Pooling { kAvg, kMax, kNone };
+// kAvgPeak: kAvg, but never below the position's own value (max(x_i, avg(x)_i)), so that an
+// isolated high score (an attention sink, a heavy hitter) is not averaged away by its neighbours.
+// Appended last: the wire enum is this one plus 1.
+enum class Pooling { kAvg, kMax, kNone, kAvgPeak };
 
 // Where pooling applies in a LAPROX score, with c^h = ||A^h col||, r^h = ||v W_O^h||, c and r the
 // group's attention and value factors (SEMANTICS.md, "Scores").
