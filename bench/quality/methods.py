@@ -146,3 +146,37 @@ def grid_methods(pools: List[int] = GRID_POOLS, windows: Tuple[int, ...] = (32, 
             out.append((f"{kind} avg{k} w=32", {"kind": kind, "window": 32, "pooling": "avg",
                                                 "pool_kernel": k}))
     return out
+
+# The joint evaluation (joint.py, ENDPOINT.md): the candidate defaults, each at both plan shapes
+# the product applies (RAGGED for laprox.hf, LAYER_UNIFORM with max_layer_share 1.25 for the vLLM
+# plugin), against SnapKV, AdaKV and CriticalKV at their published pooling (avg 5) and at the
+# current default's (avg 31), all at w = WINDOW.
+JOINT_SHAPE_SUFFIX = "·layer_uniform cap=1.25"
+PRE44_OPTIONS: Dict[str, Any] = {"gqa_value": "mean_head_product", "pool_target": "score",
+                                 "pooling": "avg", "pool_kernel": 31, "window": WINDOW}
+JOINT_RAGGED: List[Method] = [
+    ("LaProx", PRE44_OPTIONS),                                  # the default before issue 44
+    ("LaProx avg_peak", {**PRE44_OPTIONS, "pooling": "avg_peak"}),   # DIAGNOSIS.md's fix
+    ("LaProx sinks=1", {**PRE44_OPTIONS, "sinks": 1}),          # the same cause, an old option
+]
+
+
+def _layer_uniform(method: Method) -> Method:
+    name, options = method
+    return (name + JOINT_SHAPE_SUFFIX, {**options, "plan_shape": "layer_uniform",
+                                        "max_layer_share": 1.25})
+
+
+JOINT_CANDIDATES: List[str] = [name for name, _ in JOINT_RAGGED] + \
+    [_layer_uniform(m)[0] for m in JOINT_RAGGED]
+JOINT_SHAPES: Dict[str, List[str]] = {
+    "RAGGED (laprox.hf)": [name for name, _ in JOINT_RAGGED],
+    "LAYER_UNIFORM, max_layer_share 1.25 (the vLLM plugin)":
+        [_layer_uniform(m)[0] for m in JOINT_RAGGED]}
+JOINT_BASELINE_METHODS: List[Method] = [
+    (f"{name}{'' if k == 5 else f' pool={k}'}", {"kind": kind, "window": WINDOW, "pool_kernel": k})
+    for k in (5, 31) for name, kind in (("SnapKV", "snapkv"), ("AdaKV", "adakv"),
+                                        ("CriticalKV", "criticalkv"))]
+JOINT_BASELINES: List[str] = [name for name, _ in JOINT_BASELINE_METHODS]
+JOINT: List[Method] = JOINT_RAGGED + [_layer_uniform(m) for m in JOINT_RAGGED] + \
+    JOINT_BASELINE_METHODS
