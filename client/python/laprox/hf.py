@@ -203,6 +203,7 @@ class _State:
         # layer of an all-kept mask, or a compacted layer whose heads kept equal counts) needs
         # no mask when one query row attends to the whole cache (decoding).
         self.evicts: List[bool] = []
+        self.compacted = False  # see set_masks
         # Per layer: the decode mask [B, H, 1, capacity] (prefix bias, then zeros for appended
         # tokens) in the queries' dtype and device, built once and sliced at every step.
         self._decode_bias: Dict[int, torch.Tensor] = {}
@@ -211,10 +212,13 @@ class _State:
         self.recent_rows = 0
         self.recent: Dict[int, torch.Tensor] = {}
 
-    def set_masks(self, masks: Optional[Sequence[Any]]) -> None:
+    def set_masks(self, masks: Optional[Sequence[Any]], compacted: bool = False) -> None:
         """masks[l] for every model layer l: bool [B, Hkv, n] or [Hkv, n] (True = keep), or
-        None (nothing masked in that layer); masks None clears them all."""
+        None (nothing masked in that layer); masks None clears them all. compacted: the masked
+        layers hold the entries of a compacted cache, so a cache index is no token position and
+        the model's causal mask (built from token positions) does not apply to them."""
         self._decode_bias = {}
+        self.compacted = compacted and masks is not None
         if masks is None:
             self.prefix_bias = None
             self.evicts = []
@@ -318,8 +322,10 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
                 else:
                     attention_mask = state.decode_bias(layer, query, kv_len)
             else:
-                attention_mask = _masked(attention_mask, state.prefix_bias[layer], query,
-                                         kv_len)
+                # A compacted layer's causal mask follows from its layout (the new tokens are
+                # the last q_len entries), not from the model's, which indexes keys by position.
+                attention_mask = _masked(None if state.compacted else attention_mask,
+                                         state.prefix_bias[layer], query, kv_len)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, **kwargs)
 
@@ -669,7 +675,7 @@ class Compressor:
         # Always through the masking path: layers now differ in length, so the model's own
         # mask (built for layer 0) is replaced by one of the right length (_masked). Decoding
         # needs no mask in a layer without padded slots, and a prebuilt one in the others.
-        self._state.set_masks(self._per_model_layer(compact_masks))
+        self._state.set_masks(self._per_model_layer(compact_masks), compacted=True)
         return self.plan
 
     def _per_model_layer(self, planned: Sequence[Any]) -> List[Any]:
@@ -723,7 +729,7 @@ class Compressor:
         # length (_masked); decoding needs none (nothing in them is evicted).
         Hkv = self.geometry.num_kv_heads
         self._state.set_masks(self._per_model_layer(
-            [torch.ones(1, Hkv, w, dtype=torch.bool) for w in widths]))
+            [torch.ones(1, Hkv, w, dtype=torch.bool) for w in widths]), compacted=True)
 
     def _after_decode_forward(self, cache: Any, kwargs: Dict[str, Any]) -> None:
         """After a forward that appended tokens: their positions, then a re-plan when the
