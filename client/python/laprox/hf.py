@@ -8,20 +8,38 @@
         out = model.generate(input_ids, max_new_tokens=64)
     press.plan                                                 # the last KeepPlan(s)
 
-Works with Llama-architecture models (Llama, Mistral, Qwen2/3, SmolLM: every decoder layer has a
-`self_attn` with `q_proj`/`o_proj` and a `layer_idx`); tested with transformers 5.2.0 (it needs
-`AttentionInterface`, `AttentionMaskInterface` and `PreTrainedModel.set_attn_implementation`).
-No model code is copied. The integration is one attention function registered as "laprox"
-through `transformers.AttentionInterface` (plus the sdpa mask builder under the same name in
+Works with models whose decoder layers have a `self_attn` with `q_proj`/`o_proj` and a
+`layer_idx`: the Llama architecture (Llama, Mistral, Qwen2/3, SmolLM) and Gemma 3 (q/k norms,
+sliding-window layers); tested with transformers 5.2.0 (it needs `AttentionInterface`,
+`AttentionMaskInterface` and `PreTrainedModel.set_attn_implementation`); CI runs the tests with
+5.19. No model code is copied. Attention logit soft-capping (Gemma 2) is not modelled: laproxd's
+window attention would differ from the model's.
+
+Sliding-window layers (Gemma 3: five of window 512 per full-attention layer; config.layer_types
+"sliding_attention") never hold more than their window, so they draw nothing from the budget
+and laprox leaves them alone: no plan, no mask, no compaction. Only the layers that hold the
+whole prompt are planned, `planned_layers(model)` (config.layer_types "full_attention", else the
+attention modules without a `sliding_window`; every layer of a Llama): register_model()
+registers the model made of them (geometry().num_layers is their count, their o_proj in order),
+the budget B tokens per KV head is counted over them, and a plan's layer i — in
+`Compressor.plan`, `Compressor.positions` and laproxd's answers — is model layer
+planned_layers(model)[i]. `Compressor.masks` and `masked()` take one entry per model layer, None
+where nothing is masked (every sliding layer). transformers' DynamicCache(config=...) keeps the
+last window - 1 tokens of a sliding layer; laprox reads and writes only the planned layers'
+cache.
+
+The integration is one attention function registered as "laprox" through
+`transformers.AttentionInterface` (plus the sdpa mask builder under the same name in
 `AttentionMaskInterface`); the model's attention modules call it with post-RoPE queries and the
 keys/values returned by the cache, so:
 
-1. Prefill of a new sequence (query length = key length > 1): the last `window_rows` post-RoPE
-   queries of every layer are kept, then torch's SDPA runs as usual (the prefill itself is exact).
-2. A forward hook on the decoder (`model.model`) runs after the prefill: it sends each layer's
-   cache keys/values and the captured window queries to laproxd (numpy over shared memory; CUDA
-   tensors by IPC when laproxd runs the CUDA backend, else copied to the host) and turns the
-   plan into keep masks [B, Hkv, n].
+1. Prefill of a new sequence (query length = key length > 1): the last `window_rows` queries of
+   every planned layer are kept, as the attention function receives them (after the model's
+   q_norm, if any, and RoPE), then torch's SDPA runs as usual (the prefill itself is exact).
+2. A forward hook on the decoder (`model.model`) runs after the prefill: it sends each planned
+   layer's cache keys/values and the captured window queries to laproxd (numpy over shared
+   memory; CUDA tensors by IPC when laproxd runs the CUDA backend, else copied to the host) and
+   turns the plan into keep masks [B, Hkv, n].
 3. Every later attention call (decoding, or a teacher-forced continuation) adds -inf to the
    logits of evicted (layer, KV head, position) — for each of the G query heads of the KV head —
    before SDPA's softmax, so the softmax is renormalised over the kept keys exactly as if the
@@ -37,7 +55,9 @@ keys/values returned by the cache, so:
    "blocks_per_layer" with a block_size: none, every head keeps the same blocks; or
    STREAMING_LLM/SNAPKV/PYRAMIDKV/CRITICALKV). Layers then differ in length; positions
    and RoPE of new tokens stay those of the full sequence because generate() advances
-   cache_position itself rather than reading the cache length.
+   cache_position itself rather than reading the cache length. transformers builds the causal
+   mask of a multi-token call from those positions, which no longer index a compacted layer:
+   there the causal part comes from the layer's layout (the new tokens are its last entries).
 
 5. laproxd gets a deadline for the plans of each prefill (Compressor's `deadline`, 2 s by
    default, scaled by laprox.client.plan_deadline with the batch's tokens): if it does not
@@ -48,11 +68,12 @@ keys/values returned by the cache, so:
    generation (batch 1): the prefill's plan is LAYER_UNIFORM and compacts the cache, the heads
    of a layer one short padded with their most recent evicted entry (a real entry, attended as
    it is, so no mask is needed and positions stay distinct); every later forward appends its
-   tokens and records their post-RoPE queries; when the mean over layers of a head's entries
-   reaches `budget + N`, the cache as it is (every entry's token position tracked in
-   `positions`) goes to laproxd as a decode re-plan (laprox.proto DecodeCache) with the last
-   `window` tokens' queries, and is compacted to the plan again. `cache_lengths` records the
-   mean and the longest layer's entries per head after every forward, `replans` counts the
+   tokens and records their post-RoPE queries; when the mean over planned layers of a head's
+   entries reaches `budget + N`, the planned layers' cache as it is (every entry's token
+   position tracked in `positions`, one array per planned layer) goes to laproxd as a decode
+   re-plan (laprox.proto DecodeCache) with the last `window` tokens' queries, and is compacted
+   to the plan again; sliding layers keep their window throughout. `cache_lengths` records the
+   mean and the longest planned layer's entries per head after every forward, `replans` the
    re-plans. A re-plan past its deadline keeps the cache as it is (counted in `timeouts`) and
    is tried again N / 4 tokens later. New tokens must continue the positions held: a second
    generate() on the compacted cache (which takes its positions from the cache's length and
@@ -383,9 +404,11 @@ def _attention_implementation(model: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def masked(model: Any, masks: Sequence[Any]) -> Iterator[None]:
-    """Within the block, attention ignores the evicted prefix positions of `masks` (per layer
-    bool [B, Hkv, n] or [Hkv, n], True = keep) for every call whose keys extend the prefix
-    (decoding steps, teacher-forced continuations over a cache holding the n prefix tokens)."""
+    """Within the block, attention ignores the evicted prefix positions of `masks` (one entry per
+    model layer: bool [B, Hkv, n] or [Hkv, n], True = keep, or None for a layer left whole,
+    e.g. a sliding-window layer; Compressor.masks has this form) for every call whose keys
+    extend the prefix (decoding steps, teacher-forced continuations over a cache holding the n
+    prefix tokens)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
         else model.config
     g = t.ModelGeometry.from_hf_config(config)
@@ -470,7 +493,8 @@ class Compressor:
     """Compresses the KV cache of every prefill with a laproxd keep-plan while attached.
 
     Args:
-        model: a transformers causal LM (Llama architecture).
+        model: a transformers causal LM (Llama architecture, Gemma 3; see the module
+            documentation for sliding-window layers).
         client: a laprox.Client.
         budget: tokens per KV head (int) or compression ratio (float); see laprox.Budget.
         policy: a laprox.Policy, a kind name ("laprox", "snapkv", ...) or a mapping; policy
@@ -488,13 +512,16 @@ class Compressor:
             prefill.
 
     Use as a context manager (or attach()/detach()); the model's attention implementation is
-    "laprox" while attached and restored afterwards. `plan` holds the last prefill's KeepPlan
-    (a list, one per batch sequence, when the batch has more than one), `masks` its keep masks;
-    both are None when laproxd missed the deadline. `timeouts` counts the sequences that kept
-    their full cache for that reason (and, with decode_buffer, the re-plans that kept the cache
-    as it was). With decode_buffer: `positions` holds each layer's token positions [Hkv, n_l]
-    of the entries it holds, `replans` the re-plans made, `cache_lengths` one (mean over layers,
-    longest layer) of the entries per head after every forward since the prefill.
+    "laprox" while attached and restored afterwards. `layers` are the planned model layers
+    (planned_layers(): the full-attention layers). `plan` holds the last prefill's KeepPlan (a
+    list, one per batch sequence, when the batch has more than one), whose layer i is model
+    layer layers[i]; `masks` its keep masks per model layer ([B, Hkv, n], None for a layer not
+    planned); both are None when laproxd missed the deadline. `timeouts` counts the sequences
+    that kept their full cache for that reason (and, with decode_buffer, the re-plans that kept
+    the cache as it was). With decode_buffer: `positions[i]` holds planned layer i's (model layer
+    layers[i]) token positions [Hkv, n_i] of the entries it holds, `replans` the re-plans made,
+    `cache_lengths` one (mean over planned layers, longest planned layer) of the entries per head
+    after every forward since the prefill.
     """
 
     def __init__(self, model: Any, client: Any, budget: Union[int, float, t.Budget] = 128,
@@ -753,9 +780,9 @@ class Compressor:
                     f"decode_buffer: this forward gave its {added} token(s) positions "
                     f"{fed[0]}..{fed[-1]}, but the cache ends at position "
                     f"{self._next_position - 1} (it holds {lengths[0] - added} entries per head "
-                    f"in layer {self.layers[0]}): new tokens must continue it. A generate() continuing a "
-                    "compacted cache takes positions from the cache's length; start from the "
-                    "prompt, or call the model with position_ids")
+                    f"in layer {self.layers[0]}): new tokens must continue it. A generate() "
+                    "continuing a compacted cache takes positions from the cache's length; start "
+                    "from the prompt, or call the model with position_ids")
             self.positions = [np.concatenate([p, np.tile(new, (Hkv, 1))], axis=1)
                               for p in self.positions]
             self._next_position += added
