@@ -39,6 +39,7 @@ import laprox.hf as lhf  # noqa: E402
 import test_hf  # noqa: E402  (its fake and recording clients, HeldEntriesReference)
 
 H, HKV, D_HEAD, HIDDEN, WINDOW, N_PROMPT = 4, 1, 32, 64, 8, 40
+DEADLINE = 30.0  # s per plan: a loaded CI machine must not turn a plan into a timeout
 LAYER_TYPES = ["sliding_attention"] * 2 + ["full_attention"] + \
     ["sliding_attention"] * 2 + ["full_attention"]
 FULL = [2, 5]
@@ -214,7 +215,8 @@ class Gemma3LaproxdTest(test_hf.WithLaproxd):
         with lhf.capture_window_queries(self.model, rows=64) as queries, torch.no_grad():
             plain = self.prefill()
         ref = self.oracle(plain, queries)
-        press = lhf.Compressor(self.model, self.client, budget=self.B, window=self.W)
+        press = lhf.Compressor(self.model, self.client, budget=self.B, window=self.W,
+                               deadline=DEADLINE)
         cache = self.prefill(press)
         masks = press.plan.to_masks()
         self.assertEqual(masks.shape, (len(FULL), HKV, N_PROMPT))
@@ -233,7 +235,7 @@ class Gemma3LaproxdTest(test_hf.WithLaproxd):
         # One KV head, and the same count in every full layer (allocation PER_LAYER): the plan
         # can be applied physically with the model's own masks (which transformers builds for
         # one length of the full layers), the sliding layers left whole.
-        options = dict(window=self.W, allocation="per_layer")
+        options = dict(window=self.W, allocation="per_layer", deadline=DEADLINE)
         press = lhf.Compressor(self.model, self.client, budget=self.B, **options)
         self.prefill(press)
         self.assertEqual(press.plan.counts.tolist(), [[self.B]] * len(FULL))
@@ -275,7 +277,7 @@ class Gemma3DecodeReplanTest(test_hf.WithLaproxd):
 
     def press(self, client=None):
         return lhf.Compressor(self.model, client or self.client, budget=self.B, window=self.W,
-                              decode_buffer=self.N)
+                              decode_buffer=self.N, deadline=DEADLINE)
 
     def test_teacher_forced_steps_hold_full_layers_at_budget_plus_buffer(self):
         steps = 40
