@@ -452,7 +452,10 @@ class HeldEntriesReference:
     at position p see, in layer l and KV head g, exactly the positions the compressor's cache
     held in (l, g) when p was fed, plus p itself; the prompt's rows see their causal prefix (the
     prefill is exact). Equal logits mean the compacted cache held the keys and values of the
-    positions it claims, at the right RoPE positions, and nothing else."""
+    positions it claims, at the right RoPE positions, and nothing else. Layers the compressor
+    does not plan (press.layers; a sliding-window layer of Gemma 3) see their causal prefix,
+    limited to the module's sliding_window when it has one (key j visible from row p when
+    p - j < sliding_window, transformers' sliding mask)."""
 
     def __init__(self, model, press):
         self.model, self.press, self.snapshots = model, press, []
@@ -475,9 +478,16 @@ class HeldEntriesReference:
         fed = len(self.snapshots) - 1  # the prefill, then one token per forward
         assert self.snapshots[0] is None and prompt + fed == T, (prompt, fed, T)
         modules = lhf.attention_modules(self.model)
-        hkv = self.model.config.num_key_value_heads
+        hkv = lhf.geometry(self.model).num_kv_heads
+        planned = getattr(self.press, "layers", list(range(len(modules))))
         causal = torch.ones(T, T, dtype=torch.bool).tril()
-        for l, module in enumerate(modules):
+        for layer, module in enumerate(modules):
+            window = getattr(module, "sliding_window", None)
+            if layer not in planned:
+                allowed = causal if window is None else causal.triu(1 - window)
+                module._held = allowed.repeat(hkv, 1, 1)
+                continue
+            l = planned.index(layer)  # the press's positions are per planned layer
             allowed = causal.repeat(hkv, 1, 1)
             allowed[:, prompt:] = False
             for i in range(1, fed + 1):

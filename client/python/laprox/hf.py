@@ -8,20 +8,38 @@
         out = model.generate(input_ids, max_new_tokens=64)
     press.plan                                                 # the last KeepPlan(s)
 
-Works with Llama-architecture models (Llama, Mistral, Qwen2/3, SmolLM: every decoder layer has a
-`self_attn` with `q_proj`/`o_proj` and a `layer_idx`); tested with transformers 5.2.0 (it needs
-`AttentionInterface`, `AttentionMaskInterface` and `PreTrainedModel.set_attn_implementation`).
-No model code is copied. The integration is one attention function registered as "laprox"
-through `transformers.AttentionInterface` (plus the sdpa mask builder under the same name in
+Works with models whose decoder layers have a `self_attn` with `q_proj`/`o_proj` and a
+`layer_idx`: the Llama architecture (Llama, Mistral, Qwen2/3, SmolLM) and Gemma 3 (q/k norms,
+sliding-window layers); tested with transformers 5.2.0 (it needs `AttentionInterface`,
+`AttentionMaskInterface` and `PreTrainedModel.set_attn_implementation`); CI runs the tests with
+5.19. No model code is copied. Attention logit soft-capping (Gemma 2) is not modelled: laproxd's
+window attention would differ from the model's.
+
+Sliding-window layers (Gemma 3: five of window 512 per full-attention layer; config.layer_types
+"sliding_attention") never hold more than their window, so they draw nothing from the budget
+and laprox leaves them alone: no plan, no mask, no compaction. Only the layers that hold the
+whole prompt are planned, `planned_layers(model)` (config.layer_types "full_attention", else the
+attention modules without a `sliding_window`; every layer of a Llama): register_model()
+registers the model made of them (geometry().num_layers is their count, their o_proj in order),
+the budget B tokens per KV head is counted over them, and a plan's layer i — in
+`Compressor.plan`, `Compressor.positions` and laproxd's answers — is model layer
+planned_layers(model)[i]. `Compressor.masks` and `masked()` take one entry per model layer, None
+where nothing is masked (every sliding layer). transformers' DynamicCache(config=...) keeps the
+last window - 1 tokens of a sliding layer; laprox reads and writes only the planned layers'
+cache.
+
+The integration is one attention function registered as "laprox" through
+`transformers.AttentionInterface` (plus the sdpa mask builder under the same name in
 `AttentionMaskInterface`); the model's attention modules call it with post-RoPE queries and the
 keys/values returned by the cache, so:
 
-1. Prefill of a new sequence (query length = key length > 1): the last `window_rows` post-RoPE
-   queries of every layer are kept, then torch's SDPA runs as usual (the prefill itself is exact).
-2. A forward hook on the decoder (`model.model`) runs after the prefill: it sends each layer's
-   cache keys/values and the captured window queries to laproxd (numpy over shared memory; CUDA
-   tensors by IPC when laproxd runs the CUDA backend, else copied to the host) and turns the
-   plan into keep masks [B, Hkv, n].
+1. Prefill of a new sequence (query length = key length > 1): the last `window_rows` queries of
+   every planned layer are kept, as the attention function receives them (after the model's
+   q_norm, if any, and RoPE), then torch's SDPA runs as usual (the prefill itself is exact).
+2. A forward hook on the decoder (`model.model`) runs after the prefill: it sends each planned
+   layer's cache keys/values and the captured window queries to laproxd (numpy over shared
+   memory; CUDA tensors by IPC when laproxd runs the CUDA backend, else copied to the host) and
+   turns the plan into keep masks [B, Hkv, n].
 3. Every later attention call (decoding, or a teacher-forced continuation) adds -inf to the
    logits of evicted (layer, KV head, position) — for each of the G query heads of the KV head —
    before SDPA's softmax, so the softmax is renormalised over the kept keys exactly as if the
@@ -37,7 +55,9 @@ keys/values returned by the cache, so:
    "blocks_per_layer" with a block_size: none, every head keeps the same blocks; or
    STREAMING_LLM/SNAPKV/PYRAMIDKV/CRITICALKV). Layers then differ in length; positions
    and RoPE of new tokens stay those of the full sequence because generate() advances
-   cache_position itself rather than reading the cache length.
+   cache_position itself rather than reading the cache length. transformers builds the causal
+   mask of a multi-token call from those positions, which no longer index a compacted layer:
+   there the causal part comes from the layer's layout (the new tokens are its last entries).
 
 5. laproxd gets a deadline for the plans of each prefill (Compressor's `deadline`, 2 s by
    default, scaled by laprox.client.plan_deadline with the batch's tokens): if it does not
@@ -48,11 +68,12 @@ keys/values returned by the cache, so:
    generation (batch 1): the prefill's plan is LAYER_UNIFORM and compacts the cache, the heads
    of a layer one short padded with their most recent evicted entry (a real entry, attended as
    it is, so no mask is needed and positions stay distinct); every later forward appends its
-   tokens and records their post-RoPE queries; when the mean over layers of a head's entries
-   reaches `budget + N`, the cache as it is (every entry's token position tracked in
-   `positions`) goes to laproxd as a decode re-plan (laprox.proto DecodeCache) with the last
-   `window` tokens' queries, and is compacted to the plan again. `cache_lengths` records the
-   mean and the longest layer's entries per head after every forward, `replans` counts the
+   tokens and records their post-RoPE queries; when the mean over planned layers of a head's
+   entries reaches `budget + N`, the planned layers' cache as it is (every entry's token
+   position tracked in `positions`, one array per planned layer) goes to laproxd as a decode
+   re-plan (laprox.proto DecodeCache) with the last `window` tokens' queries, and is compacted
+   to the plan again; sliding layers keep their window throughout. `cache_lengths` records the
+   mean and the longest planned layer's entries per head after every forward, `replans` the
    re-plans. A re-plan past its deadline keeps the cache as it is (counted in `timeouts`) and
    is tried again N / 4 tokens later. New tokens must continue the positions held: a second
    generate() on the compacted cache (which takes its positions from the cache's length and
@@ -119,30 +140,62 @@ def attention_modules(model: Any) -> List[Any]:
     return [found[i] for i in sorted(found)]
 
 
-def geometry(model: Any) -> t.ModelGeometry:
-    """L, H, Hkv, d, D from the config; the softmax scale from the attention modules (0, the
-    default, when it is 1/sqrt(d))."""
+def _text_config(model: Any) -> Any:
     config = getattr(model, "config", model)
-    config = getattr(config, "get_text_config", lambda: config)()
-    g = t.ModelGeometry.from_hf_config(config)
+    return getattr(config, "get_text_config", lambda: config)()
+
+
+def planned_layers(model: Any) -> List[int]:
+    """The model layers laprox plans, in order: those whose cache holds the whole prompt.
+
+    A sliding-window layer never holds more than its window, so it draws nothing from the
+    budget and is neither planned, masked nor compacted: plan layer i (and geometry()'s layer
+    i, and register_model()'s o_proj i) is model layer planned_layers(model)[i]. The layer
+    kinds come from config.layer_types ("full_attention" is planned; "sliding_attention",
+    "chunked_attention" and any other kind are not), else from each attention module's
+    `sliding_window` attribute (None or absent: planned). Llama-architecture models without
+    sliding layers get every layer, [0, 1, ..., L - 1]. INVALID_ARGUMENT when no layer is a
+    full-attention layer."""
+    modules = attention_modules(model)
+    kinds = getattr(_text_config(model), "layer_types", None)
+    if kinds is not None and len(kinds) >= len(modules):
+        layers = [int(m.layer_idx) for m in modules if kinds[int(m.layer_idx)] == "full_attention"]
+    else:
+        layers = [int(m.layer_idx) for m in modules
+                  if getattr(m, "sliding_window", None) is None]
+    if not layers:
+        raise invalid_argument(f"{type(model).__name__}: no full-attention layer (layer kinds "
+                               f"{kinds}): every layer holds a sliding window, nothing to plan")
+    return layers
+
+
+def geometry(model: Any) -> t.ModelGeometry:
+    """The geometry laproxd plans with: L = the planned layers (planned_layers(): the
+    full-attention layers), H, Hkv, d, D from the config; the softmax scale from the attention
+    modules (their `scaling`, e.g. Gemma 3's query_pre_attn_scalar ** -0.5; 0, the default,
+    when it is 1/sqrt(d))."""
+    g = t.ModelGeometry.from_hf_config(_text_config(model))
+    layers = planned_layers(model)
     scale = 0.0
     try:
-        module_scale = float(attention_modules(model)[0].scaling)
+        module_scale = float(attention_modules(model)[layers[0]].scaling)
         if not math.isclose(module_scale, g.head_dim ** -0.5, rel_tol=1e-6):
             scale = module_scale
     except (AttributeError, TypeError, ValueError):
         pass
-    return t.ModelGeometry(g.num_layers, g.num_heads, g.num_kv_heads, g.head_dim,
+    return t.ModelGeometry(len(layers), g.num_heads, g.num_kv_heads, g.head_dim,
                            g.hidden_size, scale)
 
 
 def register_model(client: Any, model: Any, name: Optional[str] = None,
                    prepare_cross_grams: bool = False) -> int:
-    """Registers the model's geometry and every layer's o_proj.weight with laproxd; returns the
-    model id. CPU weights go as fp32 numpy (bf16/fp16 as they are); CUDA weights by IPC."""
+    """Registers with laproxd the model made of the planned layers (planned_layers(): the
+    full-attention layers), their geometry and o_proj.weight in order; returns the model id.
+    CPU weights go as fp32 numpy (bf16/fp16 as they are); CUDA weights by IPC."""
     device_ok = _server_reads_device(client)
-    weights = [_host(module.o_proj.weight.detach(), device_ok)
-               for module in attention_modules(model)]
+    modules = attention_modules(model)
+    weights = [_host(modules[l].o_proj.weight.detach(), device_ok)
+               for l in planned_layers(model)]
     if name is None:
         name = t.model_name(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
     return client.register_model(name, geometry(model), weights,
@@ -156,10 +209,14 @@ def register_model(client: Any, model: Any, name: Optional[str] = None,
 class _State:
     """What the attention function reads on each module (attribute `_laprox_state`)."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, num_heads: int):
-        self.num_layers = num_layers
+    def __init__(self, num_layers: int, num_kv_heads: int, num_heads: int,
+                 planned: Optional[Sequence[int]] = None):
+        self.num_layers = num_layers          # every layer of the model, indexed by layer_idx
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
+        # The layers whose queries are captured and remembered (None: all); masks may cover
+        # any layer (None where nothing is masked, e.g. a sliding-window layer).
+        self.planned = None if planned is None else frozenset(planned)
         self.capture_rows = 0                 # > 0: keep that many query rows of a prefill
         self.captured: Dict[int, torch.Tensor] = {}
         self.prefix_bias: Optional[List[Optional[torch.Tensor]]] = None  # [B, H, 1, n] per layer
@@ -167,6 +224,7 @@ class _State:
         # layer of an all-kept mask, or a compacted layer whose heads kept equal counts) needs
         # no mask when one query row attends to the whole cache (decoding).
         self.evicts: List[bool] = []
+        self.compacted = False  # see set_masks
         # Per layer: the decode mask [B, H, 1, capacity] (prefix bias, then zeros for appended
         # tokens) in the queries' dtype and device, built once and sliced at every step.
         self._decode_bias: Dict[int, torch.Tensor] = {}
@@ -175,9 +233,13 @@ class _State:
         self.recent_rows = 0
         self.recent: Dict[int, torch.Tensor] = {}
 
-    def set_masks(self, masks: Optional[Sequence[Any]]) -> None:
-        """masks[l]: bool [B, Hkv, n] or [Hkv, n] (True = keep), or None to clear."""
+    def set_masks(self, masks: Optional[Sequence[Any]], compacted: bool = False) -> None:
+        """masks[l] for every model layer l: bool [B, Hkv, n] or [Hkv, n] (True = keep), or
+        None (nothing masked in that layer); masks None clears them all. compacted: the masked
+        layers hold the entries of a compacted cache, so a cache index is no token position and
+        the model's causal mask (built from token positions) does not apply to them."""
         self._decode_bias = {}
+        self.compacted = compacted and masks is not None
         if masks is None:
             self.prefix_bias = None
             self.evicts = []
@@ -259,11 +321,12 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
         q_len, kv_len = query.shape[2], key.shape[2]
         layer = module.layer_idx
         prefill = q_len == kv_len and q_len > 1
+        planned = state.planned is None or layer in state.planned
         if prefill:
             # A new sequence's prefill: it runs on the full cache; earlier masks are void.
-            if state.capture_rows > 0:
+            if state.capture_rows > 0 and planned:
                 state.captured[layer] = query[:, :, -state.capture_rows:].detach().clone()
-        elif state.recent_rows > 0:
+        elif state.recent_rows > 0 and planned:
             state.remember(layer, query)
         if not prefill and state.prefix_bias is not None and state.prefix_bias[layer] is not None:
             if q_len == 1 and attention_mask is None:
@@ -280,8 +343,10 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
                 else:
                     attention_mask = state.decode_bias(layer, query, kv_len)
             else:
-                attention_mask = _masked(attention_mask, state.prefix_bias[layer], query,
-                                         kv_len)
+                # A compacted layer's causal mask follows from its layout (the new tokens are
+                # the last q_len entries), not from the model's, which indexes keys by position.
+                attention_mask = _masked(None if state.compacted else attention_mask,
+                                         state.prefix_bias[layer], query, kv_len)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, **kwargs)
 
@@ -339,9 +404,11 @@ def _attention_implementation(model: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def masked(model: Any, masks: Sequence[Any]) -> Iterator[None]:
-    """Within the block, attention ignores the evicted prefix positions of `masks` (per layer
-    bool [B, Hkv, n] or [Hkv, n], True = keep) for every call whose keys extend the prefix
-    (decoding steps, teacher-forced continuations over a cache holding the n prefix tokens)."""
+    """Within the block, attention ignores the evicted prefix positions of `masks` (one entry per
+    model layer: bool [B, Hkv, n] or [Hkv, n], True = keep, or None for a layer left whole,
+    e.g. a sliding-window layer; Compressor.masks has this form) for every call whose keys
+    extend the prefix (decoding steps, teacher-forced continuations over a cache holding the n
+    prefix tokens)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
         else model.config
     g = t.ModelGeometry.from_hf_config(config)
@@ -426,7 +493,8 @@ class Compressor:
     """Compresses the KV cache of every prefill with a laproxd keep-plan while attached.
 
     Args:
-        model: a transformers causal LM (Llama architecture).
+        model: a transformers causal LM (Llama architecture, Gemma 3; see the module
+            documentation for sliding-window layers).
         client: a laprox.Client.
         budget: tokens per KV head (int) or compression ratio (float); see laprox.Budget.
         policy: a laprox.Policy, a kind name ("laprox", "snapkv", ...) or a mapping; policy
@@ -444,13 +512,16 @@ class Compressor:
             prefill.
 
     Use as a context manager (or attach()/detach()); the model's attention implementation is
-    "laprox" while attached and restored afterwards. `plan` holds the last prefill's KeepPlan
-    (a list, one per batch sequence, when the batch has more than one), `masks` its keep masks;
-    both are None when laproxd missed the deadline. `timeouts` counts the sequences that kept
-    their full cache for that reason (and, with decode_buffer, the re-plans that kept the cache
-    as it was). With decode_buffer: `positions` holds each layer's token positions [Hkv, n_l]
-    of the entries it holds, `replans` the re-plans made, `cache_lengths` one (mean over layers,
-    longest layer) of the entries per head after every forward since the prefill.
+    "laprox" while attached and restored afterwards. `layers` are the planned model layers
+    (planned_layers(): the full-attention layers). `plan` holds the last prefill's KeepPlan (a
+    list, one per batch sequence, when the batch has more than one), whose layer i is model
+    layer layers[i]; `masks` its keep masks per model layer ([B, Hkv, n], None for a layer not
+    planned); both are None when laproxd missed the deadline. `timeouts` counts the sequences
+    that kept their full cache for that reason (and, with decode_buffer, the re-plans that kept
+    the cache as it was). With decode_buffer: `positions[i]` holds planned layer i's (model layer
+    layers[i]) token positions [Hkv, n_i] of the entries it holds, `replans` the re-plans made,
+    `cache_lengths` one (mean over planned layers, longest planned layer) of the entries per head
+    after every forward since the prefill.
     """
 
     def __init__(self, model: Any, client: Any, budget: Union[int, float, t.Budget] = 128,
@@ -474,6 +545,7 @@ class Compressor:
         self.deadline = float(deadline)
         self.timeouts = 0
         self.geometry = geometry(model)
+        self.layers = planned_layers(model)
         self._device_ok = _server_reads_device(client)
         self.window_rows = max(int(window_rows), int(self.policy.window or 0))
         self.model_id = model_id if model_id is not None else register_model(
@@ -489,7 +561,8 @@ class Compressor:
         self._next_position = 0
         self._retry_at = 0
         g = self.geometry
-        self._state = _State(g.num_layers, g.num_kv_heads, g.num_heads)
+        self._state = _State(len(attention_modules(model)), g.num_kv_heads, g.num_heads,
+                             planned=self.layers)
         self._modules: List[Any] = []
         self._hook = None
         self._impl: Optional[contextlib.ExitStack] = None
@@ -539,22 +612,27 @@ class Compressor:
                     self._after_decode_forward(cache, kwargs)
             return output
         self._state.captured = {}
-        if len(captured) != self.geometry.num_layers:
-            return output  # not a prefill of every layer (e.g. a partial model call)
+        if set(captured) != set(self.layers):
+            return output  # not a prefill of every planned layer (e.g. a partial model call)
         cache = getattr(output, "past_key_values", None) or kwargs.get("past_key_values")
         if cache is None:
             return output  # use_cache=False: nothing to compress
-        queries = [captured[l] for l in range(self.geometry.num_layers)]
+        queries = [captured[l] for l in self.layers]
         self.compress(cache, queries)
         return output
 
     def compress(self, cache: Any, window_queries: Sequence[torch.Tensor]) -> Any:
-        """Asks laproxd for the keep-plan of the prefilled `cache` (every layer holding the n
-        prompt tokens) with per-layer post-RoPE `window_queries` [B, H, wq, d], installs the
-        masks (or compacts the cache) and returns the plan(s); None, the cache left whole,
-        when laproxd does not answer within plan_deadline(B * n, deadline)."""
+        """Asks laproxd for the keep-plan of the prefilled `cache` (every planned layer holding
+        the n prompt tokens) with the post-RoPE `window_queries` [B, H, wq, d] of each planned
+        layer (window_queries[i]: model layer self.layers[i]), installs the masks (or compacts
+        the cache) and returns the plan(s), whose layer i is model layer self.layers[i]; None,
+        the cache left whole, when laproxd does not answer within plan_deadline(B * n,
+        deadline). Layers that are not planned (sliding windows) are left as they are."""
         L = self.geometry.num_layers
-        kv = [cache_layer_kv(cache, l) for l in range(L)]
+        if len(window_queries) != L:
+            raise invalid_argument(f"window_queries: {len(window_queries)} layers, the model "
+                                   f"has {L} planned layers {self.layers}")
+        kv = [cache_layer_kv(cache, l) for l in self.layers]
         batch, _, n, _ = kv[0][0].shape
         self.positions = None
         self._state.recent_rows, self._state.recent = 0, {}
@@ -562,7 +640,7 @@ class Compressor:
             raise invalid_argument(f"decode_buffer: re-plans follow one sequence; the batch has "
                                    f"{batch}")
         plans, masks = [], [torch.zeros(batch, self.geometry.num_kv_heads, n, dtype=torch.bool)
-                            for _ in range(L)]
+                            for _ in range(L)]  # plan order; self.masks is per model layer
         deadline = plan_deadline(batch * n, self.deadline)
         until = time.monotonic() + deadline
         for b in range(batch):
@@ -582,13 +660,13 @@ class Compressor:
             for l in range(L):
                 masks[l][b] = m[l]
         self.plan = plans[0] if batch == 1 else plans
-        self.masks = masks
+        self.masks = self._per_model_layer(masks)
         per_layer = [{int(c) for p in plans for c in p.counts[l]} for l in range(L)]
         # Compact: each layer to its largest per-head count; shorter heads are padded with a
         # repeated position that the masks hide (at most one slot with head_uniform_layers).
         self.compacted = bool(self.compact)
         if not self.compacted:
-            self._state.set_masks(masks)
+            self._state.set_masks(self.masks)
             return self.plan
         if self.decode_buffer > 0:
             # Positions 0 .. n - 1, then the decode steps' tokens; the window's queries seed
@@ -599,7 +677,7 @@ class Compressor:
             self.replans, self.cache_lengths = 0, []
             self._state.recent_rows = self.window
             self._state.recent = {l: q[:, :, -self.window:].detach().clone()
-                                  for l, q in enumerate(window_queries)}
+                                  for l, q in zip(self.layers, window_queries)}
             widths = [p.shape[1] for p in self.positions]
             self.cache_lengths.append((float(np.mean(widths)), int(max(widths))))
             return self.plan
@@ -618,14 +696,21 @@ class Compressor:
                     idx[b, g, pos.numel():] = pos[-1] if pos.numel() else 0
                     keep[b, g, :pos.numel()] = True
             gather = idx.to(keys.device).unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
-            _set_cache_layer_kv(cache, l, keys.gather(2, gather).contiguous(),
+            _set_cache_layer_kv(cache, self.layers[l], keys.gather(2, gather).contiguous(),
                                 values.gather(2, gather).contiguous())
             compact_masks.append(keep)
         # Always through the masking path: layers now differ in length, so the model's own
         # mask (built for layer 0) is replaced by one of the right length (_masked). Decoding
         # needs no mask in a layer without padded slots, and a prebuilt one in the others.
-        self._state.set_masks(compact_masks)
+        self._state.set_masks(self._per_model_layer(compact_masks), compacted=True)
         return self.plan
+
+    def _per_model_layer(self, planned: Sequence[Any]) -> List[Any]:
+        """Per model layer: planned[i] at self.layers[i], None (nothing masked) elsewhere."""
+        out: List[Any] = [None] * self._state.num_layers
+        for l, value in zip(self.layers, planned):
+            out[l] = value
+        return out
 
     # --- decode re-plans -------------------------------------------------------------------------
 
@@ -654,14 +739,15 @@ class Compressor:
         counts that differ by at most one): each head keeps its planned entries, the heads one
         short also their most recent evicted entry, a real one, so every head of a layer holds
         the same count, in position order, and no mask is needed. `positions` are the token
-        positions of the entries the cache holds now; self.positions become the kept ones."""
+        positions of the entries the cache holds now, per planned layer (positions[i]: model
+        layer self.layers[i]); self.positions become the kept ones."""
         kept_positions, widths = [], []
         for l, rows in enumerate(positions):
-            keys, values = cache_layer_kv(cache, l)
+            keys, values = cache_layer_kv(cache, self.layers[l])
             entries = plan.layer_entries(l)  # [Hkv, width], short heads padded
             idx = torch.from_numpy(entries).to(keys.device)
             gather = idx[None, :, :, None].expand(1, -1, -1, keys.shape[-1])
-            _set_cache_layer_kv(cache, l, keys.gather(2, gather).contiguous(),
+            _set_cache_layer_kv(cache, self.layers[l], keys.gather(2, gather).contiguous(),
                                 values.gather(2, gather).contiguous())
             kept_positions.append(np.take_along_axis(rows, entries, axis=1))
             widths.append(entries.shape[1])
@@ -669,7 +755,8 @@ class Compressor:
         # Layers differ in length: calls of several query rows need masks of each layer's
         # length (_masked); decoding needs none (nothing in them is evicted).
         Hkv = self.geometry.num_kv_heads
-        self._state.set_masks([torch.ones(1, Hkv, w, dtype=torch.bool) for w in widths])
+        self._state.set_masks(self._per_model_layer(
+            [torch.ones(1, Hkv, w, dtype=torch.bool) for w in widths]), compacted=True)
 
     def _after_decode_forward(self, cache: Any, kwargs: Dict[str, Any]) -> None:
         """After a forward that appended tokens: their positions, then a re-plan when the
@@ -677,8 +764,8 @@ class Compressor:
         must continue the positions held: a forward that gave them others (e.g. a second
         generate() on the compacted cache, which takes its positions from the cache's length
         and feeds again the tokens it thinks are missing) is refused, not tracked wrongly."""
-        L, Hkv = self.geometry.num_layers, self.geometry.num_kv_heads
-        lengths = [int(cache_layer_kv(cache, l)[0].shape[2]) for l in range(L)]
+        Hkv = self.geometry.num_kv_heads
+        lengths = [int(cache_layer_kv(cache, l)[0].shape[2]) for l in self.layers]
         added = lengths[0] - self.positions[0].shape[1]
         if any(n - p.shape[1] != added for n, p in zip(lengths, self.positions)) or added < 0:
             followed = [p.shape[1] for p in self.positions]
@@ -693,9 +780,9 @@ class Compressor:
                     f"decode_buffer: this forward gave its {added} token(s) positions "
                     f"{fed[0]}..{fed[-1]}, but the cache ends at position "
                     f"{self._next_position - 1} (it holds {lengths[0] - added} entries per head "
-                    "in layer 0): new tokens must continue it. A generate() continuing a "
-                    "compacted cache takes positions from the cache's length; start from the "
-                    "prompt, or call the model with position_ids")
+                    f"in layer {self.layers[0]}): new tokens must continue it. A generate() "
+                    "continuing a compacted cache takes positions from the cache's length; start "
+                    "from the prompt, or call the model with position_ids")
             self.positions = [np.concatenate([p, np.tile(new, (Hkv, 1))], axis=1)
                               for p in self.positions]
             self._next_position += added
@@ -710,9 +797,8 @@ class Compressor:
         """Sends the cache as it is to laproxd (a decode re-plan) and compacts it to the plan;
         past the deadline the cache stays as it is, and the next try is decode_buffer / 4 tokens
         later."""
-        L = self.geometry.num_layers
-        kv = [cache_layer_kv(cache, l) for l in range(L)]
-        queries = [self._state.recent[l][0, :, -self.window:] for l in range(L)]
+        kv = [cache_layer_kv(cache, l) for l in self.layers]
+        queries = [self._state.recent[l][0, :, -self.window:] for l in self.layers]
         deadline = plan_deadline(max(p.shape[1] for p in self.positions), self.deadline)
         try:
             plan = self.client.compute_keep_plan(

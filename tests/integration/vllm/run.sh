@@ -13,7 +13,8 @@
 #    equal, log-probs within 1e-3); again on 2 prompts with the prefill cut into chunks of 997
 #    tokens (the query window straddles two chunks); parity.py runs the plugin masking
 #    (LAPROX_VLLM_MODE=mask), the path the Hugging Face integration is checked against;
-# 3a. tests/python/test_hf.py (the Hugging Face integration, decode re-plans included: this is
+# 3a. tests/python/test_hf.py and test_hf_gemma3.py (the Hugging Face integration, decode
+#    re-plans included, on a tiny Llama and a tiny Gemma 3 with sliding-window layers: this is
 #    the venv with torch and transformers);
 # 3b. tests/python/test_vllm_compact.py (the padding, the move and the per-layer slots against
 #    brute force), then compaction.py: the compacting plugin (the default) against the masked one under the same
@@ -31,7 +32,7 @@
 # 6. serve.py: vLLM's OpenAI server (engine core in its own process): the plugin's counters and
 #    stage histograms on vLLM's /metrics beside vLLM's own, before and after laproxd stops.
 # --smoke (what .ci/run runs): steps 1 and 2, platform_check and the chunked parity of step 3,
-# test_hf.py, test_vllm_compact.py, compaction.py's parity and block-return check, replan.py,
+# test_hf*.py, test_vllm_compact.py, compaction.py's parity and block-return check, replan.py,
 # and steps 5 and 6.
 # Exit status 0 when every check passes. About 15 minutes on 2 cores once set up (--smoke: 5).
 set -euo pipefail
@@ -73,8 +74,9 @@ echo "== the same with a chunked prefill"
 "$python" "$here/parity.py" --laproxd "$laproxd" --model "$model" --prompts 2 \
   --decode-prompts 2 --max-num-batched-tokens 997
 echo "== the Hugging Face integration (this venv has torch and transformers): masking,"
-echo "   compaction, a stopped laproxd, decode re-plans holding the cache at budget + buffer"
-"$python" "$root/tests/python/run_tests.py" --installed --laproxd "$laproxd" -p test_hf.py
+echo "   compaction, a stopped laproxd, decode re-plans holding the cache at budget + buffer;"
+echo "   Gemma 3: only the full-attention layers planned, the sliding ones left whole"
+"$python" "$root/tests/python/run_tests.py" --installed --laproxd "$laproxd" -p 'test_hf*.py'
 echo "== compaction: blocks given back, the same tokens as masking"
 "$python" "$root/tests/python/run_tests.py" --installed --laproxd "$laproxd" \
   -p test_vllm_compact.py
