@@ -41,6 +41,7 @@ import dataclasses
 import datetime
 import hashlib
 import json
+import math
 import os
 import platform
 import sys
@@ -168,7 +169,17 @@ class Prefix:
     """One prefill of `ids` [N] whose first n tokens are the compressed prefix: the prefix's
     keys and values, the window queries [n - WQ, n), the queries of the positions after n
     (`extra_queries`, for out-of-sample fidelity), the keys and values after n, and the
-    attention inputs of [n - HS_ROWS, n) that kvpress's presses read."""
+    attention inputs of [n - HS_ROWS, n) that kvpress's presses read.
+
+    Per model layer l (lists of length L = every attention module): `keys[l]`, `values[l]`
+    [1, Hkv, n_l, d] hold the prefix positions [key_start[l], n) — the whole prefix (start 0)
+    for a full-attention layer; for a sliding-window layer (`windows[l]` = W, Gemma 3) the last
+    W - 1 positions, all that a token fed at n or later can see (the model's sliding mask lets
+    position q see the keys k with q - W < k <= q). They are taken from the prefill's own
+    attention inputs, not from the sliding cache, which ends at N rather than n. Queries are
+    kept for every layer. `planned` = laprox.hf.planned_layers(model), the full-attention
+    layers; `np_keys`, `np_values`, `np_queries` (what laproxd plans with) are those layers
+    only, in order, and keep masks are [len(planned), Hkv, n]."""
 
     def __init__(self, model, ids: torch.Tensor, n: int):
         import laprox.hf as lhf
@@ -176,6 +187,10 @@ class Prefix:
         self.n = n
         extra = ids.shape[0] - n
         modules = lhf.attention_modules(model)
+        L = len(modules)
+        self.planned = lhf.planned_layers(model)
+        self.windows = [getattr(m, "sliding_window", None) for m in modules]
+        check_attention(modules, self.planned)
         hs, pe = {}, {}
 
         def pre_hook(module, args, kwargs):
@@ -186,6 +201,18 @@ class Prefix:
 
         handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in modules]
         cache = DynamicCache(config=model.config)
+        # A sliding layer's cache keeps only its last W - 1 entries of the whole sequence; its
+        # update() returns the states of every position, which the attention reads: keep those.
+        states: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        for l, w in enumerate(self.windows):
+            if w is not None:
+                layer = cache.layers[l]
+
+                def update(k, v, cache_kwargs=None, _update=layer.update, _l=l):
+                    k, v = _update(k, v, cache_kwargs)
+                    states[_l] = (k, v)
+                    return k, v
+                layer.update = update
         try:
             with torch.no_grad(), lhf.capture_window_queries(model, WQ + extra) as queries:
                 # logits of the last `extra` positions only (0 would mean all of them)
@@ -196,18 +223,36 @@ class Prefix:
                 h.remove()
         # log-probs of tokens n+1 .. N-1 given everything before (the continuation's targets)
         self.full_cont = torch.log_softmax(out.logits[0, :-1].float(), -1) if extra else None
-        L = len(modules)
-        kv = [lhf.cache_layer_kv(cache, l) for l in range(L)]
-        self.keys = [k[:, :, :n].contiguous() for k, _ in kv]
-        self.values = [v[:, :, :n].contiguous() for _, v in kv]
+        kv = [states[l] if w is not None else lhf.cache_layer_kv(cache, l)
+              for l, w in enumerate(self.windows)]
+        if any(k.shape[2] != ids.shape[0] for k, _ in kv):
+            raise AssertionError(f"prefill states of {[k.shape[2] for k, _ in kv]} positions, "
+                                 f"expected {ids.shape[0]} in every layer")
+        self.key_start = [0 if w is None else max(0, n - (w - 1)) for w in self.windows]
+        self.keys = [k[:, :, s:n].contiguous() for (k, _), s in zip(kv, self.key_start)]
+        self.values = [v[:, :, s:n].contiguous() for (_, v), s in zip(kv, self.key_start)]
         self.extra_keys = [k[0, :, n:].contiguous() for k, _ in kv]
         self.extra_values = [v[0, :, n:].contiguous() for _, v in kv]
         self.queries = [queries[l][:, :, :WQ].contiguous() for l in range(L)]  # [1, H, WQ, d]
         self.extra_queries = [queries[l][0, :, WQ:] for l in range(L)]       # [H, extra, d]
         self.hidden, self.pos_emb, self.modules = hs, pe, modules
-        self.np_keys = [k[0].numpy() for k in self.keys]
-        self.np_values = [v[0].numpy() for v in self.values]
-        self.np_queries = [q[0].numpy() for q in self.queries]
+        self.np_keys = [self.keys[l][0].numpy() for l in self.planned]
+        self.np_values = [self.values[l][0].numpy() for l in self.planned]
+        self.np_queries = [self.queries[l][0].numpy() for l in self.planned]
+
+
+def check_attention(modules, planned: List[int]) -> None:
+    """What the shared-prefix attention models: scaled dot products (module.scaling), GQA, a
+    causal mask, optionally a sliding window (module.sliding_window); no logit soft-capping
+    (Gemma 2). The planned layers must be exactly those without a sliding window."""
+    for module in modules:
+        if getattr(module, "attn_logit_softcapping", None) is not None:
+            raise NotImplementedError(f"layer {module.layer_idx}: attention logit soft-capping "
+                                      f"({module.attn_logit_softcapping}) is not modelled")
+    full = [l for l, m in enumerate(modules) if getattr(m, "sliding_window", None) is None]
+    if full != list(planned):
+        raise AssertionError(f"planned layers {planned} are not the layers without a sliding "
+                             f"window {full}")
 
 
 SHARED_PREFIX = "laprox_eval_shared_prefix"
@@ -216,9 +261,12 @@ SHARED_PREFIX = "laprox_eval_shared_prefix"
 def _shared_prefix_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """Attention of the fed tokens (query, key, value: [B, H or Hkv, T, d], no cache) over the
-    prefix, shared by every batch row ([1, Hkv, n, d], each row's evicted keys at -inf), and
-    causally over the fed tokens themselves: no row holds a copy of the prefix."""
-    keys, values, bias = module._eval_prefix
+    prefix, shared by every batch row ([1, Hkv, n_l, d], each row's evicted keys at -inf), and
+    causally over the fed tokens themselves: no row holds a copy of the prefix. A sliding-window
+    layer (window W) replicates the model's mask (transformers' sliding_window_overlay: position
+    q sees the keys k with q - W < k <= q): its prefix keys start at position `start`, the fed
+    tokens are at positions n, n + 1, ..."""
+    keys, values, bias, window, start = module._eval_prefix
     b, heads, t, d = query.shape
     hkv = key.shape[1]
     q = query.reshape(b, hkv, heads // hkv * t, d)           # query head h = kv * G + j
@@ -229,8 +277,14 @@ def _shared_prefix_attention(module, query: torch.Tensor, key: torch.Tensor, val
     on_fed = (q @ key.transpose(-1, -2)) * scale              # [B, Hkv, G*T, T]
     rows = (torch.arange(q.shape[2]) % t).unsqueeze(1)
     on_fed.masked_fill_(torch.arange(t).unsqueeze(0) > rows, float("-inf"))
-    p = torch.softmax(torch.cat([on_prefix, on_fed], -1), -1)
     n = keys.shape[2]
+    if window is not None:
+        # distances in positions: fed row t is at n_prefix + t, prefix key j at start + j
+        end = start + n                                       # the prefix length n_prefix
+        far = (end + rows) - (start + torch.arange(n).unsqueeze(0)) >= window
+        on_prefix = on_prefix.masked_fill(far, float("-inf"))
+        on_fed.masked_fill_(rows - torch.arange(t).unsqueeze(0) >= window, float("-inf"))
+    p = torch.softmax(torch.cat([on_prefix, on_fed], -1), -1)
     out = p[..., :n] @ values + p[..., n:] @ value            # [B, Hkv, G*T, d]
     return out.reshape(b, heads, t, d).transpose(1, 2).contiguous(), None
 
@@ -238,24 +292,27 @@ def _shared_prefix_attention(module, query: torch.Tensor, key: torch.Tensor, val
 def teacher_forced(model, prefix: Prefix, tokens: torch.Tensor,
                    masks: List[Optional[np.ndarray]]) -> torch.Tensor:
     """Log-probs [B, T, V] of feeding `tokens` [T] at positions n, n+1, ... after the prefix, one
-    batch row per mask set [L, Hkv, n] (None: keep everything)."""
+    batch row per mask set [L_planned, Hkv, n] (None: keep everything); mask i applies to model
+    layer prefix.planned[i]. Sliding-window layers are never masked: they see their window."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     AttentionInterface.register(SHARED_PREFIX, _shared_prefix_attention)
     AttentionMaskInterface.register(SHARED_PREFIX, sdpa_mask)   # built, then not read
-    batch, L = len(masks), len(prefix.modules)
+    batch, L = len(masks), len(prefix.planned)
     shapes = {m.shape for m in masks if m is not None}
     n_kv = prefix.keys[0].shape[1]
     if shapes - {(L, n_kv, prefix.n)}:
         raise ValueError(f"mask sets of shapes {shapes}, expected {(L, n_kv, prefix.n)}")
     keep = np.stack([np.ones((L, n_kv, prefix.n), bool) if m is None else m for m in masks], 1)
+    biases: List[Optional[torch.Tensor]] = [None] * len(prefix.modules)
+    for i, l in enumerate(prefix.planned):
+        if not keep[i].all():
+            bias = torch.zeros(keep[i].shape, dtype=torch.float32)
+            bias.masked_fill_(torch.from_numpy(~keep[i]), float("-inf"))
+            biases[l] = bias.unsqueeze(2)                          # [B, Hkv, 1, n]
     for l, module in enumerate(prefix.modules):
-        bias = None
-        if not keep[l].all():
-            bias = torch.zeros(keep[l].shape, dtype=torch.float32)
-            bias.masked_fill_(torch.from_numpy(~keep[l]), float("-inf"))
-            bias = bias.unsqueeze(2)                               # [B, Hkv, 1, n]
-        module._eval_prefix = (prefix.keys[l], prefix.values[l], bias)
+        module._eval_prefix = (prefix.keys[l], prefix.values[l], biases[l], prefix.windows[l],
+                               prefix.key_start[l])
     ids = tokens.unsqueeze(0).expand(batch, -1)
     pos = torch.arange(prefix.n, prefix.n + tokens.shape[0]).unsqueeze(0).expand(batch, -1)
     previous = model.config._attn_implementation
@@ -285,14 +342,21 @@ def check_full_row(prefix: Prefix, lp: torch.Tensor, what: str) -> None:
 def kvpress_masks(name: str, prefix: Prefix, budgets: List[int]) -> Dict[int, np.ndarray]:
     """kvpress's own press: its `score` on the inputs its forward hook would see (the scores do
     not depend on the compression ratio), then, per budget, the selection of its `compress`
-    (top n_kept = compute_n_kept(n, ratio) = budget scores per KV head)."""
+    (top n_kept = compute_n_kept(n, ratio) = budget scores per KV head), on the planned layers
+    (prefix.planned: its masks are [L_planned, Hkv, n] like laproxd's; kvpress's
+    get_prerope_query_states applies Gemma 3's q_norm; its 1/sqrt(head_dim) must be the
+    model's scaling, as it is for Gemma 3)."""
     from kvpress import SnapKVPress
     from kvpress.presses.scorer_press import compute_n_kept
     press = {"SnapKV": SnapKVPress}[name]()
-    L, hkv = len(prefix.keys), prefix.keys[0].shape[1]
+    L, hkv = len(prefix.planned), prefix.keys[0].shape[1]
     masks = {b: np.zeros((L, hkv, prefix.n), dtype=bool) for b in budgets}
     with torch.no_grad():
-        for l, module in enumerate(prefix.modules):
+        for i, l in enumerate(prefix.planned):
+            module = prefix.modules[l]
+            if not math.isclose(float(module.scaling), module.head_dim ** -0.5, rel_tol=1e-6):
+                raise NotImplementedError(f"layer {l}: kvpress scores with 1/sqrt(head_dim), "
+                                          f"the model scales by {module.scaling}")
             kwargs = {"position_embeddings": prefix.pos_emb[l], "hidden_states": prefix.hidden[l]}
             scores = press.score(module, prefix.hidden[l], prefix.keys[l], prefix.values[l], None,
                                  kwargs)[0]                                  # [Hkv, n]
@@ -300,7 +364,7 @@ def kvpress_masks(name: str, prefix: Prefix, budgets: List[int]) -> Dict[int, np
                 kept = compute_n_kept(prefix.n, 1.0 - (b + 0.5) / prefix.n)   # = b
                 assert kept == b, (kept, b)
                 index = scores.topk(kept, dim=-1).indices.numpy()
-                masks[b][l][np.arange(hkv)[:, None], index] = True
+                masks[b][i][np.arange(hkv)[:, None], index] = True
     return masks
 
 
@@ -373,12 +437,15 @@ class LayerOutputs:
     """Per layer, the attention output sum_h A^h V W_O^h of a set of query rows, with every key
     and with a keep mask: E = exp(logits - row max) is computed once; a mask then only zeroes
     columns of the prefix. Rows past the prefix (the continuation) also see the continuation's
-    own keys, which are never evicted."""
+    own keys, which are never evicted. Only the planned layers (prefix.planned, full attention:
+    the layers a mask [L_planned, Hkv, n] applies to; `queries` is indexed by model layer):
+    sliding-window layers are never masked, so their error would be 0 by construction."""
 
     def __init__(self, prefix: Prefix, queries: List[torch.Tensor], first_row: int):
         self.layers = []
         n = prefix.n
-        for l, module in enumerate(prefix.modules):
+        for l in prefix.planned:
+            module = prefix.modules[l]
             q = queries[l].float()                                       # [H, R, d]
             k, v = prefix.keys[l][0].float(), prefix.values[l][0].float()
             if first_row >= n:
