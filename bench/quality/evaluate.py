@@ -654,6 +654,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True)
     ap.add_argument("--gguf", required=True)
+    ap.add_argument("--model-name", default="SmolLM2-135M-Instruct",
+                    help="the name registered with laproxd (a label)")
     ap.add_argument("--quick", action="store_true", help="a smoke run of the full code path")
     ap.add_argument("--grid", action="store_true", help="the dev grid (GRID.md)")
     ap.add_argument("--out", default=HERE)
@@ -701,7 +703,7 @@ def main() -> int:
     tok, model = load_model(args.gguf)
     client = laprox.Client(args.target, timeout=600)
     info = client.info()
-    model_id = lhf.register_model(client, model, name="SmolLM2-135M-Instruct",
+    model_id = lhf.register_model(client, model, name=args.model_name,
                                   prepare_cross_grams=True)
     methods = M.grid_methods() if args.grid else list(M.MAIN)
     doc_methods = methods if args.grid else methods + M.LM_ONLY
