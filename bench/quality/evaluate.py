@@ -19,6 +19,11 @@ Two parts, both paired (every method sees the same prompts and the same prefill)
 `--grid` runs the dev grid of methods.grid_methods at one budget on prompts drawn with another
 seed (GRID.md, grid.json); the default is chosen there, the full run reports it.
 
+Models with sliding-window layers (Gemma 3, `--gguf` of its GGUF, `--model-name`): plans and
+keep masks cover the full-attention layers only (laprox.hf.planned_layers), the sliding layers
+attend over their window exactly as the model does (Prefix, teacher_forced), and the layer
+metrics average over the planned layers.
+
 Every laproxd method with an engine-compatible shape also runs as its BLOCKS_SHARED twin at
 block size 16 (methods.BLOCKS, "… ·blocks16"); report.py sets each beside its RAGGED row. The
 block table alone, on a subset of the full run (its first prompts and documents, the same

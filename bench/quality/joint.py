@@ -17,12 +17,15 @@ Parts (paired: every method sees the same prefill of the same prompt or document
   is left out, so the 11 others give 3 or 4 spans each), n = 2048 and 128 continuation tokens,
   at B = 128, 256, 512: mean next-token KL(full || method) over the 127 scored positions.
 Every method keeps w = 32. `--prompts` / `--documents` take the first of each (a smaller run is
-marked as such in the report).
+marked as such in the report). `--bos` prepends the tokenizer's <bos> to every prompt and
+document (the prefix is then n + 1 tokens): Gemma 3 is trained with it (its GGUF sets
+add_bos_token) and solves more prompts with it; SmolLM2's runs go without (the default).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -79,6 +82,12 @@ def run(args) -> Dict[str, Any]:
         prompts = [prompts[i] for i in E.interleaved(prompts)[:args.prompts]]
     held_out = T.Corpus(tok, 2048 + CONT, decode.HELD_OUT)
     docs = T.make_documents(held_out, args.documents, [2048], CONT, full["seed"])
+    if args.bos:
+        bos = torch.tensor([tok.bos_token_id])
+        prompts = [dataclasses.replace(p, context=torch.cat([bos, p.context]), n=p.n + 1,
+                                       gold_spans=[(a + 1, b + 1) for a, b in p.gold_spans])
+                   for p in prompts]
+        docs = [dataclasses.replace(d, ids=torch.cat([bos, d.ids]), n=d.n + 1) for d in docs]
     ctx = _Ctx(model, args.batch)
     out: Dict[str, Any] = {
         "meta": {"model": args.model_name, "geometry": str(lhf.geometry(model)),
@@ -90,7 +99,8 @@ def run(args) -> Dict[str, Any]:
                  "retrieval_budgets": RETRIEVAL_BUDGETS,
                  "continuation_budgets": CONTINUATION_BUDGETS,
                  "methods": [name for name, _ in M.JOINT], "cont": CONT,
-                 "prompts_total": sum(full["plan"].values()), "complete": False},
+                 "prompts_total": sum(full["plan"].values()), "complete": False,
+                 **({"bos": True} if args.bos else {})},
         "prompts": [], "documents": []}
     t_start = time.time()
 
@@ -245,7 +255,9 @@ def report(path: str, out: str) -> None:
              f"({solved} solved by the full cache), B = "
              f"{', '.join(map(str, meta['retrieval_budgets']))}",
              f"- Continuation: {len(docs)} held-out documents (n = 2048, {meta['cont']} "
-             f"tokens), B = {', '.join(map(str, meta['continuation_budgets']))}", "",
+             f"tokens), B = {', '.join(map(str, meta['continuation_budgets']))}",
+             *(["- Every prompt and document starts with <bos> (`--bos`; the prefix is n + 1 "
+                "tokens)"] if meta.get("bos") else []), "",
              "## Means", "",
              "Gold log-prob (nats, every prompt), exact match (of the prompts the full cache "
              "solves) and continuation KL (nats), mean per method and budget.", ""]
@@ -306,6 +318,8 @@ def main() -> int:
                                                    "SmolLM2-135M-Instruct.Q4_1.gguf"))
     ap.add_argument("--model-name", default="SmolLM2-135M-Instruct")
     ap.add_argument("--prompts", type=int, default=None)
+    ap.add_argument("--bos", action="store_true",
+                    help="prepend <bos> to every prompt and document (Gemma 3)")
     ap.add_argument("--documents", type=int, default=DOCUMENTS)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
