@@ -295,7 +295,7 @@ def report(path: str, out: str) -> None:
             else:
                 text = (f"{r['mean']:.3f} vs {r['base_mean']:.3f}: {r['d']:+.3f} "
                         f"[{r['lo']:+.3f}, {r['hi']:+.3f}], {r['wins']}/{r['losses']} "
-                        f"(sign p {r['sign_p']:.3f})")
+                        f"(sign p {r['sign_p']:.2g})")
             star = " ★" if r.get("best") else ""
             lines.append(f"| {r['part']} vs {r['base']}{star} | {r['B']} | {text} | "
                          f"{r['p']:.2g} | {r['holm']:.2g} | {'yes' if r['pass'] else 'NO'} |")
