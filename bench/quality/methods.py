@@ -18,13 +18,14 @@ Method = Tuple[str, Dict[str, Any]]
 # out).
 ABLATION_BUDGETS = [128, 1024]
 
-# The default the rest of the table is compared with, chosen on the dev grid (GRID.md) and
-# written out in full so that a run does not depend on the server's built-in defaults: group
-# value MEAN_HEAD_PRODUCT, average pooling over 31 tokens of the per-token score (SCORE, that
-# mode's placement when pool_target is not set), w = 32, global normalised allocation.
+# The default the rest of the table is compared with, written out in full so that a run does not
+# depend on the server's built-in defaults: group value MEAN_HEAD_PRODUCT and the width 31 chosen
+# on the dev grid (GRID.md), AVG_PEAK pooling of the per-token score (SCORE, that mode's
+# placement when pool_target is not set) chosen by the joint endpoint (ENDPOINT.md, JOINT.md),
+# w = 32, global normalised allocation.
 DEFAULT = "LaProx"
 DEFAULT_OPTIONS: Dict[str, Any] = {"gqa_value": "mean_head_product", "pool_target": "score",
-                                   "pooling": "avg", "pool_kernel": 31, "window": WINDOW}
+                                   "pooling": "avg_peak", "pool_kernel": 31, "window": WINDOW}
 # The default before the grid (MEAN_HEAD_NORM, avg 7 of the attention factor).
 V1_OPTIONS: Dict[str, Any] = {"gqa_value": "mean_head_norm", "pool_target": "attention",
                               "pooling": "avg", "pool_kernel": 7, "window": WINDOW}
@@ -36,8 +37,14 @@ def variant(**changes: Any) -> Dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
+# The default before issue 44 (AVG pooling over 31 of the score, which averaged the attention
+# sink away: DIAGNOSIS.md).
+PRE44_OPTIONS: Dict[str, Any] = {"gqa_value": "mean_head_product", "pool_target": "score",
+                                 "pooling": "avg", "pool_kernel": 31, "window": WINDOW}
+
 MAIN: List[Method] = [
     (DEFAULT, DEFAULT_OPTIONS),
+    ("LaProx avg31", PRE44_OPTIONS),
     ("LaProx v1 default", V1_OPTIONS),
     ("LaProx paper", {"preset": "paper"}),
     # the paper's allocation ablation, at the primary budget and the largest (ABLATION_BUDGETS)
@@ -152,8 +159,6 @@ def grid_methods(pools: List[int] = GRID_POOLS, windows: Tuple[int, ...] = (32, 
 # plugin), against SnapKV, AdaKV and CriticalKV at their published pooling (avg 5) and at the
 # current default's (avg 31), all at w = WINDOW.
 JOINT_SHAPE_SUFFIX = "·layer_uniform cap=1.25"
-PRE44_OPTIONS: Dict[str, Any] = {"gqa_value": "mean_head_product", "pool_target": "score",
-                                 "pooling": "avg", "pool_kernel": 31, "window": WINDOW}
 JOINT_RAGGED: List[Method] = [
     ("LaProx", PRE44_OPTIONS),                                  # the default before issue 44
     ("LaProx avg_peak", {**PRE44_OPTIONS, "pooling": "avg_peak"}),   # DIAGNOSIS.md's fix

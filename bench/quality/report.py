@@ -571,9 +571,10 @@ def write_results(data: Data, out: str) -> None:
         "(tests/crosscheck/kvpress checks them against kvpress) at their published pooling "
         "(avg 5) and, as `… pool=31`, at the default's (GRID.md has more widths). Every "
         "comparison is paired: the same prompts, the same prefill. `LaProx` is the default "
-        "(MEAN_HEAD_PRODUCT, average pooling of the "
-        "per-token score over 31 tokens); `LaProx v1 default` is the default before this "
-        "evaluation (MEAN_HEAD_NORM, average pooling of the attention factor over 7); `LaProx "
+        "(MEAN_HEAD_PRODUCT, AVG_PEAK pooling of the per-token score over 31 tokens: the "
+        "average, never below a token's own score); `LaProx avg31` the default before issue 44 "
+        "(plain AVG over 31); `LaProx v1 default` the first default "
+        "(MEAN_HEAD_NORM, average pooling of the attention factor over 7); `LaProx "
         "paper` is `preset = PAPER`; the ablations change one option of the default.", "",
         "## Primary endpoint", "",
         f"Fixed before the full run: `{DEFAULT}` (the default, chosen on the dev grid, GRID.md) "

@@ -34,7 +34,8 @@ ABSL_FLAG(std::optional<std::string>, pool_target, std::nullopt,
           "LAPROX: attention|score (unset: the gqa_value's placement)");
 ABSL_FLAG(std::optional<std::string>, preset, std::nullopt,
           "LAPROX: default|paper, fills the policy fields not given");
-ABSL_FLAG(std::optional<std::string>, pooling, std::nullopt, "avg|max|none|avg_peak");
+ABSL_FLAG(std::optional<std::string>, pooling, std::nullopt,
+          "avg|max|none|avg_peak (unset: avg_peak for laprox, avg for the baselines)");
 ABSL_FLAG(std::optional<std::string>, numeric_mode, std::nullopt,
           "baselines: exact|kvpress_compat");
 ABSL_FLAG(std::optional<std::string>, plan_shape, std::nullopt,

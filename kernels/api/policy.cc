@@ -147,7 +147,8 @@ PolicySpec PolicySpec::ForKind(PolicyKind kind) {
       break;
     case PolicyKind::kStreamingLlm:
       spec.sinks = 4;
-      spec.pool_kernel = 7;  // unused by STREAMING_LLM; effective_policy keeps showing 7
+      spec.pooling = Pooling::kAvg;  // unused by STREAMING_LLM, like the kernel
+      spec.pool_kernel = 7;          // effective_policy keeps showing 7
       break;
     case PolicyKind::kSnapKv:
     case PolicyKind::kPyramidKv:
@@ -155,9 +156,11 @@ PolicySpec PolicySpec::ForKind(PolicyKind kind) {
     case PolicyKind::kCriticalKv:
     case PolicyKind::kCriticalAdaKv:
       spec.window = 64;
+      spec.pooling = Pooling::kAvg;
       spec.pool_kernel = 5;
       break;
     case PolicyKind::kCake:
+      spec.pooling = Pooling::kAvg;
       spec.pool_kernel = 5;
       break;
   }

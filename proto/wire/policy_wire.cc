@@ -16,12 +16,12 @@ static_assert(POLICY_KIND_CAKE == static_cast<int>(k::PolicyKind::kCake) + 1);
 static_assert(PLAN_SHAPE_BLOCKS_PER_LAYER == static_cast<int>(k::PlanShape::kBlocksPerLayer) + 1);
 static_assert(NUMERIC_MODE_KVPRESS_COMPAT == static_cast<int>(k::NumericMode::kKvpressCompat) + 1);
 // UNSPECIFIED (0) decodes to the first kernels value, which must be the default (gqa_value and
-// pool_target: UNSPECIFIED leaves them unset, PolicySpec resolves them).
+// pool_target: UNSPECIFIED leaves them unset, PolicySpec resolves them; pooling: UNSPECIFIED
+// keeps the kind's default from PolicySpec::ForKind).
 static_assert(k::PolicySpec().kind == k::PolicyKind{} &&
               k::PolicySpec().numeric_mode == k::NumericMode{} &&
               k::PolicySpec().allocation == k::Allocation{} &&
               k::PolicySpec().indicator == k::Indicator{} &&
-              k::PolicySpec().pooling == k::Pooling{} &&
               k::PolicySpec().plan_shape == k::PlanShape{});
 
 template <typename Wire>
@@ -130,7 +130,7 @@ absl::StatusOr<kernels::PolicySpec> PolicyFromProto(const Policy& p, const Budge
   spec.allocation = *allocation;
   spec.indicator = *indicator;
   if (p.gqa_value() != GQA_VALUE_UNSPECIFIED) spec.gqa_value = *gqa_value;
-  spec.pooling = *pooling;
+  if (p.pooling() != POOLING_UNSPECIFIED) spec.pooling = *pooling;
   if (p.pool_target() != POOL_TARGET_UNSPECIFIED) spec.pool_target = *pool_target;
   if (p.has_window()) spec.window = p.window();
   if (p.has_pool_kernel()) spec.pool_kernel = p.pool_kernel();

@@ -68,10 +68,12 @@ class BaselinesTest : public ::testing::Test {
 };
 
 TEST(PolicySpecTest, ForKindGivesEachKindsDefaults) {
-  // LAPROX: the defaults chosen on bench/quality's dev grid, the same as a default PolicySpec.
+  // LAPROX: the defaults chosen on bench/quality's dev grid and joint endpoint (ENDPOINT.md),
+  // the same as a default PolicySpec.
   const PolicySpec laprox = PolicySpec::ForKind(PolicyKind::kLaprox);
   EXPECT_EQ(laprox.window, 32);
-  EXPECT_EQ(laprox.pooling, Pooling::kAvg);
+  EXPECT_EQ(laprox.pooling, Pooling::kAvgPeak);
+  EXPECT_EQ(PolicySpec().pooling, Pooling::kAvgPeak);
   EXPECT_EQ(laprox.pool_kernel, 31);
   EXPECT_EQ(laprox.sinks, 0);
   EXPECT_EQ(laprox.EffectiveGqaValue(), GqaValue::kMeanHeadProduct);
@@ -83,6 +85,7 @@ TEST(PolicySpecTest, ForKindGivesEachKindsDefaults) {
   EXPECT_EQ(streaming.sinks, 4);
   EXPECT_EQ(streaming.window, 32);
   EXPECT_EQ(streaming.pool_kernel, 7);
+  EXPECT_EQ(streaming.pooling, Pooling::kAvg);
   for (PolicyKind k : {PolicyKind::kSnapKv, PolicyKind::kPyramidKv, PolicyKind::kAdaKv,
                        PolicyKind::kCriticalKv, PolicyKind::kCriticalAdaKv}) {
     const PolicySpec p = PolicySpec::ForKind(k);
@@ -95,6 +98,7 @@ TEST(PolicySpecTest, ForKindGivesEachKindsDefaults) {
   const PolicySpec cake = PolicySpec::ForKind(PolicyKind::kCake);
   EXPECT_EQ(cake.window, 32);
   EXPECT_EQ(cake.pool_kernel, 5);
+  EXPECT_EQ(cake.pooling, Pooling::kAvg);
   EXPECT_EQ(cake.baseline.cake_gamma, 200.0);
   EXPECT_EQ(cake.baseline.pyramid_beta, 20.0);
   EXPECT_EQ(cake.numeric_mode, NumericMode::kExact);

@@ -87,6 +87,7 @@ TEST_F(GoldenTest, PoolTargetChoosesWhatIsPooled) {
   c.values[0] = {5, 1, 1, 1, 1};
   c.o_proj[0] = {2.f};
   c.policy.window = 1;
+  c.policy.pooling = Pooling::kAvg;  // AVG_PEAK, the default, would keep the peak at 0 in both
   c.policy.pool_kernel = 3;
   c.policy.budget = Budget::TokensPerHead(3);
   for (GqaValue gqa : {GqaValue::kMeanHeadNorm, GqaValue::kSummedProjection,

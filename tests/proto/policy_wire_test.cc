@@ -29,7 +29,7 @@ TEST(PolicyWireTest, UnsetFieldsTakeTheLaproxDefaultsAndTheEchoShowsThem) {
   EXPECT_FALSE(spec.gqa_value.has_value());
   EXPECT_EQ(spec.EffectiveGqaValue(), GqaValue::kMeanHeadProduct);
   EXPECT_EQ(spec.EffectivePoolTarget(), PoolTarget::kScore);
-  EXPECT_EQ(spec.pooling, Pooling::kAvg);
+  EXPECT_EQ(spec.pooling, Pooling::kAvgPeak);
   EXPECT_EQ(spec.pool_kernel, 31);
   EXPECT_EQ(spec.window, 32);
   EXPECT_EQ(spec.sinks, 0);
@@ -39,7 +39,7 @@ TEST(PolicyWireTest, UnsetFieldsTakeTheLaproxDefaultsAndTheEchoShowsThem) {
   EXPECT_EQ(echo.indicator(), v1::INDICATOR_ATTENTION_X_PROJECTED_VALUE);
   EXPECT_EQ(echo.gqa_value(), v1::GQA_VALUE_MEAN_HEAD_PRODUCT);
   EXPECT_EQ(echo.pool_target(), v1::POOL_TARGET_SCORE);
-  EXPECT_EQ(echo.pooling(), v1::POOLING_AVG);
+  EXPECT_EQ(echo.pooling(), v1::POOLING_AVG_PEAK);
   EXPECT_EQ(echo.pool_kernel(), 31);
   EXPECT_EQ(echo.window(), 32);
 }

@@ -206,7 +206,7 @@ class OracleTest(ClientTestCase):
         applied = self.plan().effective_policy
         self.assertEqual((applied.gqa_value, applied.pooling, applied.pool_kernel,
                           applied.pool_target),
-                         (laprox.GqaValue.MEAN_HEAD_PRODUCT, laprox.Pooling.AVG, 31,
+                         (laprox.GqaValue.MEAN_HEAD_PRODUCT, laprox.Pooling.AVG_PEAK, 31,
                           laprox.PoolTarget.SCORE))
         # Indicator ATTENTION takes only MEAN_HEAD_NORM: an unset gqa_value is that one.
         plan = self.plan(indicator="attention")

@@ -28,7 +28,7 @@ Baselines (policy["kind"] != "LAPROX")
         kind               "LAPROX" | "STREAMING_LLM" | "SNAPKV" | "PYRAMIDKV" | "ADAKV" |
                            "CRITICALKV" | "CRITICAL_ADAKV" | "CAKE"            (default LAPROX)
         tokens_per_head | compression_ratio   exactly one (as for LAPROX)
-        window, pool_kernel, pooling   LAPROX 32/31/AVG; STREAMING_LLM 32/7/AVG (unused);
+        window, pool_kernel, pooling   LAPROX 32/31/AVG_PEAK; STREAMING_LLM 32/7/AVG (unused);
                            SNAPKV, PYRAMIDKV, ADAKV, CRITICALKV, CRITICAL_ADAKV 64/5/AVG;
                            CAKE 32/5/AVG (pooling MAX/NONE/AVG_PEAK also accepted)
         sinks              LAPROX 0; STREAMING_LLM 4; ignored by the other baselines
@@ -168,13 +168,14 @@ POOLINGS = ("AVG", "MAX", "NONE", "AVG_PEAK")
 POOL_TARGETS = ("ATTENTION", "SCORE")
 
 # Defaults for policy fields a caller leaves out: docs/design.md §2, except gqa_value and
-# pool_kernel, chosen on bench/quality's dev grid (SEMANTICS.md, "Defaults").
+# pool_kernel, chosen on bench/quality's dev grid, and pooling, chosen by bench/quality's joint
+# endpoint (SEMANTICS.md, "Defaults").
 POLICY_DEFAULTS = {
     "allocation": "GLOBAL_NORMALIZED",
     "indicator": "ATTENTION_X_PROJECTED_VALUE",
     "gqa_value": None,               # None: by the indicator (effective_gqa_value)
     "window": 32,
-    "pooling": "AVG",
+    "pooling": "AVG_PEAK",
     "pool_kernel": 31,
     "pool_target": None,             # None: the mode's placement (effective_pool_target)
     "sinks": 0,
@@ -221,7 +222,7 @@ BASELINE_FIELD_DEFAULTS = {
 _SNAP_DEFAULTS = {"window": 64, "pool_kernel": 5, "pooling": "AVG"}
 KIND_DEFAULTS = {
     "LAPROX": {},
-    "STREAMING_LLM": {"sinks": 4, "pool_kernel": 7},
+    "STREAMING_LLM": {"sinks": 4, "pool_kernel": 7, "pooling": "AVG"},
     "SNAPKV": _SNAP_DEFAULTS,
     "PYRAMIDKV": _SNAP_DEFAULTS,
     "ADAKV": _SNAP_DEFAULTS,

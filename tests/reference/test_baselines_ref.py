@@ -249,13 +249,14 @@ class Budgets(unittest.TestCase):
             self.assertEqual(p["counts"].tolist(), [[99]], kind)
 
     def test_defaults_per_kind(self):
-        for kind, (w, k, sinks) in (("LAPROX", (32, 31, 0)), ("STREAMING_LLM", (32, 7, 4)),
-                                     ("SNAPKV", (64, 5, 0)), ("PYRAMIDKV", (64, 5, 0)),
-                                     ("ADAKV", (64, 5, 0)), ("CRITICALKV", (64, 5, 0)),
-                                     ("CRITICAL_ADAKV", (64, 5, 0)), ("CAKE", (32, 5, 0))):
+        for kind, (w, k, sinks, pooling) in (
+                ("LAPROX", (32, 31, 0, "AVG_PEAK")), ("STREAMING_LLM", (32, 7, 4, "AVG")),
+                ("SNAPKV", (64, 5, 0, "AVG")), ("PYRAMIDKV", (64, 5, 0, "AVG")),
+                ("ADAKV", (64, 5, 0, "AVG")), ("CRITICALKV", (64, 5, 0, "AVG")),
+                ("CRITICAL_ADAKV", (64, 5, 0, "AVG")), ("CAKE", (32, 5, 0, "AVG"))):
             p = ref.validate_policy({"kind": kind, "tokens_per_head": 1})
             self.assertEqual((p["window"], p["pool_kernel"], p["sinks"], p["pooling"]),
-                             (w, k, sinks, "AVG"), kind)
+                             (w, k, sinks, pooling), kind)
             self.assertEqual((p["numeric_mode"], p["pyramid_beta"], p["alpha_safeguard"],
                               p["epsilon"], p["first_stage_ratio"], p["cake_tau1"],
                               p["cake_tau2"], p["cake_gamma"]),

@@ -758,8 +758,8 @@ class Defaults(unittest.TestCase):
         p = ref.validate_policy({"tokens_per_head": 1})
         self.assertEqual((p["indicator"], p["gqa_value"], p["pooling"], p["pool_kernel"],
                           p["window"], p["sinks"], p["allocation"]),
-                         ("ATTENTION_X_PROJECTED_VALUE", "MEAN_HEAD_PRODUCT", "AVG", 31, 32, 0,
-                          "GLOBAL_NORMALIZED"))
+                         ("ATTENTION_X_PROJECTED_VALUE", "MEAN_HEAD_PRODUCT", "AVG_PEAK", 31, 32,
+                          0, "GLOBAL_NORMALIZED"))
         self.assertEqual(ref.effective_pool_target(p), "SCORE")
 
     def test_unset_gqa_value_follows_the_indicator(self):
@@ -777,19 +777,30 @@ class Defaults(unittest.TestCase):
             ref.validate_policy({"indicator": "ATTENTION", "gqa_value": "EXACT_BLOCK",
                                  "tokens_per_head": 1})
 
-    def test_default_plan_is_mean_head_product_pooled_over_31(self):
+    def test_baselines_keep_avg_pooling(self):
+        for kind in ref.BASELINE_KINDS:
+            p = ref.validate_policy({"kind": kind, "tokens_per_head": 1})
+            self.assertEqual(p["pooling"], "AVG", kind)
+
+    def test_default_plan_is_mean_head_product_avg_peak_pooled_over_31(self):
         rng = np.random.default_rng(5)
         g = geo(L=1, H=4, Hkv=2, d=4, D=8)
         n = 120
         layers = random_layers(rng, 1, 4, 2, 4, 8, n, 32)
         default = ref.keep_plan(g, {"tokens_per_head": 60}, layers, n)
-        spelled = ref.keep_plan(g, pol(window=32, gqa_value="MEAN_HEAD_PRODUCT", pooling="AVG",
-                                       pool_kernel=31, pool_target="SCORE", tokens_per_head=60),
+        spelled = ref.keep_plan(g, pol(window=32, gqa_value="MEAN_HEAD_PRODUCT",
+                                       pooling="AVG_PEAK", pool_kernel=31, pool_target="SCORE",
+                                       tokens_per_head=60),
                                 layers, n)
         np.testing.assert_array_equal(default["kept"], spelled["kept"])
         np.testing.assert_array_equal(default["scores"], spelled["scores"])
-        before = ref.keep_plan(g, pol(window=32, pooling="AVG", tokens_per_head=60), layers, n)
-        self.assertFalse(np.allclose(default["scores"], before["scores"], equal_nan=True))
+        # the defaults before: MEAN_HEAD_NORM and avg 7 (the first), AVG 31 (the dev grid's)
+        for older in (pol(window=32, pooling="AVG", pool_kernel=7, gqa_value="MEAN_HEAD_NORM",
+                          tokens_per_head=60),
+                      pol(window=32, pooling="AVG", pool_kernel=31, gqa_value="MEAN_HEAD_PRODUCT",
+                          pool_target="SCORE", tokens_per_head=60)):
+            before = ref.keep_plan(g, older, layers, n)
+            self.assertFalse(np.allclose(default["scores"], before["scores"], equal_nan=True))
 
 
 class Validation(unittest.TestCase):

@@ -132,18 +132,19 @@ TEST_F(GrpcIntegrationTest, MaxLayerShareIsAppliedAndEchoed) {
   EXPECT_THAT(s.error_message(), ::testing::HasSubstr("policy.max_layer_share = 0.5"));
 }
 
-// LAPROX with its options unset runs with the defaults chosen on bench/quality's dev grid
-// (MEAN_HEAD_PRODUCT, avg pool 31 of the score), which the response echoes; with indicator
-// ATTENTION an unset gqa_value is MEAN_HEAD_NORM, the only one it takes.
+// LAPROX with its options unset runs with the defaults chosen on bench/quality's dev grid and
+// joint endpoint (MEAN_HEAD_PRODUCT, AVG_PEAK pool 31 of the score), which the response echoes;
+// with indicator ATTENTION an unset gqa_value is MEAN_HEAD_NORM, the only one it takes.
 TEST_F(GrpcIntegrationTest, LaproxWithUnsetOptionsUsesTheDefaults) {
   kernels::PolicySpec spelled_out;
   spelled_out.gqa_value = kernels::GqaValue::kMeanHeadProduct;
   spelled_out.pool_target = kernels::PoolTarget::kScore;
+  spelled_out.pooling = kernels::Pooling::kAvgPeak;
   v1::Policy applied = PlanAsTheLibrary(7, v1::Policy(), spelled_out);
   EXPECT_EQ(applied.kind(), v1::POLICY_KIND_LAPROX);
   EXPECT_EQ(applied.indicator(), v1::INDICATOR_ATTENTION_X_PROJECTED_VALUE);
   EXPECT_EQ(applied.gqa_value(), v1::GQA_VALUE_MEAN_HEAD_PRODUCT);
-  EXPECT_EQ(applied.pooling(), v1::POOLING_AVG);
+  EXPECT_EQ(applied.pooling(), v1::POOLING_AVG_PEAK);
   EXPECT_EQ(applied.pool_kernel(), 31);
   EXPECT_EQ(applied.pool_target(), v1::POOL_TARGET_SCORE);
   EXPECT_EQ(applied.window(), 32);

@@ -33,10 +33,11 @@ grep -q "budget share" "$dir/table" || { echo "FAIL: demo table"; exit 1; }
 "$cli" plan "$dir/demo.safetensors" --local --json --budget=200 >"$dir/local.json"
 cmp "$dir/remote.json" "$dir/local.json" || { echo "FAIL: laproxd plan != library plan"; exit 1; }
 grep -q '"kept":\[\[\[0,' "$dir/remote.json" || { echo "FAIL: unexpected JSON"; exit 1; }
-# The LAPROX defaults spelled out (MEAN_HEAD_PRODUCT, avg pool 31 of the score, window 32) plan
-# what no flags plan.
+# The LAPROX defaults spelled out (MEAN_HEAD_PRODUCT, AVG_PEAK pool 31 of the score, window 32)
+# plan what no flags plan.
 "$cli" plan "$dir/demo.safetensors" --target="$target" --json --budget=200 \
-  --gqa_value=mean_head_product --pooling=avg --pool_kernel=31 --pool_target=score --window=32 \
+  --gqa_value=mean_head_product --pooling=avg_peak --pool_kernel=31 --pool_target=score \
+  --window=32 \
   >"$dir/spelled.json"
 cmp "$dir/spelled.json" "$dir/local.json" || { echo "FAIL: not the default policy"; exit 1; }
 # A baseline with options left at the policy's defaults (window 64, pool 5), the same both ways.

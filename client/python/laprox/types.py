@@ -157,9 +157,10 @@ class Policy:
 
     None means "not set": the server applies the policy kind's default (the proto documents
     each one; KeepPlan.effective_policy shows what was applied). LAPROX's defaults, chosen on
-    bench/quality's dev grid: gqa_value MEAN_HEAD_PRODUCT (MEAN_HEAD_NORM with indicator
-    ATTENTION or ATTENTION_X_VALUE), AVG pooling of the per-token score over 31 tokens, window
-    32; preset="paper" is the paper's literal method. Enum fields take a member, a name
+    bench/quality's dev grid and joint endpoint: gqa_value MEAN_HEAD_PRODUCT (MEAN_HEAD_NORM with
+    indicator ATTENTION or ATTENTION_X_VALUE), AVG_PEAK pooling of the per-token score over 31
+    tokens (max of a token's own score and the average), window 32; preset="paper" is the
+    paper's literal method. Enum fields take a member, a name
     ("snapkv", "per_layer", "avg") or a wire number.
 
     `extra` maps proto field names to values for Policy fields newer than this client; they are

@@ -120,9 +120,9 @@ struct PolicySpec {
   NumericMode numeric_mode = NumericMode::kExact;
   Allocation allocation = Allocation::kGlobalNormalized;
   Indicator indicator = Indicator::kAttentionXProjectedValue;
-  std::optional<GqaValue> gqa_value;  // unset: the indicator's default (EffectiveGqaValue)
-  int32_t window = 32;                // w: observation window, 1 <= w <= rows given
-  Pooling pooling = Pooling::kAvg;
+  std::optional<GqaValue> gqa_value;      // unset: the indicator's default (EffectiveGqaValue)
+  int32_t window = 32;                    // w: observation window, 1 <= w <= rows given
+  Pooling pooling = Pooling::kAvgPeak;    // LAPROX's; the baselines' (ForKind) kAvg
   int32_t pool_kernel = 31;               // odd, 1..kMaxPoolKernel
   std::optional<PoolTarget> pool_target;  // unset: the mode's placement (EffectivePoolTarget)
   int32_t sinks = 0;                      // first positions always kept, outside the competition
@@ -147,9 +147,10 @@ struct PolicySpec {
   static constexpr int32_t kMaxBlockSize = int32_t{1} << 16;  // BlockTable::kMaxBlockSize
 
   // The defaults of `kind`: LAPROX as above (window 32, gqa_value unset: MEAN_HEAD_PRODUCT with
-  // the default indicator, avg pool 31 of the score, no sinks); STREAMING_LLM sinks 4 (window 32
-  // and pool 7, which it does not use); SNAPKV, PYRAMIDKV, ADAKV, CRITICALKV, CRITICAL_ADAKV
-  // window 64, avg pool 5; CAKE window 32, avg pool 5. The budget is the default budget.
+  // the default indicator, AVG_PEAK pool 31 of the score, no sinks); STREAMING_LLM sinks 4
+  // (window 32 and avg pool 7, which it does not use); SNAPKV, PYRAMIDKV, ADAKV, CRITICALKV,
+  // CRITICAL_ADAKV window 64, avg pool 5; CAKE window 32, avg pool 5. The budget is the default
+  // budget.
   static PolicySpec ForKind(PolicyKind kind);
 
   // OK, or INVALID_ARGUMENT naming the option and its value: ranges above (baseline parameters
