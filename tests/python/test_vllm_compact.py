@@ -183,3 +183,34 @@ class ShiftTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class PlanPolicyTest(unittest.TestCase):
+    """The options the plugin sends (Config.plan_policy): compaction's LAYER_UNIFORM shape and
+    cap for every kind; for LAPROX also the scoring the joint endpoint chose for that shape
+    (AVG pooling, one sink: bench/quality/JOINT.md); what LAPROX_VLLM_POLICY sets wins, null
+    unsets; masking sends only what the user set (laproxd's RAGGED default, AVG_PEAK)."""
+
+    def policy(self, mode="compact", **options):
+        from laprox.vllm._state import Config
+        return Config(target="unix:/nowhere", policy=options, mode=mode).plan_policy()
+
+    def test_compacting_laprox_gets_the_shape_the_cap_and_the_scoring(self):
+        want = {"plan_shape": "layer_uniform", "max_layer_share": 1.25, "pooling": "avg",
+                "sinks": 1}
+        self.assertEqual(self.policy(), want)
+        self.assertEqual(self.policy(kind="laprox"), dict(want, kind="laprox"))
+
+    def test_the_users_options_win_and_null_unsets(self):
+        self.assertEqual(self.policy(pooling="avg_peak", sinks=None, window=16),
+                         {"plan_shape": "layer_uniform", "max_layer_share": 1.25,
+                          "pooling": "avg_peak", "window": 16})
+
+    def test_other_kinds_keep_their_own_scoring(self):
+        self.assertEqual(self.policy(kind="streaming_llm"),
+                         {"plan_shape": "layer_uniform", "max_layer_share": 1.25,
+                          "kind": "streaming_llm"})
+
+    def test_masking_sends_only_what_was_set(self):
+        self.assertEqual(self.policy(mode="mask"), {})
+        self.assertEqual(self.policy(mode="mask", window=16), {"window": 16})

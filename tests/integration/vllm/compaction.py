@@ -8,7 +8,8 @@ the masked engine (LAPROX_VLLM_MODE=mask) under the same plans.
 
 Each engine runs in a process of its own (the plugin's settings are read once per process),
 with the same prompts (a needle question and 1-3K tokens of seeded text), policy
-(POLICY: plan_shape LAYER_UNIFORM, max_layer_share 1.25, the compacting plugin's defaults)
+(POLICY: plan_shape LAYER_UNIFORM, max_layer_share 1.25, AVG pooling and one sink, the
+compacting plugin's defaults)
 and greedy sampling:
   parity   the compacting engine's greedy tokens equal the masked engine's and their log-probs
            agree within --logprob-tolerance; every planned sequence was compacted, blocks were
@@ -37,12 +38,13 @@ import tempfile
 import numpy as np
 
 from laproxd_support import Laproxd, use_laproxd
+from laprox.vllm._state import COMPACT_LAPROX_SCORING, COMPACT_POLICY
 from parity import prompt_text, test_prompts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# The compacting plugin's default plan options, spelled out so that the masking engine (whose
-# default is the server's RAGGED plan) applies the very same plans.
-POLICY = {"plan_shape": "layer_uniform", "max_layer_share": 1.25}
+# The compacting plugin's default plan options, given to both engines so that the masking
+# engine (whose default is the server's RAGGED plan) applies the very same plans.
+POLICY = {**COMPACT_POLICY, **COMPACT_LAPROX_SCORING}
 
 
 def prompts_for(args: argparse.Namespace):

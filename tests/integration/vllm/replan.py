@@ -38,9 +38,10 @@ import tempfile
 import numpy as np
 
 from laproxd_support import Laproxd, use_laproxd
+from laprox.vllm._state import COMPACT_LAPROX_SCORING, COMPACT_POLICY
 from parity import test_prompts
 
-POLICY = {"plan_shape": "layer_uniform", "max_layer_share": 1.25}
+POLICY = {**COMPACT_POLICY, **COMPACT_LAPROX_SCORING}  # the compacting plugin's defaults
 WINDOW = 32
 
 

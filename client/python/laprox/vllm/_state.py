@@ -30,6 +30,14 @@ MAX_PLANS = 1024  # plans kept for plans(), newest last
 # tokens) found the longest layer at up to 1.9x the mean uncapped, 1.23x at 1.25, and no
 # significant quality cost against the uncapped LAYER_UNIFORM plan.
 COMPACT_LAYER_SHARE = 1.25
+# The compacting plugin's plan options (LAYER_UNIFORM, which compaction applies, with the cap
+# above) and, for kind LAPROX, its scoring: the one bench/quality's joint endpoint chose for
+# this shape (ENDPOINT.md, JOINT.md: SmolLM2-135M, 120 retrieval prompts, 36 held-out
+# documents): AVG pooling with position 0 always kept (sinks 1). laproxd's own default, AVG_PEAK,
+# won at the RAGGED shape but lost retrieval at this one (B = 64 and 128).
+COMPACT_POLICY: Dict[str, Any] = {"plan_shape": "layer_uniform",
+                                  "max_layer_share": COMPACT_LAYER_SHARE}
+COMPACT_LAPROX_SCORING: Dict[str, Any] = {"pooling": "avg", "sinks": 1}  # LAPROX only
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -67,11 +75,13 @@ class Config:
     def plan_policy(self) -> Dict[str, Any]:
         """The policy options sent: compaction applies LAYER_UNIFORM plans, and no layer keeps
         more than COMPACT_LAYER_SHARE times the mean layer (the engine holds blocks for the
-        longest layer); an option set to null in LAPROX_VLLM_POLICY is left unset."""
+        longest layer), with COMPACT_POLICY's scoring; an option LAPROX_VLLM_POLICY sets wins,
+        and one it sets to null is left unset (laproxd's default)."""
         policy = dict(self.policy)
         if self.compacts:
-            policy = {"plan_shape": "layer_uniform", "max_layer_share": COMPACT_LAYER_SHARE,
-                      **policy}
+            kind = str(policy.get("kind") or "laprox").lower().replace("policy_kind_", "")
+            scoring = COMPACT_LAPROX_SCORING if kind == "laprox" else {}
+            policy = {**COMPACT_POLICY, **scoring, **policy}
         return {key: value for key, value in policy.items() if value is not None}
 
     @staticmethod
