@@ -586,8 +586,11 @@ class DecodeReplanTest(WithLaproxd):
         # Planned once, after the prefill, the same cache grows by one entry per token.
         once = self.press(decode_buffer=0, compact=True, plan_shape="layer_uniform")
         with torch.no_grad(), once:
+            # min_new_tokens: greedy decoding of the random model may otherwise stop at its
+            # end-of-sequence token before the cache has grown by new_tokens
             out = self.model.generate(self.ids, max_new_tokens=new_tokens, do_sample=False,
-                                      return_dict_in_generate=True)
+                                      min_new_tokens=new_tokens, return_dict_in_generate=True)
+        self.assertEqual(out.sequences.shape[1], 40 + new_tokens)
         grown = [lhf.cache_layer_kv(out.past_key_values, l)[0].shape[2] for l in range(L)]
         self.assertGreater(np.mean(grown), self.B + new_tokens - 2)
 
