@@ -15,8 +15,10 @@ Configuration (environment, read once per process; see Config):
     LAPROX_VLLM_MODEL     the model's name in laproxd's metrics (default: vLLM's model name)
     LAPROX_VLLM_MODE      compact (default): evicted entries leave the cache and the blocks
                           they free go back to vLLM (plans are asked for with plan_shape
-                          layer_uniform and max_layer_share 1.25 unless LAPROX_VLLM_POLICY
-                          sets them; null unsets); mask: they stay and decode leaves them out
+                          layer_uniform and max_layer_share 1.25, and LAPROX with pooling avg
+                          and sinks 1, the scoring bench/quality/JOINT.md chose for that shape,
+                          unless LAPROX_VLLM_POLICY sets them; null unsets); mask: they stay
+                          and decode leaves them out (laproxd's defaults)
     LAPROX_VLLM_DECODE_BUFFER
                           N > 0 (compact mode, an int budget): a compacted sequence is
                           re-planned through laproxd and compacted again whenever its cache
