@@ -9,7 +9,7 @@ planning once after the prefill.
 Each engine runs in a process of its own (the plugin reads its settings once per process), on
 two prompts of 1,000 and 3,000 tokens (parity.py's seeded texts), greedy, exactly
 --tokens generated tokens each, LAPROX_VLLM_MODE=compact with its default plan options
-(LAYER_UNIFORM, max_layer_share 1.25). After every engine step the scheduler's block list of
+(LAYER_UNIFORM, max_layer_share 1.25, AVG pooling and one sink). After every engine step the scheduler's block list of
 each running request is read. Checks:
   - with LAPROX_VLLM_DECODE_BUFFER=N, once a request is compacted it never holds more blocks
     than ceil(T / block_size), T = ceil(1.25 * (B - w)) + w + 1 + N + 1 (the longest layer
