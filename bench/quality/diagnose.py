@@ -31,6 +31,7 @@ import json
 import os
 import sys
 import time
+import types
 from typing import Any, Dict, List, Tuple
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -51,11 +52,13 @@ DEV_SEED = 7
 
 
 def laprox(**changes: Any) -> Dict[str, Any]:
-    return M.variant(**changes)
+    """The default this diagnosis studies (the one before issue 44, plain AVG over 31) with
+    `changes` (None removes an option)."""
+    return M.variant_of(M.PRE44_OPTIONS, **changes)
 
 
 METHODS: List[M.Method] = [
-    ("default", M.DEFAULT_OPTIONS),
+    ("default", M.PRE44_OPTIONS),
     ("default sinks=4", laprox(sinks=4)),
     ("default sinks=1", laprox(sinks=1)),
     ("default pool=none", laprox(pooling="none", pool_kernel=None)),
@@ -76,11 +79,6 @@ METHODS: List[M.Method] = [
     ("StreamingLLM", {"kind": "streaming_llm"}),
     ("SnapKV pool=31", {"kind": "snapkv", "window": W, "pool_kernel": 31}),
 ]
-
-
-class _Ctx:
-    def __init__(self, model, batch: int):
-        self.model, self.batch = model, batch
 
 
 def continuation_attention(prefix, E) -> List[np.ndarray]:
@@ -116,7 +114,7 @@ def run(args) -> Dict[str, Any]:
     E.WQ = W
     corpus = T.Corpus(tok, 2048 + 128)
     docs = T.make_documents(corpus, args.documents, [2048], 128, DEV_SEED)
-    ctx = _Ctx(model, args.batch)
+    ctx = types.SimpleNamespace(model=model, batch=args.batch)   # what forward_all reads
     out: Dict[str, Any] = {"budgets": BUDGETS, "methods": [m for m, _ in METHODS],
                            "documents": []}
     for d in docs:

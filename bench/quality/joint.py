@@ -32,6 +32,7 @@ import os
 import platform
 import sys
 import time
+import types
 from typing import Any, Dict, List, Tuple
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -50,11 +51,6 @@ CONTINUATION_BUDGETS = [128, 256, 512]
 DOCUMENTS = 36
 CONT = 128
 MARGIN = 0.01   # non-inferiority margin on mean KL (nats), ENDPOINT.md
-
-
-class _Ctx:
-    def __init__(self, model, batch: int):
-        self.model, self.batch = model, batch
 
 
 def run(args) -> Dict[str, Any]:
@@ -88,7 +84,7 @@ def run(args) -> Dict[str, Any]:
                                        gold_spans=[(a + 1, b + 1) for a, b in p.gold_spans])
                    for p in prompts]
         docs = [dataclasses.replace(d, ids=torch.cat([bos, d.ids]), n=d.n + 1) for d in docs]
-    ctx = _Ctx(model, args.batch)
+    ctx = types.SimpleNamespace(model=model, batch=args.batch)   # what forward_all reads
     out: Dict[str, Any] = {
         "meta": {"model": args.model_name, "geometry": str(lhf.geometry(model)),
                  "machine": f"{platform.machine()}, {E.cpu_name()}, {os.cpu_count()} cores, "
@@ -151,16 +147,6 @@ def run(args) -> Dict[str, Any]:
 # The endpoint (ENDPOINT.md)
 # --------------------------------------------------------------------------------------------
 
-def sign_test(wins: int, losses: int) -> float:
-    """Exact two-sided sign test of `wins` against `losses` (ties dropped)."""
-    import math
-    n = wins + losses
-    if n == 0:
-        return 1.0
-    k = min(wins, losses)
-    return min(1.0, 2.0 * sum(math.comb(n, i) for i in range(k + 1)) / 2.0 ** n)
-
-
 def evaluate_endpoint(data: Dict[str, Any]) -> Dict[str, Any]:
     """Every comparison of ENDPOINT.md, with Holm over each candidate's family."""
     import stats
@@ -200,13 +186,14 @@ def evaluate_endpoint(data: Dict[str, Any]) -> Dict[str, Any]:
                 x = np.array([d_["kl"][cand][j] for d_ in docs])
                 y = np.array([d_["kl"][base][j] for d_ in docs])
                 d, lo, hi, p = stats.paired_bootstrap(x, y)
-                wins, losses = int((x < y).sum()), int((x > y).sum())
+                # the exact sign test: the binomial test of the documents either way
+                wins, losses, sign_p = stats.mcnemar_exact(x < y, x > y)
                 key = f"kl {base} B={b}"
                 family[key] = p
                 rows.append({"key": key, "part": "continuation kl", "base": base, "B": b,
                              "mean": float(x.mean()), "base_mean": float(y.mean()), "d": d,
                              "lo": lo, "hi": hi, "p": p, "wins": wins, "losses": losses,
-                             "sign_p": sign_test(wins, losses), "best": base == best,
+                             "sign_p": sign_p, "best": base == best,
                              "pass": hi <= MARGIN})
         holm = stats.holm(family) if family else {}
         for r in rows:

@@ -31,10 +31,15 @@ V1_OPTIONS: Dict[str, Any] = {"gqa_value": "mean_head_norm", "pool_target": "att
                               "pooling": "avg", "pool_kernel": 7, "window": WINDOW}
 
 
+def variant_of(base: Dict[str, Any], **changes: Any) -> Dict[str, Any]:
+    """`base` with `changes` (a value of None removes the option)."""
+    out = dict(base, **changes)
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def variant(**changes: Any) -> Dict[str, Any]:
     """The default with `changes` (a value of None removes the option)."""
-    out = dict(DEFAULT_OPTIONS, **changes)
-    return {k: v for k, v in out.items() if v is not None}
+    return variant_of(DEFAULT_OPTIONS, **changes)
 
 
 # The default before issue 44 (AVG pooling over 31 of the score, which averaged the attention

@@ -7,7 +7,7 @@ scores laproxd returns for two policies, combined here, and one model-wide top-K
 
 Development data only (the dev grid's seed 7): documents as diagnose.py's, retrieval prompts of
 the dev grid (GRID.md: multi-key, 2K). Variants, each at w = 32:
-- `pooled`: the default (avg 31 of the per-token score);
+- `pooled`: the default before issue 44 (plain AVG over 31 of the per-token score);
 - `pooled+sink1`: the default with sinks = 1 (laproxd's own plan);
 - `max(raw,pooled)`: s_i = max(s_raw_i, s_pool_i) with s_raw the default's score without
   pooling and s_pool the default's, each normalised per layer as laproxd does (its scores
@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import time
+import types
 from typing import Any, Dict, List
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -43,14 +44,20 @@ sys.path.insert(0, HERE)
 import methods as M  # noqa: E402
 
 W = M.WINDOW
+
+
+def laprox(**changes: Any) -> Dict[str, Any]:
+    """The default before issue 44 (plain AVG over 31, what "pooled" names) with `changes`
+    (None removes an option)."""
+    return M.variant_of(M.PRE44_OPTIONS, **changes)
 BUDGETS = [64, 128, 256, 512]
-SERVER = [("pooled", M.DEFAULT_OPTIONS),
-          ("pooled+sink1", M.variant(sinks=1)),
-          ("pooled layer_uniform cap=1.25", M.variant(plan_shape="layer_uniform",
+SERVER = [("pooled", M.PRE44_OPTIONS),
+          ("pooled+sink1", laprox(sinks=1)),
+          ("pooled layer_uniform cap=1.25", laprox(plan_shape="layer_uniform",
                                                       max_layer_share=1.25)),
-          ("pooled layer_uniform", M.variant(plan_shape="layer_uniform")),
-          ("avg_peak (laproxd)", M.variant(pooling="avg_peak")),
-          ("avg_peak layer_uniform cap=1.25", M.variant(pooling="avg_peak",
+          ("pooled layer_uniform", laprox(plan_shape="layer_uniform")),
+          ("avg_peak (laproxd)", laprox(pooling="avg_peak")),
+          ("avg_peak layer_uniform cap=1.25", laprox(pooling="avg_peak",
                                                         plan_shape="layer_uniform",
                                                         max_layer_share=1.25)),
           ("SnapKV", {"kind": "snapkv", "window": W}),
@@ -113,8 +120,8 @@ def variant_masks(client, model_id, prefix) -> Dict[Any, np.ndarray]:
     import evaluate as E
     out = E.keep_masks(client, model_id, prefix, SERVER, BUDGETS)
     raw, raw_sums = plan_scores(client, model_id, prefix,
-                                M.variant(pooling="none", pool_kernel=None))
-    pooled, pooled_sums = plan_scores(client, model_id, prefix, M.DEFAULT_OPTIONS)
+                                laprox(pooling="none", pool_kernel=None))
+    pooled, pooled_sums = plan_scores(client, model_id, prefix, M.PRE44_OPTIONS)
     both = np.maximum(raw, pooled)
     # the same maximum of the unnormalised scores, normalised afterwards by its own layer sums
     p = np.maximum(raw * raw_sums[:, None, None], pooled * pooled_sums[:, None, None])
@@ -127,11 +134,6 @@ def variant_masks(client, model_id, prefix) -> Dict[Any, np.ndarray]:
         out[("max(p_raw,p_pool)/sum rows", b)] = select_rows(p_norm, b, 0)
         out[("pooled rows", b)] = select_rows(pooled, b, 0)
     return out
-
-
-class _Ctx:
-    def __init__(self, model, batch: int):
-        self.model, self.batch = model, batch
 
 
 def run(args) -> Dict[str, Any]:
@@ -153,7 +155,7 @@ def run(args) -> Dict[str, Any]:
     corpus = T.Corpus(tok, 2048 + 128)
     docs = T.make_documents(corpus, args.documents, [2048], 128, grid["seed"])
     prompts = T.make_prompts(tok, corpus, {"multi_key": args.prompts}, [2048], grid["seed"])
-    ctx = _Ctx(model, args.batch)
+    ctx = types.SimpleNamespace(model=model, batch=args.batch)   # what forward_all reads
     out: Dict[str, Any] = {"budgets": BUDGETS, "variants": VARIANTS, "documents": [],
                            "prompts": []}
     for d in docs:
