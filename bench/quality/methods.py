@@ -190,3 +190,11 @@ JOINT_BASELINE_METHODS: List[Method] = [
 JOINT_BASELINES: List[str] = [name for name, _ in JOINT_BASELINE_METHODS]
 JOINT: List[Method] = JOINT_RAGGED + [_layer_uniform(m) for m in JOINT_RAGGED] + \
     JOINT_BASELINE_METHODS
+
+# Outside the endpoint: the baselines with the default's pooling itself (AVG_PEAK over 31), to
+# see how much of the default's lead is its pooling rather than its score (joint.py
+# --peak-baselines; reported in the means table only, no criterion reads them).
+JOINT_PEAK_BASELINES: List[Method] = [
+    (f"{name} avg_peak31", {"kind": kind, "window": WINDOW, "pool_kernel": 31,
+                            "pooling": "avg_peak"})
+    for name, kind in (("SnapKV", "snapkv"), ("AdaKV", "adakv"), ("CriticalKV", "criticalkv"))]
