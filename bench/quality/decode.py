@@ -49,6 +49,7 @@ Methods (B per KV head on average, buffer N, window 32):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -59,7 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -354,6 +355,22 @@ def start_laproxd(path: str):
     return proc, "unix:" + sock
 
 
+@contextlib.contextmanager
+def laproxd_target(target: Optional[str], laproxd: Optional[str]) -> Iterator[str]:
+    """`target` when given; else a laproxd started from `laproxd` (default: build/'s) on a
+    private socket for the block, and its address."""
+    if target is not None:
+        yield target
+        return
+    proc, started = start_laproxd(laproxd or os.path.join(HERE, "..", "..", "build", "service",
+                                                          "laproxd"))
+    try:
+        yield started
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--laproxd", default=None)
@@ -384,18 +401,10 @@ def main() -> int:
     if args.report is not None:
         report(args.report, args.out, args.merged, args.command, args.title)
         return 0
-    proc = None
-    if args.target is None:
-        proc, args.target = start_laproxd(args.laproxd or os.path.join(
-            HERE, "..", "..", "build", "service", "laproxd"))
-    try:
+    with laproxd_target(args.target, args.laproxd) as args.target:
         started = time.time()
         result = run(args)
         result["seconds"] = time.time() - started
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait()
     with open(args.json or f"decode-{args.shard.replace('/', 'of')}.json", "w") as f:
         json.dump(result, f)
     return 0

@@ -100,17 +100,8 @@ def run(args) -> Dict[str, Any]:
     import torch
     import evaluate as E
     import tasks as T
-    sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "python"))
-    import support
-    support.prepare_package()
-    import laprox
-    import laprox.hf as lhf
-
-    torch.set_num_threads(args.threads)
-    tok, model = E.load_model(args.gguf)
-    client = laprox.Client(args.target, timeout=600)
-    model_id = lhf.register_model(client, model, name="SmolLM2-135M-Instruct",
-                                  prepare_cross_grams=True)
+    tok, model, client, model_id, _ = E.connect(args, "SmolLM2-135M-Instruct",
+                                                prepare_cross_grams=True)
     E.WQ = W
     corpus = T.Corpus(tok, 2048 + 128)
     docs = T.make_documents(corpus, args.documents, [2048], 128, DEV_SEED)
@@ -279,15 +270,10 @@ def spearman(x, y) -> float:
 
 
 def main() -> int:
+    import evaluate as E
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--laproxd", default=os.path.join(HERE, "..", "..", "build", "service",
-                                                      "laproxd"))
-    ap.add_argument("--target", default=None)
-    ap.add_argument("--gguf", default=os.path.join(HERE, "..", "..", "build", "quality-model",
-                                                   "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    E.add_harness_args(ap)
     ap.add_argument("--documents", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--json", default=os.path.join(HERE, "diagnosis.json"))
     ap.add_argument("--report", action="store_true")
     ap.add_argument("--out", default=os.path.join(HERE, "DIAGNOSIS_TABLES.md"))
@@ -296,17 +282,10 @@ def main() -> int:
         report(args.json, args.out)
         return 0
     import decode
-    proc = None
-    if args.target is None:
-        proc, args.target = decode.start_laproxd(args.laproxd)
-    try:
+    with decode.laproxd_target(args.target, args.laproxd) as args.target:
         started = time.time()
         result = run(args)
         result["seconds"] = time.time() - started
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait()
     with open(args.json, "w") as f:
         json.dump(result, f)
     report(args.json, args.out)

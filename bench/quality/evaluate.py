@@ -87,6 +87,33 @@ MODES = {
 }
 
 
+def add_harness_args(ap: argparse.ArgumentParser) -> None:
+    """The options of the scripts that run the harness with a laproxd of their own
+    (diagnose.py, prototype.py, joint.py): laproxd binary or target, model, threads, batch."""
+    ap.add_argument("--laproxd", default=os.path.join(HERE, "..", "..", "build", "service",
+                                                      "laproxd"))
+    ap.add_argument("--target", default=None, help="a running laproxd (else --laproxd starts)")
+    ap.add_argument("--gguf", default=os.path.join(HERE, "..", "..", "build", "quality-model",
+                                                   "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8, help="mask sets per teacher-forced forward")
+
+
+def connect(args, name: str, **register: Any):
+    """This checkout's laprox client (tests/python/support.py), the model of args.gguf on
+    args.threads torch threads, a client of args.target and the model registered under `name`:
+    (tok, model, client, model_id, laprox.hf)."""
+    sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "python"))
+    import support
+    support.prepare_package()
+    import laprox
+    import laprox.hf as lhf
+    torch.set_num_threads(args.threads)
+    tok, model = load_model(args.gguf)
+    client = laprox.Client(args.target, timeout=600)
+    return tok, model, client, lhf.register_model(client, model, name=name, **register), lhf
+
+
 def log(*args: Any) -> None:
     print(*args, file=sys.stderr, flush=True)
 

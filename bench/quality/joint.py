@@ -58,18 +58,9 @@ def run(args) -> Dict[str, Any]:
     import evaluate as E
     import tasks as T
     import decode
-    sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "python"))
-    import support
-    support.prepare_package()
-    import laprox
-    import laprox.hf as lhf
-
-    torch.set_num_threads(args.threads)
+    tok, model, client, model_id, lhf = E.connect(args, args.model_name)
     torch.manual_seed(0)
-    tok, model = E.load_model(args.gguf)
-    client = laprox.Client(args.target, timeout=600)
     info = client.info()
-    model_id = lhf.register_model(client, model, name=args.model_name)
     E.WQ = M.WINDOW
     full = E.MODES["full"]
     corpus = T.Corpus(tok, max(full["lengths"]))
@@ -301,19 +292,14 @@ def report(path: str, out: str) -> None:
 
 
 def main() -> int:
+    import evaluate as E
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--laproxd", default=os.path.join(HERE, "..", "..", "build", "service",
-                                                      "laproxd"))
-    ap.add_argument("--target", default=None)
-    ap.add_argument("--gguf", default=os.path.join(HERE, "..", "..", "build", "quality-model",
-                                                   "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    E.add_harness_args(ap)
     ap.add_argument("--model-name", default="SmolLM2-135M-Instruct")
     ap.add_argument("--prompts", type=int, default=None)
     ap.add_argument("--bos", action="store_true",
                     help="prepend <bos> to every prompt and document (Gemma 3)")
     ap.add_argument("--documents", type=int, default=DOCUMENTS)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--json", default=os.path.join(HERE, "joint.json"))
     ap.add_argument("--out", default=os.path.join(HERE, "JOINT.md"))
     ap.add_argument("--report", action="store_true")
@@ -323,15 +309,8 @@ def main() -> int:
     args = ap.parse_args()
     if not args.report:
         import decode
-        proc = None
-        if args.target is None:
-            proc, args.target = decode.start_laproxd(args.laproxd)
-        try:
+        with decode.laproxd_target(args.target, args.laproxd) as args.target:
             run(args)
-        finally:
-            if proc is not None:
-                proc.terminate()
-                proc.wait()
     report(args.json, args.out)
     return 0
 

@@ -140,16 +140,7 @@ def run(args) -> Dict[str, Any]:
     import torch
     import evaluate as E
     import tasks as T
-    sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "python"))
-    import support
-    support.prepare_package()
-    import laprox
-    import laprox.hf as lhf
-
-    torch.set_num_threads(args.threads)
-    tok, model = E.load_model(args.gguf)
-    client = laprox.Client(args.target, timeout=600)
-    model_id = lhf.register_model(client, model, name="SmolLM2-135M-Instruct")
+    tok, model, client, model_id, _ = E.connect(args, "SmolLM2-135M-Instruct")
     E.WQ = W
     grid = E.MODES["grid"]
     corpus = T.Corpus(tok, 2048 + 128)
@@ -202,26 +193,18 @@ def report(data: Dict[str, Any]) -> str:
 
 
 def main() -> int:
+    import evaluate as E
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--laproxd", default=os.path.join(HERE, "..", "..", "build", "service",
-                                                      "laproxd"))
-    ap.add_argument("--gguf", default=os.path.join(HERE, "..", "..", "build", "quality-model",
-                                                   "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    E.add_harness_args(ap)
     ap.add_argument("--documents", type=int, default=6)
     ap.add_argument("--prompts", type=int, default=12)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--json", default=os.path.join(HERE, "prototype.json"))
     ap.add_argument("--report", action="store_true")
     args = ap.parse_args()
     if not args.report:
         import decode
-        proc, args.target = decode.start_laproxd(args.laproxd)
-        try:
+        with decode.laproxd_target(args.target, args.laproxd) as args.target:
             data = run(args)
-        finally:
-            proc.terminate()
-            proc.wait()
         with open(args.json, "w") as f:
             json.dump(data, f)
     with open(args.json) as f:

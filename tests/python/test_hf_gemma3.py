@@ -47,11 +47,13 @@ SLIDING = [0, 1, 3, 4]
 SCALAR = 24  # query_pre_attn_scalar: the softmax scale 24 ** -0.5, not 1/sqrt(32)
 
 
-def tiny_gemma3():
+def tiny_gemma3(kv_heads=HKV):
+    """The tiny random Gemma 3 of these tests (and of test_quality_shared_prefix.py, with two KV
+    heads): LAYER_TYPES, window WINDOW, q/k norm weights spread so that they matter."""
     torch.manual_seed(0)
     config = Gemma3TextConfig(vocab_size=97, hidden_size=HIDDEN, intermediate_size=128,
                               num_hidden_layers=len(LAYER_TYPES), num_attention_heads=H,
-                              num_key_value_heads=HKV, head_dim=D_HEAD,
+                              num_key_value_heads=kv_heads, head_dim=D_HEAD,
                               sliding_window=WINDOW, layer_types=list(LAYER_TYPES),
                               query_pre_attn_scalar=SCALAR, max_position_embeddings=512)
     config._attn_implementation = "sdpa"

@@ -25,7 +25,7 @@ import numpy as np
 
 try:
     import torch
-    from transformers import (AttentionInterface, Gemma3ForCausalLM, Gemma3TextConfig,
+    from transformers import (AttentionInterface, Gemma3ForCausalLM,  # noqa: F401
                               LlamaConfig, LlamaForCausalLM)
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 except ImportError:  # Debian's python3 has neither: nothing to test here
@@ -36,6 +36,7 @@ import support
 support.prepare_package()
 
 import laprox.hf as lhf  # noqa: E402
+import test_hf_gemma3  # noqa: E402  (its tiny Gemma 3)
 
 _QUALITY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",
                         "quality")
@@ -52,23 +53,10 @@ REFERENCE = "laprox_test_reference"
 
 
 def tiny_gemma3():
-    """6 layers, full attention at 2 and 5, sliding window 8; H = 4, Hkv = 2 (two query heads
-    per KV head, so the grouping matters), d = 32, softmax scale 24 ** -0.5."""
-    torch.manual_seed(0)
-    types = ["sliding_attention"] * 2 + ["full_attention"] + \
-        ["sliding_attention"] * 2 + ["full_attention"]
-    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                              num_hidden_layers=len(types), num_attention_heads=4,
-                              num_key_value_heads=2, head_dim=32, sliding_window=WINDOW,
-                              layer_types=types, query_pre_attn_scalar=24,
-                              max_position_embeddings=512)
-    config._attn_implementation = "sdpa"
-    model = Gemma3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for module in lhf.attention_modules(model):
-            module.q_norm.weight.normal_(0.0, 0.5)
-            module.k_norm.weight.normal_(0.0, 0.5)
-    return model
+    """test_hf_gemma3's model (6 layers, full attention at 2 and 5, sliding window 8, H = 4,
+    d = 32, softmax scale 24 ** -0.5) with Hkv = 2: two query heads per KV head, so that the
+    grouping matters."""
+    return test_hf_gemma3.tiny_gemma3(kv_heads=2)
 
 
 def tiny_llama():
