@@ -81,7 +81,29 @@ class MoveTest(unittest.TestCase):
         # The kept blocks: the last two of the request's own (overlapping the sources) and a
         # fresh one; a block appended in the same step stays after them.
         fresh = 0
-        order = _compact.Order(sources=7, dest=(block_ids[5], block_ids[6], fresh), released=5)
+        order = _compact.Order(sources=7, dest=(block_ids[5], block_ids[6], fresh), released=5,
+                               computed=computed)
+        self.check_move(pending, block_ids, order, prompt, computed, caches, before)
+
+    def test_a_deferred_compaction_keeps_the_entries_computed_since_the_plan(self):
+        # LAPROX_VLLM_TRIGGER=pressure: planned with 21 positions, compacted with 26.
+        rng = np.random.default_rng(3)
+        layers, heads, bs, d, pool = 2, 2, 4, 8, 20
+        prompt, computed = 21, 26
+        block_ids = [int(b) for b in rng.permutation(np.arange(1, pool))[:7]]
+        pending, _ = _compact.note_plan(random_masks(rng, layers, heads, prompt, [6, 9]),
+                                        prompt, prompt)
+        caches = [vec_cache(rng, pool, heads, bs, d) for _ in range(layers)]
+        before = [(k.clone(), v.clone()) for _, (k, v) in caches]
+        order = _compact.Order(sources=7, dest=(block_ids[4], block_ids[5], block_ids[6], 0),
+                               released=4, computed=computed)
+        self.check_move(pending, block_ids, order, prompt, computed, caches, before)
+
+    def check_move(self, pending, block_ids, order, prompt, computed, caches, before):
+        """The move of `order`: every kept entry and every one after the prompt up to
+        order.computed in slot order in dest, nothing written elsewhere."""
+        layers, heads, bs = len(caches), pending.kept[0].shape[0], caches[0][1][0].shape[3]
+        pool = caches[0][0].shape[0]
         drops = _compact.move(pending, block_ids + [17], order, [views for _, views in caches])
         for l in range(layers):
             keys, values = caches[l][1]
@@ -136,7 +158,7 @@ class ReplanTest(unittest.TestCase):
         caches = [vec_cache(rng, 6, 2, 4, 8) for _ in range(2)]
         before = [(k.clone(), v.clone()) for _, (k, v) in caches]
         block_ids = [3, 1]  # 8 slots: layer 0 holds 7 entries, layer 1 holds 6
-        order = _compact.Order(sources=2, dest=(1,), released=1)
+        order = _compact.Order(sources=2, dest=(1,), released=1, computed=14)
         drops = _compact.move(pending, block_ids, order, [views for _, views in caches])
         np.testing.assert_array_equal(drops, [10, 11])  # 14 - 4, 14 - 3
         for l in range(2):
@@ -214,3 +236,28 @@ class PlanPolicyTest(unittest.TestCase):
     def test_masking_sends_only_what_was_set(self):
         self.assertEqual(self.policy(mode="mask"), {})
         self.assertEqual(self.policy(mode="mask", window=16), {"window": 16})
+
+
+class FewestTest(unittest.TestCase):
+    """LAPROX_VLLM_TRIGGER=pressure compacts the fewest deferred requests whose released blocks
+    cover the pool's shortfall: against every subset."""
+
+    def test_the_fewest_requests_that_cover_the_shortfall(self):
+        import itertools
+        rng = np.random.default_rng(7)
+        for _ in range(300):
+            gains = {f"r{i}": int(g) for i, g in enumerate(rng.integers(-1, 9, rng.integers(0, 7)))}
+            short = int(rng.integers(-2, 30))
+            chosen = _compact.fewest(gains, short)
+            self.assertEqual(len(set(chosen)), len(chosen))
+            useful = [r for r in gains if gains[r] > 0]
+            covering = [len(c) for k in range(len(useful) + 1)
+                        for c in itertools.combinations(useful, k)
+                        if sum(gains[r] for r in c) >= short]
+            if short <= 0:
+                self.assertEqual(chosen, [])
+            elif covering:
+                self.assertEqual(len(chosen), min(covering), (gains, short, chosen))
+                self.assertGreaterEqual(sum(gains[r] for r in chosen), short)
+            else:  # nothing covers it: every request that frees a block
+                self.assertEqual(sorted(chosen), sorted(useful))

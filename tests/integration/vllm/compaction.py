@@ -4,7 +4,8 @@ and its blocks go back to vLLM's pool (laprox.vllm, LAPROX_VLLM_MODE=compact), c
 the masked engine (LAPROX_VLLM_MODE=mask) under the same plans.
 
     compaction.py --laproxd build/service/laproxd --model build/vllm-model/SmolLM2-135M-Instruct
-                  [--prompts 3] [--budget 128] [--continuation 32] [--checks parity,prefix,preempt]
+                  [--prompts 3] [--budget 128] [--continuation 32]
+                  [--checks parity,prefix,preempt,ample,pressure]
 
 Each engine runs in a process of its own (the plugin's settings are read once per process),
 with the same prompts (a needle question and 1-3K tokens of seeded text), policy
@@ -23,6 +24,15 @@ and greedy sampling:
            about 1,000 tokens): at least one compacted request is preempted, prefilled again, planned again
            and compacted again; every request's tokens equal those of the masked engine with a
            pool that preempts nothing, and the pool is whole at the end.
+  ample    LAPROX_VLLM_TRIGGER=pressure with a pool that never runs short (the parity prompts):
+           every sequence is planned and deferred, none compacted, no block released, and every
+           request's tokens and log-probs equal those of vLLM without the plugin;
+  pressure LAPROX_VLLM_TRIGGER=pressure with a pool of --pressure-blocks blocks and twelve
+           sequences of about 1,000 tokens, more than it holds at once: some sequences are
+           compacted, fewer than LAPROX_VLLM_TRIGGER=always compacts on the same engine, and
+           none is preempted (compacted in time to make room); every
+           plan ends compacted or spared (its sequence ended with its full cache), and the pool
+           is whole at the end (the shortfall at each compaction is printed).
 Exits 1 when a check fails.
 """
 
@@ -84,7 +94,7 @@ def child(args: argparse.Namespace, scenario: str, out_path: str) -> int:
     engine = dict(model=args.model, dtype="float32", enforce_eager=True, max_model_len=4096,
                   seed=0)
     result: dict = {}
-    if scenario in ("parity", "mask"):
+    if scenario in ("parity", "mask", "ample"):
         llm = LLM(enable_prefix_caching=False, **engine)
         pool = engine_core(llm).scheduler.kv_cache_manager.block_pool
         result["free_before"] = pool.get_num_free_blocks()
@@ -128,6 +138,39 @@ def child(args: argparse.Namespace, scenario: str, out_path: str) -> int:
         result["cached_tokens_B"] = int(finished["B"].num_cached_tokens or 0)
         result.update(seen)
         result["free_after"] = pool.get_num_free_blocks()
+    elif scenario == "pressure":
+        llm = LLM(enable_prefix_caching=False,
+                  **dict(engine, max_model_len=2432, num_gpu_blocks_override=args.pressure_blocks))
+        scheduler = engine_core(llm).scheduler
+        pool = scheduler.kv_cache_manager.block_pool
+        result["free_before"] = pool.get_num_free_blocks()
+        decisions: list = []
+        relieve = _compact.relieve
+
+        def watching(scheduler_):
+            manager = _compact._manager(scheduler_)
+            short = _compact.shortfall(scheduler_, manager)
+            compacted = relieve(scheduler_)
+            if compacted:
+                decisions.append([short, compacted, len(scheduler_.waiting)])
+            return compacted
+
+        _compact.relieve = watching
+        preempted: list = []
+        original = type(scheduler)._preempt_request
+
+        def preempt(self, request, *a, **k):
+            preempted.append(request.request_id)
+            return original(self, request, *a, **k)
+
+        type(scheduler)._preempt_request = preempt
+        params = SamplingParams(max_tokens=args.pressure_tokens, temperature=0.0, logprobs=1)
+        outputs = llm.generate([{"prompt_token_ids": prompts[1][:1000 - i]} for i in range(12)],
+                               params)
+        result["completions"] = [completion(o) for o in outputs]
+        result["decisions"] = decisions
+        result["preempted"] = preempted
+        result["free_after"] = pool.get_num_free_blocks()
     elif scenario == "preempt":
         # A small pool (none for the reference run) and twelve sequences of 1,000 tokens:
         # compacted, all of them run at once, and their decodes outgrow the pool.
@@ -152,23 +195,28 @@ def child(args: argparse.Namespace, scenario: str, out_path: str) -> int:
         result["preempted"] = preempted
         result["free_after"] = pool.get_num_free_blocks()
     result["metrics"] = {name: getattr(laprox.vllm.metrics(), name)
-                         for name in ("plans", "failures", "compactions", "blocks_released")}
+                         for name in ("plans", "failures", "compactions", "blocks_released",
+                                      "deferred", "spared")}
     with open(out_path, "w") as f:
         json.dump(result, f)
     return 0
 
 
-def run_child(args: argparse.Namespace, scenario: str, target: str, mode: str) -> dict:
+def run_child(args: argparse.Namespace, scenario: str, target: str, mode: str,
+              trigger: str = "always") -> dict:
+    """One engine in a process of its own; mode "vanilla": without the plugin."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     env = dict(os.environ, LAPROX_VLLM_TARGET=target, LAPROX_VLLM_BUDGET=str(args.budget),
                LAPROX_VLLM_MODE=mode, VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               LAPROX_VLLM_POLICY=json.dumps(POLICY),
+               LAPROX_VLLM_POLICY=json.dumps(POLICY), LAPROX_VLLM_TRIGGER=trigger,
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    if mode == "vanilla":
+        del env["LAPROX_VLLM_TARGET"]
     command = [sys.executable, __file__, "--child", scenario, "--out", out] + args.passthrough
     if scenario == "preempt" and mode == "mask":
         command += ["--preempt-blocks", "0"]  # the reference: nothing preempted
-    print(f"== {scenario} ({mode})", flush=True)
+    print(f"== {scenario} ({mode}, trigger {trigger})", flush=True)
     subprocess.run(command, env=env, check=True)
     with open(out) as f:
         result = json.load(f)
@@ -204,9 +252,11 @@ def main() -> int:
     ap.add_argument("--continuation", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--logprob-tolerance", type=float, default=1e-3)
-    ap.add_argument("--checks", default="parity,prefix,preempt")
+    ap.add_argument("--checks", default="parity,prefix,preempt,ample,pressure")
     ap.add_argument("--preempt-blocks", type=int, default=40)
     ap.add_argument("--preempt-tokens", type=int, default=300)
+    ap.add_argument("--pressure-blocks", type=int, default=90)
+    ap.add_argument("--pressure-tokens", type=int, default=100)
     ap.add_argument("--child")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -215,14 +265,48 @@ def main() -> int:
     args.passthrough = ["--model", args.model, "--prompts", str(args.prompts),
                         "--budget", str(args.budget), "--continuation", str(args.continuation),
                         "--seed", str(args.seed), "--preempt-blocks", str(args.preempt_blocks),
-                        "--preempt-tokens", str(args.preempt_tokens)]
+                        "--preempt-tokens", str(args.preempt_tokens),
+                        "--pressure-blocks", str(args.pressure_blocks),
+                        "--pressure-tokens", str(args.pressure_tokens)]
     checks = args.checks.split(",")
     use_laproxd(args.laproxd)
     server = Laproxd()
     ok = True
     try:
-        masked = run_child(args, "mask", server.target, "mask")
         sequences = args.prompts + 1 + 2
+        if "ample" in checks:
+            got = run_child(args, "ample", server.target, "compact", trigger="pressure")
+            vanilla = run_child(args, "ample", server.target, "vanilla")
+            m = got["metrics"]
+            good = (m["plans"] == m["deferred"] == m["spared"] == sequences
+                    and m["compactions"] == m["blocks_released"] == m["failures"] == 0
+                    and got["free_after"] == got["free_before"])
+            print(f"   trigger pressure, a pool with room: {m['plans']} plans ({sequences} "
+                  f"sequences), {m['deferred']} deferred, {m['spared']} spared, "
+                  f"{m['compactions']} compactions, {m['blocks_released']} blocks released"
+                  f"{'' if good else ' <- FAIL'}")
+            ok = same_decode("ample", got["completions"], vanilla["completions"],
+                             args.logprob_tolerance) and good and ok
+        if "pressure" in checks:
+            got = run_child(args, "pressure", server.target, "compact", trigger="pressure")
+            always = run_child(args, "pressure", server.target, "compact")
+            m, a = got["metrics"], always["metrics"]
+            good = (0 < m["compactions"] < a["compactions"] and m["failures"] == 0
+                    and not got["preempted"]
+                    and m["plans"] == m["compactions"] + m["spared"]
+                    and got["free_after"] == got["free_before"])
+            print(f"   trigger pressure, {args.pressure_blocks} blocks: {m['compactions']} "
+                  f"compactions of {m['plans']} plans ([shortfall, compacted, waiting] "
+                  f"{got['decisions']}), {m['spared']} spared, {len(got['preempted'])} "
+                  f"preemptions; trigger always: {a['compactions']} compactions of {a['plans']} "
+                  f"plans, {len(always['preempted'])} preemptions; free blocks "
+                  f"{got['free_before']} before, {got['free_after']} after"
+                  f"{'' if good else ' <- FAIL'}")
+            ok = good and ok
+        if not {"parity", "prefix", "preempt"} & set(checks):
+            checks = []  # the masked engine is their reference only
+        else:
+            masked = run_child(args, "mask", server.target, "mask")
         if "parity" in checks:
             got = run_child(args, "parity", server.target, "compact")
             m = got["metrics"]

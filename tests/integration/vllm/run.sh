@@ -21,6 +21,9 @@
 #    LAYER_UNIFORM plans: greedy tokens equal and log-probs within 1e-3, every sequence
 #    compacted and the pool's free blocks back at their count; prefix caching with a request
 #    sharing the blocks of one being compacted; compacted requests preempted and compacted again;
+#    the pressure trigger (LAPROX_VLLM_TRIGGER=pressure): a pool with room compacts nothing and
+#    decodes as vLLM without the plugin; a pool too small compacts fewer sequences than
+#    LAPROX_VLLM_TRIGGER=always, the rest spared;
 # 3c. replan.py: decode re-plans (LAPROX_VLLM_DECODE_BUFFER) keep two 512-token generations
 #    within budget + buffer blocks, against the engine planning once; the pool whole at the end;
 # 4. bad_paths.py: laproxd's budget-share metrics for the model; laproxd down and laproxd
@@ -32,8 +35,8 @@
 # 6. serve.py: vLLM's OpenAI server (engine core in its own process): the plugin's counters and
 #    stage histograms on vLLM's /metrics beside vLLM's own, before and after laproxd stops.
 # --smoke (what .ci/run runs): steps 1 and 2, platform_check and the chunked parity of step 3,
-# test_hf*.py, test_vllm_compact.py, compaction.py's parity and block-return check, replan.py,
-# and steps 5 and 6.
+# test_hf*.py, test_vllm_compact.py, compaction.py's parity and block-return check and the
+# pressure trigger's two checks, replan.py, and steps 5 and 6.
 # Exit status 0 when every check passes. About 15 minutes on 2 cores once set up (--smoke: 5).
 set -euo pipefail
 
@@ -81,7 +84,8 @@ echo "== compaction: blocks given back, the same tokens as masking"
 "$python" "$root/tests/python/run_tests.py" --installed --laproxd "$laproxd" \
   -p test_vllm_compact.py
 if (( smoke )); then
-  "$python" "$here/compaction.py" --laproxd "$laproxd" --model "$model" --checks parity
+  "$python" "$here/compaction.py" --laproxd "$laproxd" --model "$model" \
+    --checks parity,ample,pressure
 else
   "$python" "$here/compaction.py" --laproxd "$laproxd" --model "$model"
 fi

@@ -19,6 +19,12 @@ Configuration (environment, read once per process; see Config):
                           and sinks 1, the scoring bench/quality/JOINT.md chose for that shape,
                           unless LAPROX_VLLM_POLICY sets them; null unsets); mask: they stay
                           and decode leaves them out (laproxd's defaults)
+    LAPROX_VLLM_TRIGGER   compact mode: always (default): every planned sequence is compacted
+                          right after its prefill; pressure: it keeps its full cache (deferred)
+                          until vLLM's pool has fewer free blocks than the running requests and
+                          the first waiting one need, and then the fewest deferred sequences
+                          that cover the shortfall are compacted to the budget (a floor: never
+                          deeper); a sequence the pool never needed ends uncompressed (spared)
     LAPROX_VLLM_DECODE_BUFFER
                           N > 0 (compact mode, an int budget): a compacted sequence is
                           re-planned through laproxd and compacted again whenever its cache

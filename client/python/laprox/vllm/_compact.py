@@ -62,6 +62,8 @@ class Order:
     sources: int         # blocks of the request's list the kept entries are read from
     dest: Tuple[int, ...]  # the block ids they go to, in slot order
     released: int        # blocks given back to the pool
+    computed: int        # positions in the cache when it is carried out (>= Pending.computed
+                         # when the compaction was deferred: LAPROX_VLLM_TRIGGER=pressure)
 
 
 @dataclass
@@ -143,12 +145,13 @@ def ready(pending: Pending, replan: bool = False) -> Ready:
 
 def move(pending: Pending, block_ids: List[int], order: Order,
          caches: List[Tuple[torch.Tensor, torch.Tensor]]) -> np.ndarray:
-    """Moves every layer's kept entries (and those after the prompt) to slots 0.. of
-    order.dest, reading them through the request's old blocks. caches[l] are layer l's keys
-    [blocks, Hkv, d, bs] and values [blocks, Hkv, bs, d] (the "vec" layout). Returns drops."""
+    """Moves every layer's kept entries (and those after the prompt, up to order.computed) to
+    slots 0.. of order.dest, reading them through the request's old blocks. caches[l] are layer
+    l's keys [blocks, Hkv, d, bs] and values [blocks, Hkv, bs, d] (the "vec" layout). Returns
+    drops."""
     sources = torch.tensor(block_ids[:order.sources], dtype=torch.int64)
     dest = torch.tensor(order.dest, dtype=torch.int64)
-    after = np.arange(pending.prompt_len, pending.computed, dtype=np.int64)
+    after = np.arange(pending.prompt_len, order.computed, dtype=np.int64)
     drops = np.empty(len(caches), np.int64)
     for l, (keys, values) in enumerate(caches):
         kept = pending.kept[l]
@@ -203,6 +206,9 @@ class _SchedulerSide:
         self.drops: Dict[str, int] = {}       # request -> tokens its allocations leave out
         self.pending: Dict[str, Order] = {}   # decided, not yet sent
         self.held: Dict[str, List[Any]] = {}  # released blocks waiting for the worker's move
+        # LAPROX_VLLM_TRIGGER=pressure: planned requests whose compaction waits until the pool
+        # runs short (relieve), by request.
+        self.deferred: Dict[str, Ready] = {}
 
 
 SCHED = _SchedulerSide()
@@ -219,25 +225,43 @@ def _manager(scheduler: Any) -> Any:
     return managers[0]
 
 
-def decide(scheduler: Any, req_id: str, found: Ready) -> None:
-    """The blocks `req_id` keeps once compacted (module docstring), or nothing when it ended,
-    was preempted, or compaction frees no block."""
+def _compactable(scheduler: Any, manager: Any, req_id: str, found: Ready,
+                 deferred: bool) -> Optional[Any]:
+    """The request `req_id` when its plan `found` can be compacted now, else None."""
     from vllm.v1.request import RequestStatus
 
-    manager = _manager(scheduler)
     request = scheduler.requests.get(req_id)
     # A first compaction is of a request not compacted yet; a re-plan of one compacted before,
-    # whose previous order has been carried out (its blocks are no longer held).
+    # whose previous order has been carried out (its blocks are no longer held). Unless it was
+    # deferred, it is decided on the step the plan was made for.
     if (manager is None or request is None or request.status != RequestStatus.RUNNING
             or req_id not in manager.req_to_blocks or (req_id in SCHED.drops) != found.replan
             or req_id in SCHED.pending or req_id in SCHED.held
-            or request.num_computed_tokens != found.computed):
-        return
+            or request.num_computed_tokens < found.computed
+            or (not deferred and request.num_computed_tokens != found.computed)):
+        return None
+    return request
+
+
+def _blocks_needed(found: Ready, computed: int, block_size: int) -> int:
+    """Blocks a request planned as `found` holds once compacted with `computed` positions."""
+    return -(-(found.longest + computed - found.prompt_len) // block_size)
+
+
+def decide(scheduler: Any, req_id: str, found: Ready, deferred: bool = False) -> int:
+    """The blocks `req_id` keeps once compacted (module docstring), or nothing when it ended,
+    was preempted, or compaction frees no block. `deferred`: the plan was made on an earlier
+    step (LAPROX_VLLM_TRIGGER=pressure); the entries computed since are kept as well. Returns
+    the blocks released."""
+    manager = _manager(scheduler)
+    request = _compactable(scheduler, manager, req_id, found, deferred)
+    if request is None:
+        return 0
     blocks = manager.req_to_blocks[req_id]
-    block_size = manager.block_size
-    need = -(-(found.longest + found.computed - found.prompt_len) // block_size)
+    computed = request.num_computed_tokens
+    need = _blocks_needed(found, computed, manager.block_size)
     if need > len(blocks):
-        return
+        return 0
     private = [b for b in blocks if b.ref_cnt == 1 and not b.is_null]
     dest = private[len(private) - need:] if len(private) >= need else private
     if len(dest) < need:
@@ -245,18 +269,76 @@ def decide(scheduler: Any, req_id: str, found: Ready) -> None:
         if pool.get_num_free_blocks() < need - len(dest):
             logger.warning("laprox: no free block to compact request %s into; it decodes with "
                            "its full blocks, masked", req_id)
-            return
+            return 0
         dest = dest + pool.get_new_blocks(need - len(dest))
     kept_ids = {id(b) for b in dest}
     released = [b for b in blocks if id(b) not in kept_ids]
     # Rewritten in place: their hashes would name positions they no longer hold.
     manager.block_pool.evict_blocks({b.block_id for b in dest if b.block_hash is not None})
-    SCHED.pending[req_id] = Order(len(blocks), tuple(b.block_id for b in dest), len(released))
+    SCHED.pending[req_id] = Order(len(blocks), tuple(b.block_id for b in dest), len(released),
+                                  computed)
     SCHED.held[req_id] = released
     SCHED.drops[req_id] = found.prompt_len - found.longest
     blocks[:] = dest
     manager.num_cached_block[req_id] = _NEVER
+    return len(released)
 
+
+def shortfall(scheduler: Any, manager: Any) -> int:
+    """Blocks the engine's requests need two steps from now beyond those the pool will have
+    (> 0: the pool is short). A compaction decided now frees its blocks after the next step
+    (the worker moves the entries first), so it can only serve the step after: every running
+    request's blocks for the tokens it holds and the next two it computes (a prefill: its whole
+    prompt), and, when the scheduler may admit another request, the whole prompt of the first
+    one waiting (prefix-cache hits not counted), against the free blocks and those held for
+    compactions under way."""
+    block_size = manager.block_size
+    need = 0
+    for request in scheduler.running:
+        held = len(manager.req_to_blocks.get(request.request_id, ()))
+        tokens = request.num_tokens + 1 - SCHED.drops.get(request.request_id, 0)
+        need += max(0, -(-tokens // block_size) - held)
+    if scheduler.waiting and len(scheduler.running) < scheduler.max_num_running_reqs:
+        need += -(-next(iter(scheduler.waiting)).num_tokens // block_size)
+    coming = sum(len(blocks) for blocks in SCHED.held.values())
+    return need - manager.block_pool.get_num_free_blocks() - coming
+
+
+def fewest(gains: Dict[str, int], short: int) -> List[str]:
+    """The fewest requests whose released blocks (gains) cover `short`, largest gain first
+    (the k largest gains are the largest sum any k requests give); all of them when even that
+    falls short, none when nothing is short."""
+    chosen: List[str] = []
+    for req_id in sorted(gains, key=lambda r: (-gains[r], r)):
+        if short <= 0:
+            break
+        if gains[req_id] > 0:
+            chosen.append(req_id)
+            short -= gains[req_id]
+    return chosen
+
+
+def relieve(scheduler: Any) -> int:
+    """LAPROX_VLLM_TRIGGER=pressure: compacts the fewest deferred requests that cover the
+    pool's shortfall (evicted entries cannot come back, so nothing is compacted while the pool
+    has room). Returns the requests compacted."""
+    manager = _manager(scheduler)
+    if manager is None or not SCHED.deferred:
+        return 0
+    short = shortfall(scheduler, manager)
+    if short <= 0:
+        return 0
+    gains = {}
+    for req_id, found in SCHED.deferred.items():
+        request = _compactable(scheduler, manager, req_id, found, deferred=True)
+        if request is not None:
+            gains[req_id] = len(manager.req_to_blocks[req_id]) - _blocks_needed(
+                found, request.num_computed_tokens, manager.block_size)
+    compacted = 0
+    for req_id in fewest(gains, short):
+        if decide(scheduler, req_id, SCHED.deferred.pop(req_id), deferred=True):
+            compacted += 1
+    return compacted
 
 def _release(manager: Any, req_id: str) -> None:
     held = SCHED.held.pop(req_id, None)
@@ -276,15 +358,30 @@ def install_scheduler_hooks() -> None:
                             base.pop_blocks_for_free)
 
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+        from ._state import STATE
+
         manager = _manager(self)
         for req_id in getattr(scheduler_output, "_laprox_compact", ()):
             _release(manager, req_id)  # the worker moved their entries
         result = update(self, scheduler_output, model_runner_output)
+        new = []
         for req_id, found in (getattr(model_runner_output, "_laprox_ready", None) or {}).items():
+            if STATE.config.deferred and not found.replan:
+                SCHED.deferred[req_id] = found
+                new.append(req_id)
+                continue
             try:
                 decide(self, req_id, found)
             except Exception as e:  # noqa: BLE001 - never the engine's failure
                 logger.warning("laprox: compacting %s failed (%r); it decodes masked", req_id, e)
+        if SCHED.deferred:
+            try:
+                relieve(self)
+            except Exception as e:  # noqa: BLE001 - never the engine's failure
+                logger.warning("laprox: compacting under pressure failed (%r); the deferred "
+                               "requests keep their full cache", e)
+                SCHED.deferred.clear()
+            STATE.metrics.deferred += sum(req_id in SCHED.deferred for req_id in new)
         return result
 
     def schedule_(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -305,9 +402,13 @@ def install_scheduler_hooks() -> None:
                         *args, **kwargs)
 
     def pop_blocks_for_free(self: Any, request_id: str) -> Any:
+        from ._state import STATE
+
         # Finished, aborted or preempted: nothing of its compaction outlives it.
         SCHED.drops.pop(request_id, None)
         SCHED.pending.pop(request_id, None)
+        if SCHED.deferred.pop(request_id, None) is not None:
+            STATE.metrics.spared += 1
         _release(self, request_id)
         return pop(self, request_id)
 

@@ -26,6 +26,12 @@ sums the files by model at scrape time:
   laprox_vllm_blocks_released_total{model_name} KV blocks they gave back to vLLM's pool
   laprox_vllm_replans_total{model_name}        decode re-plans of compacted sequences
                                                (LAPROX_VLLM_DECODE_BUFFER)
+  laprox_vllm_deferred_total{model_name}       planned sequences left with their full cache
+                                               because the pool had room for what the
+                                               engine's requests need (LAPROX_VLLM_TRIGGER=
+                                               pressure; compacted later if it runs short)
+  laprox_vllm_spared_total{model_name}         deferred sequences that ended (or were
+                                               preempted) without ever being compacted
   laprox_vllm_stage_seconds{model_name,stage}  histogram per engine step of the time spent
       capturing window queries (stage="capture"), calling laproxd (stage="call", one per
       ComputeKeepPlans call) and recomputing masked decode rows (stage="apply")
@@ -52,7 +58,7 @@ logger = logging.getLogger("laprox.vllm")
 
 DIR_VARIABLE = "LAPROX_VLLM_METRICS_DIR"
 COUNTERS = ("plans", "failures", "prefill_steps", "not_captured", "timeouts", "not_ready",
-            "compactions", "blocks_released", "replans")
+            "compactions", "blocks_released", "replans", "deferred", "spared")
 STAGES = ("capture", "call", "apply")
 # Upper bounds of the stage histograms' buckets, seconds (the last bucket, +Inf, is the count).
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -198,10 +204,14 @@ class _Collector:
                          "was not registered with laproxd (or was checking it after a "
                          "timeout); counted in failures too",
             "compactions": "Planned sequences whose evicted entries left vLLM's KV cache "
-                           "(the rest decode masked)",
+                           "(the others decode masked, or with their full cache when deferred)",
             "blocks_released": "KV blocks compacted sequences gave back to vLLM's pool",
             "replans": "Decode re-plans of compacted sequences whose cache reached budget + "
                        "LAPROX_VLLM_DECODE_BUFFER",
+            "deferred": "Planned sequences left with their full KV cache because vLLM's pool "
+                        "had room for what its requests need (LAPROX_VLLM_TRIGGER=pressure)",
+            "spared": "Deferred sequences that ended or were preempted without ever being "
+                      "compacted",
         }
         for counter in COUNTERS:
             family = CounterMetricFamily(f"laprox_vllm_{counter}", help_text[counter],

@@ -443,8 +443,10 @@ def _plan(runner: Any, done: List[Tuple[str, _Prefill]]) -> None:
             if STATE.config.compacts:
                 STATE.pending[req_id] = pending
                 STATE.ready[req_id] = _compact.ready(pending)
-        # Masked until compacted (or for good in mask mode, or when no order comes).
-        STATE.compressed[req_id] = _Compressed(prefill.prompt_len, masks, prefill.block_ids)
+        # Masked until compacted (or for good in mask mode, or when no order comes); with the
+        # pressure trigger it decodes with its full cache until compacted.
+        if not STATE.config.deferred:
+            STATE.compressed[req_id] = _Compressed(prefill.prompt_len, masks, prefill.block_ids)
     while len(STATE.plans) > MAX_PLANS:
         STATE.plans.popitem(last=False)
 

@@ -62,10 +62,20 @@ class Config:
     # again whenever the mean over layers of its entries per head reaches budget + N, so that a
     # long generation stays within it (DESIGN.md, section 7). 0: planned once, after the prefill.
     decode_buffer: int = 0
+    # When a planned sequence is compacted (compact mode): "always", at once after its prefill
+    # (it decodes masked until the order is carried out); "pressure", only once vLLM's pool has
+    # fewer free blocks than its requests need (_compact.relieve), the fewest sequences that
+    # cover the shortfall; until then it decodes with its full cache.
+    trigger: str = "always"
 
     @property
     def compacts(self) -> bool:
         return self.mode == "compact"
+
+    @property
+    def deferred(self) -> bool:
+        """Whether planned sequences wait for the pool to run short (LAPROX_VLLM_TRIGGER)."""
+        return self.compacts and self.trigger == "pressure"
 
     @property
     def layer_uniform(self) -> bool:
@@ -107,8 +117,15 @@ class Config:
             logger.warning("laprox: LAPROX_VLLM_DECODE_BUFFER needs compact mode and a budget in "
                            "tokens per head; sequences are planned once, after the prefill")
             decode_buffer = 0
+        trigger = os.environ.get("LAPROX_VLLM_TRIGGER", "always")
+        if trigger not in ("always", "pressure"):
+            raise ValueError(f"LAPROX_VLLM_TRIGGER must be always or pressure, not {trigger!r}")
+        if trigger == "pressure" and mode != "compact":
+            logger.warning("laprox: LAPROX_VLLM_TRIGGER=pressure needs compact mode (masking "
+                           "frees no block); every planned sequence decodes masked")
+            trigger = "always"
         return Config(target=os.environ["LAPROX_VLLM_TARGET"], budget=budget, policy=policy,
-                      mode=mode, decode_buffer=decode_buffer,
+                      mode=mode, decode_buffer=decode_buffer, trigger=trigger,
                       window=int(os.environ.get("LAPROX_VLLM_WINDOW", "32")),
                       model_name=os.environ.get("LAPROX_VLLM_MODEL", ""),
                       deadline=_seconds("LAPROX_VLLM_DEADLINE_SECONDS", PLAN_DEADLINE_S),
