@@ -261,3 +261,29 @@ class FewestTest(unittest.TestCase):
                 self.assertGreaterEqual(sum(gains[r] for r in chosen), short)
             else:  # nothing covers it: every request that frees a block
                 self.assertEqual(sorted(chosen), sorted(useful))
+
+
+class TriggerConfigTest(unittest.TestCase):
+    """LAPROX_VLLM_TRIGGER: always (the default) or pressure, which needs compact mode."""
+
+    def config(self, **env):
+        from unittest import mock
+        from laprox.vllm._state import Config
+        with mock.patch.dict("os.environ", dict(LAPROX_VLLM_TARGET="unix:/nowhere", **env),
+                            clear=True):
+            return Config.from_env()
+
+    def test_always_is_the_default_and_defers_nothing(self):
+        self.assertEqual(self.config().trigger, "always")
+        self.assertFalse(self.config().deferred)
+
+    def test_pressure_defers_in_compact_mode_only(self):
+        self.assertTrue(self.config(LAPROX_VLLM_TRIGGER="pressure").deferred)
+        with self.assertLogs("laprox.vllm", "WARNING"):
+            masked = self.config(LAPROX_VLLM_TRIGGER="pressure", LAPROX_VLLM_MODE="mask")
+        self.assertEqual(masked.trigger, "always")
+        self.assertFalse(masked.deferred)
+
+    def test_another_value_is_refused_by_name(self):
+        with self.assertRaisesRegex(ValueError, "LAPROX_VLLM_TRIGGER.*'sometimes'"):
+            self.config(LAPROX_VLLM_TRIGGER="sometimes")
