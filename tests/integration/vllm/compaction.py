@@ -15,7 +15,9 @@ and greedy sampling:
   parity   the compacting engine's greedy tokens equal the masked engine's and their log-probs
            agree within --logprob-tolerance; every planned sequence was compacted, blocks were
            released, and once every request ended the pool's free blocks are back at their
-           count before the first request; the needle is answered alike;
+           count before the first request; laprox_vllm_kept_entries_total is the plans' kept
+           entries and, with _evicted_entries_total, every prompt entry; the needle is
+           answered alike;
   prefix   prefix caching on, prefills cut into chunks of 256 tokens: request B is added while
            request A is half prefilled, so B's first blocks are A's (ref_cnt 2) when A is
            compacted; both decode as in the masked engine, B's prefix-cache hit is real, and
@@ -86,7 +88,7 @@ def child(args: argparse.Namespace, scenario: str, out_path: str) -> int:
     from vllm import LLM, SamplingParams
 
     import laprox.vllm
-    from laprox.vllm import _compact
+    from laprox.vllm import _compact, _runner
 
     laprox.vllm.register()
     _, prompts, pair = prompts_for(args)
@@ -103,6 +105,7 @@ def child(args: argparse.Namespace, scenario: str, out_path: str) -> int:
         result["free_after"] = pool.get_num_free_blocks()
         result["kept"] = [[int(c) for c in plan.counts.max(axis=1)]
                           for plan in laprox.vllm.plans().values()]
+        result["prompt_tokens"] = sum(len(p) for p in prompts + pair)
     elif scenario == "prefix":
         llm = LLM(enable_prefix_caching=True, enable_chunked_prefill=True,
                   max_num_batched_tokens=256, **engine)
@@ -196,7 +199,9 @@ def child(args: argparse.Namespace, scenario: str, out_path: str) -> int:
         result["free_after"] = pool.get_num_free_blocks()
     result["metrics"] = {name: getattr(laprox.vllm.metrics(), name)
                          for name in ("plans", "failures", "compactions", "blocks_released",
-                                      "deferred", "spared")}
+                                      "deferred", "spared", "evicted_entries", "kept_entries")}
+    geometry = _runner.STATE.geometry
+    result["geometry"] = geometry and [geometry.num_layers, geometry.num_kv_heads]
     with open(out_path, "w") as f:
         json.dump(result, f)
     return 0
@@ -310,12 +315,19 @@ def main() -> int:
         if "parity" in checks:
             got = run_child(args, "parity", server.target, "compact")
             m = got["metrics"]
+            # Every prompt entry of every layer and KV head is either kept or evicted, and the
+            # kept ones are the plans' (padded) per-layer counts.
+            layers, heads = got["geometry"]
+            kept = heads * sum(sum(k) for k in got["kept"])
             good = (m["compactions"] == m["plans"] == sequences and m["blocks_released"] > 0
-                    and got["free_after"] == got["free_before"])
+                    and got["free_after"] == got["free_before"] and m["kept_entries"] == kept
+                    and m["kept_entries"] + m["evicted_entries"]
+                    == layers * heads * got["prompt_tokens"])
             print(f"   compactions {m['compactions']} of {m['plans']} plans ({sequences} "
                   f"sequences), {m['blocks_released']} blocks released, free blocks "
-                  f"{got['free_before']} before, {got['free_after']} after"
-                  f"{'' if good else ' <- FAIL'}")
+                  f"{got['free_before']} before, {got['free_after']} after; entries kept "
+                  f"{m['kept_entries']} (the plans: {kept}), evicted {m['evicted_entries']}, "
+                  f"of {layers * heads * got['prompt_tokens']}{'' if good else ' <- FAIL'}")
             ok = same_decode("parity", got["completions"], masked["completions"],
                              args.logprob_tolerance) and good and ok
         if "prefix" in checks:

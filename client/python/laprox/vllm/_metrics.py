@@ -32,6 +32,13 @@ sums the files by model at scrape time:
                                                pressure; compacted later if it runs short)
   laprox_vllm_spared_total{model_name}         deferred sequences that ended (or were
                                                preempted) without ever being compacted
+  laprox_vllm_evicted_entries_total{model_name} KV entries ((layer, KV head, position)
+                                               triples, as laproxd's laprox_tokens_*_total)
+                                               that compactions and re-plans took out of the
+                                               cache
+  laprox_vllm_kept_entries_total{model_name}   prompt entries that first compactions kept;
+                                               over compactions_total and layers x KV heads,
+                                               the mean kept per head against the budget
   laprox_vllm_stage_seconds{model_name,stage}  histogram per engine step of the time spent
       capturing window queries (stage="capture"), calling laproxd (stage="call", one per
       ComputeKeepPlans call) and recomputing masked decode rows (stage="apply")
@@ -58,7 +65,8 @@ logger = logging.getLogger("laprox.vllm")
 
 DIR_VARIABLE = "LAPROX_VLLM_METRICS_DIR"
 COUNTERS = ("plans", "failures", "prefill_steps", "not_captured", "timeouts", "not_ready",
-            "compactions", "blocks_released", "replans", "deferred", "spared")
+            "compactions", "blocks_released", "replans", "deferred", "spared",
+            "evicted_entries", "kept_entries")
 STAGES = ("capture", "call", "apply")
 # Upper bounds of the stage histograms' buckets, seconds (the last bucket, +Inf, is the count).
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -212,6 +220,10 @@ class _Collector:
                         "had room for what its requests need (LAPROX_VLLM_TRIGGER=pressure)",
             "spared": "Deferred sequences that ended or were preempted without ever being "
                       "compacted",
+            "evicted_entries": "KV entries, (layer, KV head, position) triples, that "
+                               "compactions and decode re-plans took out of vLLM's KV cache",
+            "kept_entries": "Prompt KV entries, (layer, KV head, position) triples, that "
+                            "first compactions kept",
         }
         for counter in COUNTERS:
             family = CounterMetricFamily(f"laprox_vllm_{counter}", help_text[counter],

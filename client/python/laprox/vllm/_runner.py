@@ -223,10 +223,14 @@ def _carry_out(runner: Any, req_id: str, order: _compact.Order) -> None:
     compacted = _compact.Compacted(
         pending.prompt_len, drops,
         pending.positions if pending.positions is not None else pending.kept)
+    heads = STATE.geometry.num_kv_heads
     if before is not None:  # a re-plan: the decode queries recorded so far stay
         compacted.queries, compacted.filled = before.queries, before.filled
+        STATE.metrics.evicted_entries += heads * int(drops.sum() - before.drops.sum())
     else:
         STATE.metrics.compactions += 1
+        STATE.metrics.evicted_entries += heads * int(drops.sum())
+        STATE.metrics.kept_entries += heads * int((pending.prompt_len - drops).sum())
     STATE.compacted[req_id] = compacted
     STATE.metrics.blocks_released += order.released
 
