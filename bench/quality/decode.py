@@ -43,7 +43,17 @@ Methods (B per KV head on average, buffer N, window 32):
   hidden states: SnapKV needs more buffered states than its window, so N > 32) and KnormPress. DecodingPress counts decoding forwards per layer and compresses every N of
   them to B entries, so with one token per forward its cache runs between B and B + N, as
   laprox replan's does (the re-plan fires at the same cache size, the compression point may
-  differ by a step).
+  differ by a step);
+- dp adakv (only when --methods names it): DecodingPress around AdaKVPress(SnapKVPress) (window
+  32): head-wise budgets whose total is B per head on average. AdaKVPress masks instead of
+  evicting: every entry stays in memory, the masked ones take no part in attention until the
+  next compression, which scores them again (an entry masked once may come back). The cache
+  sizes reported are the entries attention reads (the length less the masked ones per head).
+
+Gemma 3 (--model its converted folder, --bos: every document starts with <bos>, as joint.py
+--bos): every method plans, compresses and is measured on the full-attention layers only
+(laprox.hf.planned_layers); kvpress skips the sliding-window layers of Gemma3ForConditionalGeneration
+only, so kvpress_full_layers applies that rule to the text model as well.
 """
 
 from __future__ import annotations
@@ -74,14 +84,30 @@ HELD_OUT = [("GPL-1", "file:/usr/share/common-licenses/GPL-1"),
             ("man openssl", "man:openssl"), ("man ssh-keygen", "man:ssh-keygen"),
             ("man apt-get", "man:apt-get")]
 METHODS = ["laprox replan", "laprox once", "streaming", "dp snapkv", "dp knorm",
-           "laprox replan plugin"]
-# the methods a run measures unless --methods names others (the last one came with issue 44)
+           "laprox replan plugin", "dp adakv"]
+# the methods a run measures unless --methods names others (the last two came with issue 44)
 DEFAULT_METHODS = METHODS[:5]
 
 
 # --------------------------------------------------------------------------------------------
 # Runs (kvpress's venv)
 # --------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def kvpress_full_layers(model, press) -> Iterator[None]:
+    """`press(model)`, compressing only the layers that hold the whole prompt. kvpress 0.5.5
+    skips Gemma 3's sliding-window layers for Gemma3ForConditionalGeneration only; the text
+    model (Gemma3ForCausalLM) would have them compressed to B as well, which laprox.hf never
+    does (planned_layers). Its own rule is widened to the text model for the block."""
+    from unittest import mock
+    from kvpress.presses import base_press
+    skipped = base_press.Gemma3ForConditionalGeneration
+    if getattr(model.config, "layer_types", None) and "sliding_attention" in \
+            model.config.layer_types:
+        skipped = (skipped, type(model))
+    with mock.patch.object(base_press, "Gemma3ForConditionalGeneration", skipped), press(model):
+        yield
+
 
 def run(args) -> Dict[str, Any]:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -90,8 +116,8 @@ def run(args) -> Dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
     import tasks as T
-    from kvpress import (DecodingPress, KnormPress, PrefillDecodingPress, SnapKVPress,
-                         StreamingLLMPress)
+    from kvpress import (AdaKVPress, DecodingPress, KnormPress, PrefillDecodingPress,
+                         SnapKVPress, StreamingLLMPress)
     sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "python"))
     import support  # this checkout's client with fresh stubs
     support.prepare_package()
@@ -103,7 +129,7 @@ def run(args) -> Dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa",
                                                  dtype=torch.float32).eval()
-    L = model.config.num_hidden_layers
+    planned = lhf.planned_layers(model)   # Gemma 3: its full-attention layers
     corpus = T.Corpus(tok, args.prompt + 64, HELD_OUT)
     client = laprox.Client(args.target, timeout=120)
     model_id = lhf.register_model(client, model)
@@ -117,7 +143,9 @@ def run(args) -> Dict[str, Any]:
     def kvpress_method(name: str, n: int):
         scorer = {"streaming": lambda cr: StreamingLLMPress(compression_ratio=cr, n_sink=4),
                   "dp snapkv": lambda cr: SnapKVPress(compression_ratio=cr, window_size=32),
-                  "dp knorm": lambda cr: KnormPress(compression_ratio=cr)}[name]
+                  "dp knorm": lambda cr: KnormPress(compression_ratio=cr),
+                  "dp adakv": lambda cr: AdaKVPress(SnapKVPress(compression_ratio=cr,
+                                                                window_size=32))}[name]
         return PrefillDecodingPress(
             prefilling_press=scorer(ratio_to(n)),
             decoding_press=DecodingPress(base_press=scorer(0.0), compression_interval=N,
@@ -134,7 +162,7 @@ def run(args) -> Dict[str, Any]:
         if name == "laprox once":
             return lhf.Compressor(model, client, budget=B, model_id=model_id, compact=True,
                                   plan_shape="layer_uniform", deadline=30)
-        return kvpress_method(name, n)(model)
+        return kvpress_full_layers(model, kvpress_method(name, n))
 
     def forced(name: str, prompt, feed, decode: int = 0):
         """Prefill `prompt` [1, n] under the method, then one token per forward along `feed`
@@ -158,11 +186,22 @@ def run(args) -> Dict[str, Any]:
                 pos += 1
                 if t < len(steps):
                     logits.append(out.logits[0, -1].double())
-                sizes.append(float(np.mean([lhf.cache_layer_kv(cache, l)[0].shape[2]
-                                            for l in range(L)])))
+                sizes.append(attended(cache))
             if decode:
                 greedy.append(int(out.logits[:, -1:].argmax(-1)))
         return torch.stack(logits), greedy[:decode], sizes
+
+    def attended(cache) -> float:
+        """Mean entries per KV head that attention reads in the planned layers: the cache's
+        length less what AdaKVPress masks (it keeps the masked entries in memory)."""
+        sizes = []
+        for l in planned:
+            n = lhf.cache_layer_kv(cache, l)[0].shape[2]
+            masked = getattr(model.model.layers[l].self_attn, "masked_key_indices", None)
+            if masked is not None:
+                n -= masked[0].numel() / model.config.num_key_value_heads
+            sizes.append(n)
+        return float(np.mean(sizes))
 
     def sample(prompt, count: int, seed: int):
         torch.manual_seed(seed)
@@ -175,7 +214,8 @@ def run(args) -> Dict[str, Any]:
     result: Dict[str, Any] = dict(continuation=[], needle=[],
                                   model=os.path.basename(os.path.normpath(args.model)),
                                   budget=B, buffer=N, prompt=args.prompt, cont=args.cont,
-                                  passage=args.passage, torch=torch.__version__)
+                                  passage=args.passage, torch=torch.__version__,
+                                  planned_layers=len(planned), bos=args.bos)
 
     def save() -> None:  # after every item, so that a run cut short keeps what it measured
         if args.json:
@@ -183,6 +223,9 @@ def run(args) -> Dict[str, Any]:
                 json.dump(result, f)
     rng = random.Random("decode/documents")
     spans = [corpus.span(rng, args.prompt, index=i) for i in range(args.documents)]
+    if args.bos:   # Gemma 3 is trained with <bos> first (joint.py --bos does the same)
+        spans = [(label, torch.cat([torch.tensor([tok.bos_token_id]), ids]))
+                 for label, ids in spans]
     for i, (label, ids) in enumerate(spans):
         if i % shards != shard:
             continue
@@ -221,6 +264,8 @@ def run(args) -> Dict[str, Any]:
                      add_special_tokens=False).input_ids[0]
         at = int(r.uniform(0.1, 0.9) * hay.shape[0])
         prompt = torch.cat([hay[:at], needle, hay[at:]])[None]
+        if args.bos:
+            prompt = torch.cat([torch.tensor([[tok.bos_token_id]]), prompt], dim=1)
         passage, _ = sample(prompt, args.passage, seed=2000 + i)
         question = tok(f"\n\nQuestion: what is the secret code of the {word}? Answer: The "
                        f"secret code of the {word} is", return_tensors="pt",
@@ -387,6 +432,8 @@ def main() -> int:
     ap.add_argument("--shard", default="0/1")
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                     help=f"comma-separated, of {', '.join(METHODS)}")
+    ap.add_argument("--bos", action="store_true",
+                    help="prepend <bos> to every document (Gemma 3)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--report", nargs="*", default=None)
     ap.add_argument("--out", default=os.path.join(HERE, "DECODE.md"))
