@@ -392,12 +392,13 @@ class StoppedLaproxdTest(WithLaproxd):
         # A new client has no staging region yet: registering it is part of the stopped call.
         model_id = lhf.register_model(self.client(), self.model)
         press = lhf.Compressor(self.model, self.client(), budget=16, model_id=model_id)
+        _, normal = self.generate()  # without the press: what the machine's load adds
         with press:
             with self.server.paused(), self.assertLogs("laprox.hf", "WARNING"):
                 out, stopped = self.generate()
-            self.assertLess(stopped, self.bound,
-                            f"generate() took {stopped:.2f} s with laproxd stopped; plan "
-                            f"deadline + slack {self.bound:.2f} s")
+            self.assertLess(stopped, self.bound + normal,
+                            f"generate() took {stopped:.2f} s with laproxd stopped, {normal:.2f} "
+                            f"s without the press; plan deadline + slack {self.bound:.2f} s")
             self.assertTrue(torch.equal(out, self.full))
             self.assertEqual(press.timeouts, 1)
             self.generate()
