@@ -52,8 +52,9 @@ Methods (B per KV head on average, buffer N, window 32):
 
 Gemma 3 (--model its converted folder, --bos: every document starts with <bos>, as joint.py
 --bos): every method plans, compresses and is measured on the full-attention layers only
-(laprox.hf.planned_layers); kvpress skips the sliding-window layers of Gemma3ForConditionalGeneration
-only, so kvpress_full_layers applies that rule to the text model as well.
+(laprox.hf.planned_layers); kvpress skips the sliding-window layers of
+Gemma3ForConditionalGeneration only, so kvpress_full_layers applies that rule to the text model
+as well.
 """
 
 from __future__ import annotations
