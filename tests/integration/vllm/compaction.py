@@ -116,14 +116,15 @@ def child(args: argparse.Namespace, scenario: str, out_path: str) -> int:
         seen: dict = {"shared_at_compaction": 0}
         decide = _compact.decide
 
-        def watching(scheduler, req_id, found):
+        def watching(scheduler, req_id, found, *a, **k):
             blocks = manager.coordinator.single_type_managers[0].req_to_blocks.get(req_id, [])
             shared = [b for b in blocks if b.ref_cnt > 1]
             seen["shared_at_compaction"] += len(shared)
             seen.setdefault("shared_blocks", []).extend(b.block_id for b in shared)
-            decide(scheduler, req_id, found)
+            released = decide(scheduler, req_id, found, *a, **k)
             seen["hashed_after"] = sum(pool.blocks[i].block_hash is not None
                                        for i in seen.get("shared_blocks", []))
+            return released
 
         _compact.decide = watching
         engine_ = llm.llm_engine
