@@ -268,7 +268,7 @@ def decide(scheduler: Any, req_id: str, found: Ready, deferred: bool = False) ->
         pool = manager.block_pool
         if pool.get_num_free_blocks() < need - len(dest):
             logger.warning("laprox: no free block to compact request %s into; it decodes with "
-                           "its full blocks, masked", req_id)
+                           "its full blocks (masked, unless it was deferred)", req_id)
             return 0
         dest = dest + pool.get_new_blocks(need - len(dest))
     kept_ids = {id(b) for b in dest}
@@ -336,9 +336,12 @@ def relieve(scheduler: Any) -> int:
                 found, request.num_computed_tokens, manager.block_size)
     compacted = 0
     for req_id in fewest(gains, short):
-        if decide(scheduler, req_id, SCHED.deferred.pop(req_id), deferred=True):
+        # One that cannot be compacted now (no free block to compact into) stays deferred.
+        if decide(scheduler, req_id, SCHED.deferred[req_id], deferred=True):
+            del SCHED.deferred[req_id]
             compacted += 1
     return compacted
+
 
 def _release(manager: Any, req_id: str) -> None:
     held = SCHED.held.pop(req_id, None)
