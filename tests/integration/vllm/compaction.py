@@ -83,6 +83,35 @@ def completion(output) -> dict:
             "logprobs": [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)]}
 
 
+def twelve_sequences(engine: dict, prompts, blocks: int, tokens: int, result: dict,
+                     noted) -> None:
+    """Twelve sequences of about 1,000 tokens (prompts[1] cut short by 0 .. 11) with `tokens`
+    greedy tokens each, on a pool of `blocks` blocks (vLLM's own size when 0): their
+    completions, the free blocks before and after, and noted(request) of every preemption, in
+    result."""
+    from vllm import LLM, SamplingParams
+
+    pool_size = {"num_gpu_blocks_override": blocks} if blocks else {}
+    llm = LLM(enable_prefix_caching=False, **dict(engine, max_model_len=2432, **pool_size))
+    scheduler = engine_core(llm).scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    result["free_before"] = pool.get_num_free_blocks()
+    preempted: list = []
+    original = type(scheduler)._preempt_request
+
+    def preempt(self, request, *a, **k):
+        preempted.append(noted(request))
+        return original(self, request, *a, **k)
+
+    type(scheduler)._preempt_request = preempt
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, logprobs=1)
+    outputs = llm.generate([{"prompt_token_ids": prompts[1][:1000 - i]} for i in range(12)],
+                           params)
+    result["completions"] = [completion(o) for o in outputs]
+    result["preempted"] = preempted
+    result["free_after"] = pool.get_num_free_blocks()
+
+
 def child(args: argparse.Namespace, scenario: str, out_path: str) -> int:
     """One engine: runs `scenario` and writes what it saw to out_path (JSON)."""
     from vllm import LLM, SamplingParams
@@ -143,11 +172,6 @@ def child(args: argparse.Namespace, scenario: str, out_path: str) -> int:
         result.update(seen)
         result["free_after"] = pool.get_num_free_blocks()
     elif scenario == "pressure":
-        llm = LLM(enable_prefix_caching=False,
-                  **dict(engine, max_model_len=2432, num_gpu_blocks_override=args.pressure_blocks))
-        scheduler = engine_core(llm).scheduler
-        pool = scheduler.kv_cache_manager.block_pool
-        result["free_before"] = pool.get_num_free_blocks()
         decisions: list = []
         relieve = _compact.relieve
 
@@ -160,44 +184,15 @@ def child(args: argparse.Namespace, scenario: str, out_path: str) -> int:
             return compacted
 
         _compact.relieve = watching
-        preempted: list = []
-        original = type(scheduler)._preempt_request
-
-        def preempt(self, request, *a, **k):
-            preempted.append(request.request_id)
-            return original(self, request, *a, **k)
-
-        type(scheduler)._preempt_request = preempt
-        params = SamplingParams(max_tokens=args.pressure_tokens, temperature=0.0, logprobs=1)
-        outputs = llm.generate([{"prompt_token_ids": prompts[1][:1000 - i]} for i in range(12)],
-                               params)
-        result["completions"] = [completion(o) for o in outputs]
+        twelve_sequences(engine, prompts, args.pressure_blocks, args.pressure_tokens, result,
+                         lambda request: request.request_id)
         result["decisions"] = decisions
-        result["preempted"] = preempted
-        result["free_after"] = pool.get_num_free_blocks()
     elif scenario == "preempt":
         # A small pool (none for the reference run) and twelve sequences of 1,000 tokens:
         # compacted, all of them run at once, and their decodes outgrow the pool.
-        pool_size = {"num_gpu_blocks_override": args.preempt_blocks} if args.preempt_blocks else {}
-        llm = LLM(enable_prefix_caching=False, **dict(engine, max_model_len=2432, **pool_size))
-        core = engine_core(llm)
-        scheduler = core.scheduler
-        pool = scheduler.kv_cache_manager.block_pool
-        result["free_before"] = pool.get_num_free_blocks()
-        preempted: list = []
-        original = type(scheduler)._preempt_request
-
-        def preempt(self, request, *a, **k):
-            preempted.append([request.request_id, request.request_id in _compact.SCHED.drops])
-            return original(self, request, *a, **k)
-
-        type(scheduler)._preempt_request = preempt
-        long = SamplingParams(max_tokens=args.preempt_tokens, temperature=0.0, logprobs=1)
-        outputs = llm.generate([{"prompt_token_ids": prompts[1][:1000 - i]} for i in range(12)],
-                               long)
-        result["completions"] = [completion(o) for o in outputs]
-        result["preempted"] = preempted
-        result["free_after"] = pool.get_num_free_blocks()
+        twelve_sequences(engine, prompts, args.preempt_blocks, args.preempt_tokens, result,
+                         lambda request: [request.request_id,
+                                          request.request_id in _compact.SCHED.drops])
     result["metrics"] = {name: getattr(laprox.vllm.metrics(), name)
                          for name in ("plans", "failures", "compactions", "blocks_released",
                                       "deferred", "spared", "evicted_entries", "kept_entries")}

@@ -21,8 +21,9 @@ Configuration (environment, read once per process; see Config):
                           and decode leaves them out (laproxd's defaults)
     LAPROX_VLLM_TRIGGER   compact mode: always (default): every planned sequence is compacted
                           right after its prefill; pressure: it keeps its full cache (deferred)
-                          until vLLM's pool has fewer free blocks than the running requests and
-                          the first waiting one need, and then the fewest deferred sequences
+                          until vLLM's pool (with the blocks compactions under way give back)
+                          has fewer free blocks than the running requests and the first waiting
+                          one need two steps on, and then the fewest deferred sequences
                           that cover the shortfall are compacted to the budget (a floor: never
                           deeper); a sequence the pool never needed ends uncompressed (spared)
     LAPROX_VLLM_DECODE_BUFFER
