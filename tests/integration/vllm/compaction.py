@@ -51,7 +51,7 @@ import numpy as np
 
 from laproxd_support import Laproxd, use_laproxd
 from laprox.vllm._state import COMPACT_LAPROX_SCORING, COMPACT_POLICY
-from parity import prompt_text, test_prompts
+from parity import prompt_text, draw_prompts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The compacting plugin's default plan options, given to both engines so that the masking
@@ -66,7 +66,7 @@ def prompts_for(args: argparse.Namespace):
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
     rng = np.random.default_rng(args.seed)
-    prompts = test_prompts(tokenizer, rng, args.prompts)  # parity.py's: the same draws
+    prompts = draw_prompts(tokenizer, rng, args.prompts)  # parity.py's: the same draws
     shared = [int(x) for x in tokenizer(prompt_text(rng, 1100))["input_ids"][:1024]]
     tails = [[int(x) for x in tokenizer(prompt_text(rng, 400))["input_ids"][:300]]
              for _ in range(2)]

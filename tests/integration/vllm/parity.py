@@ -42,7 +42,7 @@ def prompt_text(rng: np.random.Generator, words: int) -> str:
     return " ".join(sentences)
 
 
-def test_prompts(tokenizer, rng: np.random.Generator, count: int) -> list:
+def draw_prompts(tokenizer, rng: np.random.Generator, count: int) -> list:
     """Token ids of a needle in ~1.5K tokens of filler, asked for through the chat template
     (first), then `count` seeded texts of 1-3K tokens."""
     text = prompt_text(rng, 700) + " The secret code of the harbour is 4821. " + \
@@ -101,7 +101,7 @@ def compare(args: argparse.Namespace, target: str) -> int:
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
     rng = np.random.default_rng(args.seed)
-    prompts = test_prompts(tokenizer, rng, args.prompts)
+    prompts = draw_prompts(tokenizer, rng, args.prompts)
 
     laprox.vllm.register()  # also when the entry point is not installed (PYTHONPATH)
     started = time.perf_counter()

@@ -39,7 +39,7 @@ import numpy as np
 
 from laproxd_support import Laproxd, use_laproxd
 from laprox.vllm._state import COMPACT_LAPROX_SCORING, COMPACT_POLICY
-from parity import test_prompts
+from parity import draw_prompts
 
 POLICY = {**COMPACT_POLICY, **COMPACT_LAPROX_SCORING}  # the compacting plugin's defaults
 WINDOW = 32
@@ -54,7 +54,7 @@ def child(args: argparse.Namespace, out_path: str) -> int:
 
     laprox.vllm.register()
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
-    prompts = test_prompts(tokenizer, np.random.default_rng(args.seed), 2)[1:]
+    prompts = draw_prompts(tokenizer, np.random.default_rng(args.seed), 2)[1:]
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=4096,
               seed=0, enable_prefix_caching=False)
     core = llm.llm_engine.engine_core.engine_core
@@ -155,7 +155,7 @@ def main() -> int:
         once = run_child(args, server.target, 0)
         import transformers
         tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
-        prompts = test_prompts(tokenizer, np.random.default_rng(args.seed), 2)[1:]
+        prompts = draw_prompts(tokenizer, np.random.default_rng(args.seed), 2)[1:]
         print("== the same generations through laprox.hf (decode_buffer)", flush=True)
         hf = hf_tokens(args, server.target, prompts)
     finally:
