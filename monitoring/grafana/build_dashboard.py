@@ -1,12 +1,15 @@
 #!/usr/bin/python3
-"""Writes monitoring/grafana/laprox.json, the laproxd Grafana dashboard.
+"""Writes the Grafana dashboards: monitoring/grafana/laprox.json (laproxd) and
+monitoring/grafana/laprox-vllm.json (the laprox.vllm plugin beside vLLM's own KV-cache metrics).
 
-The dashboard is generated so that its panels stay uniform and reviewable; edit this file, run
-it, and commit both. tests/monitoring/prometheus_e2e_test.py checks that the JSON is this
-script's output and evaluates every query against a real Prometheus scraping laproxd.
+The dashboards are generated so that their panels stay uniform and reviewable; edit this file,
+run it, and commit its outputs. tests/monitoring/prometheus_e2e_test.py checks that the JSON is
+this script's output and evaluates every query of laprox.json against a real Prometheus
+scraping laproxd; tests/integration/vllm/serve.py does the same for laprox-vllm.json against a
+Prometheus scraping vLLM's /metrics.
 
-    /usr/bin/python3 monitoring/grafana/build_dashboard.py          # rewrite laprox.json
-    /usr/bin/python3 monitoring/grafana/build_dashboard.py --check  # exit 1 if it differs
+    /usr/bin/python3 monitoring/grafana/build_dashboard.py          # rewrite both
+    /usr/bin/python3 monitoring/grafana/build_dashboard.py --check  # exit 1 if one differs
 """
 
 import json
@@ -67,10 +70,62 @@ def quantiles(metric, selector, by, legend_prefix):
              f"{legend_prefix}p{int(q * 100)}") for q in (0.5, 0.95, 0.99)]
 
 
-def build():
+def _start():
     _panels.clear()
     _next_id[0] = 1
     _y[0] = 0
+
+
+def _dashboard(title, uid, description, tags, variables):
+    return {
+        "title": title,
+        "uid": uid,
+        "description": description,
+        "tags": tags,
+        "editable": True,
+        "graphTooltip": 1,
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "30s",
+        "time": {"from": "now-1h", "to": "now"},
+        "timepicker": {},
+        "timezone": "browser",
+        "fiscalYearStartMonth": 0,
+        "liveNow": False,
+        "weekStart": "",
+        "links": [],
+        "annotations": {"list": [{
+            "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+            "enable": True, "hide": True, "iconColor": "rgba(0, 211, 255, 1)",
+            "name": "Annotations & Alerts", "type": "dashboard"}]},
+        "templating": {"list": variables},
+        "panels": list(_panels),
+    }
+
+
+def _variables(instance_metric, model_metric, model_label):
+    """The data source, instance and model variables: instances from label_values of
+    instance_metric, models from label_values of model_metric's model_label."""
+    return [
+        {"name": "datasource", "label": "Data source", "type": "datasource",
+         "query": "prometheus", "current": {}, "hide": 0, "refresh": 1, "regex": ""},
+        {"name": "instance", "label": "Instance", "type": "query", "datasource": DS,
+         "query": {"query": f"label_values({instance_metric}, instance)", "refId": "instance"},
+         "definition": f"label_values({instance_metric}, instance)",
+         "multi": True, "includeAll": True, "allValue": ".*", "current": {}, "hide": 0,
+         "refresh": 2, "regex": "", "sort": 1},
+        {"name": "model", "label": "Model", "type": "query", "datasource": DS,
+         "query": {"query": f'label_values({model_metric}{{instance=~"$instance"}}, '
+                            f'{model_label})', "refId": "model"},
+         "definition": f'label_values({model_metric}{{instance=~"$instance"}}, {model_label})',
+         "multi": False, "includeAll": False, "current": {}, "hide": 0, "refresh": 2,
+         "regex": "", "sort": 1},
+    ]
+
+
+def build():
+    """The laproxd dashboard (laprox.json)."""
+    _start()
     row("Health and traffic")
     panel("timeseries", "Calls per second, by method",
           "Finished calls per second for each RPC, all status codes.",
@@ -195,63 +250,119 @@ def build():
            (f"max by (instance, version) (laprox_build_info{{{INST}}})", "", True)],
           x=0, w=24, h=6, newline=True)
 
-    variables = [
-        {"name": "datasource", "label": "Data source", "type": "datasource",
-         "query": "prometheus", "current": {}, "hide": 0, "refresh": 1, "regex": ""},
-        {"name": "instance", "label": "Instance", "type": "query", "datasource": DS,
-         "query": {"query": "label_values(laprox_build_info, instance)", "refId": "instance"},
-         "definition": "label_values(laprox_build_info, instance)",
-         "multi": True, "includeAll": True, "allValue": ".*", "current": {}, "hide": 0,
-         "refresh": 2, "regex": "", "sort": 1},
-        {"name": "model", "label": "Model", "type": "query", "datasource": DS,
-         "query": {"query": 'label_values(laprox_head_budget_share_ratio{instance=~"$instance"}, model)',
-                   "refId": "model"},
-         "definition": 'label_values(laprox_head_budget_share_ratio{instance=~"$instance"}, model)',
-         "multi": False, "includeAll": False, "current": {}, "hide": 0, "refresh": 2,
-         "regex": "", "sort": 1},
-    ]
-    return {
-        "title": "laprox — KV-cache eviction sidecar",
-        "uid": "laprox-overview",
-        "description": "laproxd health, latency, compression and per-layer/head budget use. "
-                       "Metrics: monitoring/METRICS.md.",
-        "tags": ["laprox", "llm-serving", "kv-cache"],
-        "editable": True,
-        "graphTooltip": 1,
-        "schemaVersion": 39,
-        "version": 1,
-        "refresh": "30s",
-        "time": {"from": "now-1h", "to": "now"},
-        "timepicker": {},
-        "timezone": "browser",
-        "fiscalYearStartMonth": 0,
-        "liveNow": False,
-        "weekStart": "",
-        "links": [],
-        "annotations": {"list": [{
-            "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"},
-            "enable": True, "hide": True, "iconColor": "rgba(0, 211, 255, 1)",
-            "name": "Annotations & Alerts", "type": "dashboard"}]},
-        "templating": {"list": variables},
-        "panels": _panels,
-    }
+    return _dashboard(
+        "laprox — KV-cache eviction sidecar", "laprox-overview",
+        "laproxd health, latency, compression and per-layer/head budget use. "
+        "Metrics: monitoring/METRICS.md.",
+        ["laprox", "llm-serving", "kv-cache"],
+        _variables("laprox_build_info", "laprox_head_budget_share_ratio", "model"))
 
 
-def render():
-    return json.dumps(build(), indent=2, ensure_ascii=False) + "\n"
+def build_vllm():
+    """The plugin's dashboard (laprox-vllm.json): vLLM's KV-cache panels and the plugin's
+    decisions side by side, for one served model."""
+    _start()
+    sel = f'{INST}, model_name="$model"'
+
+    def plugin(counter):
+        return f"sum(rate(laprox_vllm_{counter}_total{{{sel}}}[{RATE}]))"
+
+    row("KV cache: vLLM's pool, and what laprox gives back")
+    panel("timeseries", "vLLM KV-cache usage",
+          "vLLM's own gauge: the share of the KV block pool in use. With "
+          "LAPROX_VLLM_TRIGGER=pressure the plugin compacts only when this pool runs short.",
+          [(f"vllm:kv_cache_usage_perc{{{sel}}}", "{{instance}}")],
+          x=0, w=6, unit="percentunit")
+    panel("timeseries", "Requests running and waiting",
+          "vLLM's scheduler: requests decoding or prefilling now, and requests waiting for "
+          "blocks. Compaction lets more run at once in the same pool.",
+          [(f"sum(vllm:num_requests_running{{{sel}}})", "running"),
+           (f"sum(vllm:num_requests_waiting{{{sel}}})", "waiting")],
+          x=6, w=6, unit="short")
+    panel("timeseries", "Blocks given back and preemptions, per second",
+          "KV blocks compacted sequences returned to vLLM's pool, against vLLM's preemptions "
+          "(a preempted request's computed tokens are thrown away and computed again).",
+          [(plugin("blocks_released"), "blocks given back"),
+           (f"sum(rate(vllm:num_preemptions_total{{{sel}}}[{RATE}]))", "preemptions")],
+          x=12, w=6, unit="short")
+    panel("timeseries", "Time between output tokens p50 / p99 (vLLM)",
+          "vLLM's inter-token latency: what compaction shortens when decode reads long "
+          "caches, and what the plugin's own stages add to.",
+          [(f"histogram_quantile({q}, sum by (le) (rate("
+            f"vllm:inter_token_latency_seconds_bucket{{{sel}}}[{RATE}])))", f"p{int(q * 100)}")
+           for q in (0.5, 0.99)],
+          x=18, w=6, unit="s", newline=True)
+
+    row("laprox decisions")
+    panel("timeseries", "Sequences per second: planned, compacted, deferred, spared",
+          "Planned: got a keep-plan after the prefill. Compacted: evicted entries left the "
+          "cache. Deferred: kept the full cache because the pool had room (trigger "
+          "pressure). Spared: deferred and never compacted. Re-plans: decode re-plans.",
+          [(plugin("plans"), "planned"), (plugin("compactions"), "compacted"),
+           (plugin("deferred"), "deferred"), (plugin("spared"), "spared"),
+           (plugin("replans"), "re-plans")],
+          x=0, w=8, unit="short")
+    panel("timeseries", "KV entries per second: kept and evicted",
+          "(layer, KV head, position) triples: the prompt entries first compactions kept, "
+          "and the entries compactions and re-plans took out of the cache.",
+          [(plugin("kept_entries"), "kept"), (plugin("evicted_entries"), "evicted")],
+          x=8, w=8, unit="short")
+    panel("timeseries", "Prompt entries kept per compaction",
+          "Kept prompt entries per compaction and per (layer, KV head) would be the budget "
+          "if every layer kept the same; shown as entries per compaction (divide by layers x "
+          "KV heads for the per-head mean).",
+          [(f"{plugin('kept_entries')} / {plugin('compactions')}", "kept per compaction")],
+          x=16, w=8, unit="short", newline=True)
+
+    row("laprox cost and failures")
+    panel("timeseries", "Plan latency p50 / p95 / p99 (one ComputeKeepPlans call)",
+          "From the engine's step sending the sequences that finished their prefill to "
+          "laproxd's answer; past the plugin's deadline the sequences keep their full cache.",
+          quantiles("laprox_vllm_stage_seconds_bucket", f'{sel}, stage="call"', "", ""),
+          x=0, w=8, unit="s")
+    panel("timeseries", "Plugin seconds per second, by stage",
+          "Time the plugin adds to the engine's steps: capturing window queries, calling "
+          "laproxd, masking decode rows.",
+          [(f"sum by (stage) (rate(laprox_vllm_stage_seconds_sum{{{sel}}}[{RATE}]))",
+            "{{stage}}")],
+          x=8, w=8, unit="s")
+    panel("timeseries", "Sequences kept full by reason, per second",
+          "Failures: the sequence kept its full cache because something failed; timeouts and "
+          "not ready (no registration with laproxd) are counted in failures too; not "
+          "captured: a prefix-cache hit started inside the query window.",
+          [(plugin("failures"), "failures"), (plugin("timeouts"), "timeouts"),
+           (plugin("not_ready"), "not ready"), (plugin("not_captured"), "not captured")],
+          x=16, w=8, unit="short", newline=True)
+
+    return _dashboard(
+        "laprox in vLLM — KV cache and keep-plans", "laprox-vllm",
+        "The laprox.vllm plugin's decisions, evictions and costs beside vLLM's own KV-cache "
+        "metrics, for one served model. Metrics: monitoring/METRICS.md.",
+        ["laprox", "vllm", "llm-serving", "kv-cache"],
+        _variables("vllm:num_requests_running", "vllm:num_requests_running", "model_name"))
+
+
+DASHBOARDS = {"laprox.json": build, "laprox-vllm.json": build_vllm}
+
+
+def render(name="laprox.json"):
+    return json.dumps(DASHBOARDS[name](), indent=2, ensure_ascii=False) + "\n"
 
 
 def main(argv):
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "laprox.json")
-    text = render()
-    if "--check" in argv:
-        with open(path, encoding="utf-8") as f:
-            if f.read() != text:
-                print(f"{path} is not the output of {__file__}; run it and commit the result")
-                return 1
-        return 0
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in DASHBOARDS:
+        path = os.path.join(here, name)
+        text = render(name)
+        if "--check" in argv:
+            with open(path, encoding="utf-8") as f:
+                if f.read() != text:
+                    print(f"{path} is not the output of {__file__}; run it and commit the "
+                          "result")
+                    return 1
+            continue
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
     return 0
 
 

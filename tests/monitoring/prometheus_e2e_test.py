@@ -65,13 +65,16 @@ def start_laproxd(binary, tmp, name, *flags):
 
 
 class Prometheus:
+    """A Prometheus on loopback scraping `targets` (host:port) every second, with the rules file
+    `rules` (None: no rules)."""
+
     def __init__(self, tmp, targets, rules):
         self.port = free_port()
         config = os.path.join(tmp, "prometheus.yml")
         with open(config, "w") as f:
             f.write("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-                    f"rule_files:\n  - {rules}\n"
-                    "scrape_configs:\n  - job_name: laprox\n    static_configs:\n"
+                    + (f"rule_files:\n  - {rules}\n" if rules else "")
+                    + "scrape_configs:\n  - job_name: laprox\n    static_configs:\n"
                     f"      - targets: {json.dumps(targets)}\n")
         self.log = open(os.path.join(tmp, "prometheus.log"), "w+")
         self.proc = subprocess.Popen(

@@ -1,6 +1,8 @@
 """laprox.vllm's metrics (laprox/vllm/_metrics.py) without vLLM: counts made in other processes
 reach prometheus_client's text exposition of a registry in this one, summed by model, with the
-stage histograms' buckets cumulative; files of another layout are skipped."""
+stage histograms' buckets cumulative; files of another layout are skipped; with
+PROMETHEUS_MULTIPROC_DIR set (vLLM's --api-server-count > 1) the same counts reach
+prometheus_client's own multiprocess collector, sample for sample."""
 
 import multiprocessing
 import os
@@ -25,11 +27,11 @@ def engine_process(directory, model, plans, failures, seconds):
     """What an engine-core process does: attach, then count while running."""
     os.environ[_metrics.DIR_VARIABLE] = directory
     early = _metrics.Metrics()
-    early.failures += 1  # counted before the model was loaded: carried into the file
+    early.failures += min(failures, 1)  # counted before the model loaded: carried to the file
     metrics = _metrics.attach(early, model)
     assert metrics.in_directory
     metrics.plans += plans
-    metrics.failures += failures - 1
+    metrics.failures += failures - min(failures, 1)
     for s in seconds:
         metrics.observe("call", s)
     metrics.observe("apply", 0.003)
@@ -123,6 +125,40 @@ class VllmMetricsTest(unittest.TestCase):
             self.assertEqual(value("laprox_vllm_stage_seconds_bucket", stage="call", le=le),
                              count, le)
         self.assertEqual(value("laprox_vllm_stage_seconds_count", stage="capture"), 0)
+
+    @unittest.skipIf(prometheus_client is None, "prometheus_client is not installed")
+    def test_multiprocess_files_hold_the_same_samples(self):
+        from prometheus_client import multiprocess
+
+        shared = os.path.join(self.dir, "prometheus")
+        os.mkdir(shared)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = shared  # the spawned processes inherit it
+        try:
+            run(self.dir, "m1", 3, 2, [0.0004, 0.07, 0.07])
+            run(self.dir, "m1", 5, 1, [20.0])
+            run(self.dir, "m2", 7, 0, [0.001])
+        finally:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR")
+        ours = prometheus_client.CollectorRegistry()
+        ours.register(_metrics._Collector())
+        theirs = prometheus_client.CollectorRegistry()  # what vLLM's /metrics serves then
+        multiprocess.MultiProcessCollector(theirs, path=shared)
+        expected = samples(prometheus_client.generate_latest(ours).decode())
+        got = {k: v for k, v in samples(prometheus_client.generate_latest(theirs).decode())
+               .items() if k[0].startswith("laprox_vllm_")}
+        # Every family of every model, zero counts included (the mirror makes each series when
+        # it attaches, so a rate over it is 0, not absent).
+        self.assertEqual(got, expected)
+        self.assertEqual(got[("laprox_vllm_failures_total", (("model_name", "m1"),))], 3)
+        self.assertEqual(got[("laprox_vllm_stage_seconds_bucket",
+                              (("le", "0.1"), ("model_name", "m1"), ("stage", "call")))], 3)
+
+    def test_attaching_twice_keeps_the_file(self):
+        metrics = _metrics.attach(_metrics.Metrics(), "m")
+        metrics.plans += 4
+        self.assertIs(_metrics.attach(metrics, "m"), metrics)  # the scheduler's process too
+        metrics.plans += 1
+        self.assertEqual(_metrics.read_all()["m"].plans, 5)
 
 if __name__ == "__main__":
     unittest.main()

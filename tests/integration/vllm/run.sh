@@ -32,8 +32,12 @@
 # 5. stopped.py: laproxd stopped (SIGSTOP) under a running engine: no step waits longer than the
 #    plugin's plan deadline (2 s) beyond the running steps, every request is served with its
 #    full cache, counted; after SIGCONT the plugin compresses again;
-# 6. serve.py: vLLM's OpenAI server (engine core in its own process): the plugin's counters and
-#    stage histograms on vLLM's /metrics beside vLLM's own, before and after laproxd stops.
+# 6. serve.py: `vllm serve` (engine core and worker in processes of their own), with one API
+#    server and with two (prometheus_client's multiprocess files): the plugin's counters and
+#    stage histograms on vLLM's /metrics beside vLLM's own (the pressure trigger's deferred and
+#    spared counted in the scheduler's process), every query of the Grafana dashboard
+#    monitoring/grafana/laprox-vllm.json answered by a real Prometheus scraping it, before
+#    and after laproxd stops.
 # --smoke (what .ci/run runs): steps 1 and 2, platform_check and the chunked parity of step 3,
 # test_hf*.py, test_vllm_compact.py, compaction.py's parity and block-return check and the
 # pressure trigger's two checks, replan.py, and steps 5 and 6.
@@ -52,7 +56,7 @@ for arg in "$@"; do
   case "$arg" in
     --laproxd=*) laproxd="${arg#--laproxd=}" ;;
     --smoke) smoke=1 ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
     *) echo "unknown argument: $arg (see --help)" >&2; exit 1 ;;
   esac
 done

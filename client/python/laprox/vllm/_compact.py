@@ -356,9 +356,16 @@ def install_scheduler_hooks() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     base = stm.SingleTypeKVCacheManager
-    update, schedule = Scheduler.update_from_output, Scheduler.schedule
+    init, update, schedule = Scheduler.__init__, Scheduler.update_from_output, Scheduler.schedule
     count, allocate, pop = (base.get_num_blocks_to_allocate, base.allocate_new_blocks,
                             base.pop_blocks_for_free)
+
+    def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        from ._state import STATE
+
+        init(self, vllm_config, *args, **kwargs)
+        # The deferred and spared counts are the scheduler's, maybe in a process of its own.
+        STATE.name_model(str(vllm_config.model_config.served_model_name))
 
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
         from ._state import STATE
@@ -415,6 +422,7 @@ def install_scheduler_hooks() -> None:
         _release(self, request_id)
         return pop(self, request_id)
 
+    Scheduler.__init__ = __init__
     Scheduler.update_from_output = update_from_output
     Scheduler.schedule = schedule_
     base.get_num_blocks_to_allocate = get_num_blocks_to_allocate

@@ -44,8 +44,12 @@ sums the files by model at scrape time:
       ComputeKeepPlans call) and recomputing masked decode rows (stage="apply")
 
 A process that died keeps its file, so its counts stay in the sums (counters do not go back).
-With vLLM's --api-server-count > 1 (PROMETHEUS_MULTIPROC_DIR set) vLLM's /metrics reads only
-prometheus_client's multiprocess files, and these metrics are not on it: metrics() has them.
+
+With vLLM's --api-server-count > 1 vLLM sets PROMETHEUS_MULTIPROC_DIR, and its /metrics reads
+only prometheus_client's multiprocess files there, not the default registry. In that layout
+every process that counts also mirrors each update into prometheus_client Counters and one
+Histogram of the same names (prometheus_client writes them to its file in that directory, as it
+does vLLM's own), and vLLM's /metrics sums them with its own.
 """
 
 from __future__ import annotations
@@ -75,12 +79,59 @@ SIZE = len(COUNTERS) + len(STAGES) * _STAGE_SIZE
 LAYOUT = {"counters": list(COUNTERS), "stages": list(STAGES), "buckets": list(BUCKETS)}
 
 
+HELP = {
+    "plans": "Sequences that got a laprox keep-plan",
+    "failures": "Sequences that kept their full KV cache because the laprox plugin or laproxd "
+                "failed (and failed set-up steps)",
+    "prefill_steps": "(sequence, step) pairs of prefill the laprox plugin saw",
+    "not_captured": "Prefills a prefix-cache hit started inside the query window (no plan)",
+    "timeouts": "Sequences whose laproxd call ran past the laprox plugin's deadline (they kept "
+                "their full KV cache; counted in failures too)",
+    "not_ready": "Sequences that kept their full KV cache because the laprox plugin was not "
+                 "registered with laproxd (or was checking it after a timeout); counted in "
+                 "failures too",
+    "compactions": "Planned sequences whose evicted entries left vLLM's KV cache (the others "
+                   "decode masked, or with their full cache when deferred)",
+    "blocks_released": "KV blocks compacted sequences gave back to vLLM's pool",
+    "replans": "Decode re-plans of compacted sequences whose cache reached budget + "
+               "LAPROX_VLLM_DECODE_BUFFER",
+    "deferred": "Planned sequences left with their full KV cache because vLLM's pool had room "
+                "for what its requests need (LAPROX_VLLM_TRIGGER=pressure)",
+    "spared": "Deferred sequences that ended or were preempted without ever being compacted",
+    "evicted_entries": "KV entries, (layer, KV head, position) triples, that compactions and "
+                       "decode re-plans took out of vLLM's KV cache",
+    "kept_entries": "Prompt KV entries, (layer, KV head, position) triples, that first "
+                    "compactions kept",
+}
+STAGE_HELP = ("Seconds per engine step the laprox plugin spent capturing window queries "
+              "(capture), calling laproxd (call, per call) and masking decode rows (apply)")
+
+
+class _Mirror:
+    """prometheus_client metrics of the same names, in prometheus_client's multiprocess mode
+    (PROMETHEUS_MULTIPROC_DIR), that the process's updates are copied to."""
+
+    def __init__(self, model_name: str) -> None:
+        from prometheus_client import Counter, Histogram
+
+        # registry=None: the values live in prometheus_client's multiprocess files, which
+        # vLLM's /metrics reads; nothing in this process serves them.
+        self.counters = [Counter(f"laprox_vllm_{name}", HELP[name], ["model_name"],
+                                 registry=None).labels(model_name) for name in COUNTERS]
+        stages = Histogram("laprox_vllm_stage_seconds", STAGE_HELP, ["model_name", "stage"],
+                           registry=None, buckets=BUCKETS)
+        self.stages = [stages.labels(model_name, stage) for stage in STAGES]
+
+
 class Metrics:
     """The plugin's counts and stage times in one process, over a float64 array (in memory, or
-    mapped from this process's file once attach() found a directory)."""
+    mapped from this process's file once attach() found a directory), copied to a _Mirror too
+    in prometheus_client's multiprocess mode."""
 
-    def __init__(self, values: Optional[np.ndarray] = None) -> None:
+    def __init__(self, values: Optional[np.ndarray] = None,
+                 mirror: Optional[_Mirror] = None) -> None:
         self.values = np.zeros(SIZE) if values is None else values
+        self.mirror = mirror
 
     @property
     def in_directory(self) -> bool:
@@ -91,6 +142,8 @@ class Metrics:
         return len(COUNTERS) + STAGES.index(stage) * _STAGE_SIZE
 
     def observe(self, stage: str, seconds: float) -> None:
+        if self.mirror is not None:
+            self.mirror.stages[STAGES.index(stage)].observe(seconds)
         base = self._stage(stage)
         self.values[base] += 1
         self.values[base + 1] += seconds
@@ -127,6 +180,8 @@ def _counter_property(index: int) -> property:
         return int(self.values[index])
 
     def set_(self: Metrics, value: int) -> None:
+        if self.mirror is not None and value > self.values[index]:
+            self.mirror.counters[index].inc(value - self.values[index])
         self.values[index] = value
 
     return property(get, set_)
@@ -149,9 +204,13 @@ def ensure_directory() -> str:
 
 def attach(metrics: Metrics, model_name: str) -> Metrics:
     """A Metrics over this process's file in the metrics directory, holding what `metrics`
-    counted so far; `metrics` itself when there is no directory or it cannot be written."""
+    counted so far, and mirrored into prometheus_client's multiprocess files when
+    PROMETHEUS_MULTIPROC_DIR is set; `metrics` itself when it is attached already (the scheduler
+    and the model runner may share a process) or there is no directory or it cannot be written.
+    Stage times observed before attaching are not mirrored (they are observed in steps, after
+    the model loaded)."""
     path = os.environ.get(DIR_VARIABLE)
-    if not path:
+    if not path or metrics.in_directory:
         return metrics
     base = os.path.join(path, str(os.getpid()))
     try:
@@ -164,7 +223,18 @@ def attach(metrics: Metrics, model_name: str) -> Metrics:
         logger.warning("laprox: cannot write the plugin's metrics under %s (%s); they stay in "
                        "this process (laprox.vllm.metrics())", path, e)
         return metrics
-    return Metrics(values)
+    mirror = None
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        try:
+            mirror = _Mirror(model_name)
+        except Exception as e:  # noqa: BLE001 - prometheus_client missing or refusing
+            logger.warning("laprox: the plugin's metrics are not in prometheus_client's "
+                           "multiprocess files (%r); laprox.vllm.metrics() has them", e)
+        else:
+            for counter, value in zip(mirror.counters, values[:len(COUNTERS)]):
+                if value:
+                    counter.inc(float(value))
+    return Metrics(values, mirror)
 
 
 def read_all(path: Optional[str] = None) -> Dict[str, Metrics]:
@@ -199,43 +269,14 @@ class _Collector:
         from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
         sums = read_all()
-        help_text = {
-            "plans": "Sequences that got a laprox keep-plan",
-            "failures": "Sequences that kept their full KV cache because the laprox plugin or "
-                        "laproxd failed (and failed set-up steps)",
-            "prefill_steps": "(sequence, step) pairs of prefill the laprox plugin saw",
-            "not_captured": "Prefills a prefix-cache hit started inside the query window "
-                            "(no plan)",
-            "timeouts": "Sequences whose laproxd call ran past the laprox plugin's deadline "
-                        "(they kept their full KV cache; counted in failures too)",
-            "not_ready": "Sequences that kept their full KV cache because the laprox plugin "
-                         "was not registered with laproxd (or was checking it after a "
-                         "timeout); counted in failures too",
-            "compactions": "Planned sequences whose evicted entries left vLLM's KV cache "
-                           "(the others decode masked, or with their full cache when deferred)",
-            "blocks_released": "KV blocks compacted sequences gave back to vLLM's pool",
-            "replans": "Decode re-plans of compacted sequences whose cache reached budget + "
-                       "LAPROX_VLLM_DECODE_BUFFER",
-            "deferred": "Planned sequences left with their full KV cache because vLLM's pool "
-                        "had room for what its requests need (LAPROX_VLLM_TRIGGER=pressure)",
-            "spared": "Deferred sequences that ended or were preempted without ever being "
-                      "compacted",
-            "evicted_entries": "KV entries, (layer, KV head, position) triples, that "
-                               "compactions and decode re-plans took out of vLLM's KV cache",
-            "kept_entries": "Prompt KV entries, (layer, KV head, position) triples, that "
-                            "first compactions kept",
-        }
         for counter in COUNTERS:
-            family = CounterMetricFamily(f"laprox_vllm_{counter}", help_text[counter],
+            family = CounterMetricFamily(f"laprox_vllm_{counter}", HELP[counter],
                                          labels=["model_name"])
             for model, metrics in sums.items():
                 family.add_metric([model], getattr(metrics, counter))
             yield family
-        family = HistogramMetricFamily(
-            "laprox_vllm_stage_seconds",
-            "Seconds per engine step the laprox plugin spent capturing window queries "
-            "(capture), calling laproxd (call, per call) and masking decode rows (apply)",
-            labels=["model_name", "stage"])
+        family = HistogramMetricFamily("laprox_vllm_stage_seconds", STAGE_HELP,
+                                       labels=["model_name", "stage"])
         for model, metrics in sums.items():
             for stage in STAGES:
                 count, total, cumulative = metrics.stage(stage)

@@ -34,8 +34,7 @@ import numpy as np
 import torch
 
 from ..client import plan_deadline
-from ..types import model_name
-from . import _compact, _metrics
+from . import _compact
 from ._connect import _RECONNECT_CODES, _code, _start_connector
 # _apply is looked up here at every step (tests/integration/vllm/bad_paths.py replaces it).
 from ._decode import _apply, _cache_views, _capture, _layer_index, _paged_layer
@@ -95,10 +94,8 @@ def _load_model(original: Any) -> Any:
             STATE.geometry = _geometry(self)
         except Exception as e:
             STATE.warn(f"the model is not one laprox.vllm knows ({e})")
-        name = STATE.config.model_name or str(self.model_config.served_model_name)
-        STATE.model_name = model_name(name)
+        STATE.name_model(str(self.model_config.served_model_name))
         STATE.model_path = self.model_config.model
-        STATE.metrics = _metrics.attach(STATE.metrics, STATE.model_name)
         return result
 
     return load_model

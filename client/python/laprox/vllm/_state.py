@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..client import PLAN_DEADLINE_S
+from ..types import model_name
 from . import _compact, _metrics
 
 logger = logging.getLogger("laprox.vllm")
@@ -205,6 +206,13 @@ class _State:
         self.step_seconds: Dict[str, float] = {"capture": 0.0, "apply": 0.0}
         self.last_warning = 0.0
         self.warning_lock = threading.Lock()  # the steps and the connector thread warn
+
+    def name_model(self, served_name: str) -> None:
+        """Names the model (LAPROX_VLLM_MODEL, or vLLM's served name) and puts this process's
+        counters in the metrics directory under that name: called where the model runner loads
+        the model and where the scheduler starts, which may be processes of their own."""
+        self.model_name = model_name(self.config.model_name or served_name)
+        self.metrics = _metrics.attach(self.metrics, self.model_name)
 
     def warn(self, message: str, sequences: int = 1) -> None:
         """Counts `sequences` sequences that keep their full cache (or a failed set-up step: 1;
