@@ -99,6 +99,29 @@ class MoveTest(unittest.TestCase):
                                released=4, computed=computed)
         self.check_move(pending, block_ids, order, prompt, computed, caches, before)
 
+    def test_an_order_for_another_plan_moves_nothing(self):
+        # LAPROX_VLLM_PRESSURE_BUDGETS: the order names the plan (level) its blocks were sized
+        # for; blocks for another plan's length are a bug, refused before anything moves.
+        rng = np.random.default_rng(4)
+        layers, heads, bs, d, pool = 2, 2, 4, 8, 20
+        prompt = 21
+        block_ids = [int(b) for b in rng.permutation(np.arange(1, pool))[:6]]
+        floor, _ = _compact.note_plan(random_masks(rng, layers, heads, prompt, [6, 5]), prompt,
+                                      prompt, 6)
+        larger, _ = _compact.note_plan(random_masks(rng, layers, heads, prompt, [13, 11]),
+                                       prompt, prompt, 12)
+        floor.larger = [larger]
+        self.assertEqual(_compact.ready(floor).larger, (13,))
+        caches = [vec_cache(rng, pool, heads, bs, d) for _ in range(layers)]
+        before = [(k.clone(), v.clone()) for _, (k, v) in caches]
+        order = _compact.Order(sources=6, dest=tuple(block_ids[2:6]), released=2,
+                               computed=prompt, level=1)  # 4 blocks: 13 entries
+        with self.assertRaisesRegex(RuntimeError, "order of 4 blocks for a plan that needs 2"):
+            _compact.move(floor, block_ids, order, [views for _, views in caches])
+        for l in range(layers):
+            self.assertTrue(torch.equal(caches[l][1][0], before[l][0]))
+        self.check_move(floor.at(1), block_ids, order, prompt, prompt, caches, before)
+
     def check_move(self, pending, block_ids, order, prompt, computed, caches, before):
         """The move of `order`: every kept entry and every one after the prompt up to
         order.computed in slot order in dest, nothing written elsewhere."""
@@ -287,3 +310,65 @@ class TriggerConfigTest(unittest.TestCase):
     def test_another_value_is_refused_by_name(self):
         with self.assertRaisesRegex(ValueError, "LAPROX_VLLM_TRIGGER.*'sometimes'"):
             self.config(LAPROX_VLLM_TRIGGER="sometimes")
+
+
+class ChooseTest(unittest.TestCase):
+    """LAPROX_VLLM_PRESSURE_BUDGETS: the fewest requests, each at the largest budget that still
+    covers the shortfall (choose)."""
+
+    def test_fewest_requests_and_none_could_go_higher(self):
+        rng = np.random.default_rng(11)
+        raised = 0
+        for _ in range(500):
+            gains = {}
+            for i in range(int(rng.integers(0, 6))):
+                floor = int(rng.integers(-1, 12))
+                # larger budgets release fewer blocks (non-increasing; maybe none)
+                larger = np.sort(rng.integers(-2, floor + 1, int(rng.integers(0, 3))))[::-1]
+                gains[f"r{i}"] = [floor] + [int(g) for g in larger]
+            short = int(rng.integers(-2, 30))
+            levels = _compact.choose(gains, short)
+            floor = _compact.fewest({r: g[0] for r, g in gains.items()}, short)
+            self.assertEqual(list(levels), floor)  # the same requests, in the same order
+            released = sum(gains[r][l] for r, l in levels.items())
+            self.assertLessEqual(released, sum(gains[r][0] for r in floor))
+            if sum(gains[r][0] for r in floor) < short:  # nothing covers it: all at the floor
+                self.assertTrue(all(l == 0 for l in levels.values()), (gains, short, levels))
+                continue
+            self.assertGreaterEqual(released, short, (gains, short, levels))
+            raised += sum(l > 0 for l in levels.values())
+            for r, l in levels.items():
+                self.assertGreater(gains[r][l], 0)
+                for higher in range(l + 1, len(gains[r])):  # going higher would uncover it
+                    if gains[r][higher] > 0:
+                        self.assertLess(released - gains[r][l] + gains[r][higher], short,
+                                        (gains, short, levels, r))
+            if len(levels) == 1:  # one request: the least release that covers, exactly
+                (r,) = levels
+                self.assertEqual(released, min(g for g in gains[r] if g >= short and g > 0))
+        self.assertGreater(raised, 50)  # the cases raise levels often enough to mean something
+
+
+class PressureBudgetsConfigTest(unittest.TestCase):
+    """LAPROX_VLLM_PRESSURE_BUDGETS: budgets above the floor, for the pressure trigger."""
+
+    def config(self, **env):
+        from unittest import mock
+        from laprox.vllm._state import Config
+        with mock.patch.dict("os.environ", dict(LAPROX_VLLM_TARGET="unix:/nowhere", **env),
+                            clear=True):
+            return Config.from_env()
+
+    def test_sorted_above_the_floor(self):
+        config = self.config(LAPROX_VLLM_TRIGGER="pressure", LAPROX_VLLM_BUDGET="256",
+                             LAPROX_VLLM_PRESSURE_BUDGETS="1024,512")
+        self.assertEqual(config.budgets, (256, 512, 1024))
+        self.assertEqual(self.config().budgets, (128,))
+
+    def test_refused_at_or_below_the_floor_and_ignored_without_pressure(self):
+        with self.assertRaisesRegex(ValueError, "above LAPROX_VLLM_BUDGET.*'128,512'"):
+            self.config(LAPROX_VLLM_TRIGGER="pressure", LAPROX_VLLM_PRESSURE_BUDGETS="128,512")
+        with self.assertRaisesRegex(ValueError, "LAPROX_VLLM_PRESSURE_BUDGETS.*'big'"):
+            self.config(LAPROX_VLLM_TRIGGER="pressure", LAPROX_VLLM_PRESSURE_BUDGETS="big")
+        with self.assertLogs("laprox.vllm", "WARNING"):
+            self.assertEqual(self.config(LAPROX_VLLM_PRESSURE_BUDGETS="512").budgets, (128,))

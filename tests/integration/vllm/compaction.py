@@ -5,7 +5,7 @@ the masked engine (LAPROX_VLLM_MODE=mask) under the same plans.
 
     compaction.py --laproxd build/service/laproxd --model build/vllm-model/SmolLM2-135M-Instruct
                   [--prompts 3] [--budget 128] [--continuation 32]
-                  [--checks parity,prefix,preempt,ample,pressure]
+                  [--checks parity,prefix,preempt,ample,pressure,levels]
 
 Each engine runs in a process of its own (the plugin's settings are read once per process),
 with the same prompts (a needle question and 1-3K tokens of seeded text), policy
@@ -35,6 +35,12 @@ and greedy sampling:
            none is preempted (compacted in time to make room); every
            plan ends compacted or spared (its sequence ended with its full cache), and the pool
            is whole at the end (the shortfall at each compaction is printed).
+  levels   the pressure scenario with LAPROX_VLLM_PRESSURE_BUDGETS=2B,4B (B the budget): each
+           sequence is planned at three budgets; some compactions are at a budget above B
+           (laprox_vllm_above_floor_total), they keep more prompt entries per compaction than
+           the pressure scenario's, none is preempted, every plan ends compacted or spared and
+           the pool is whole at the end (a compaction order whose blocks do not fit the plan it
+           names stops the engine: _compact.move).
 Exits 1 when a check fails.
 """
 
@@ -195,7 +201,8 @@ def child(args: argparse.Namespace, scenario: str, out_path: str) -> int:
                                           request.request_id in _compact.SCHED.drops])
     result["metrics"] = {name: getattr(laprox.vllm.metrics(), name)
                          for name in ("plans", "failures", "compactions", "blocks_released",
-                                      "deferred", "spared", "evicted_entries", "kept_entries")}
+                                      "deferred", "spared", "evicted_entries", "kept_entries",
+                                      "above_floor")}
     geometry = _runner.STATE.geometry
     result["geometry"] = geometry and [geometry.num_layers, geometry.num_kv_heads]
     with open(out_path, "w") as f:
@@ -204,20 +211,21 @@ def child(args: argparse.Namespace, scenario: str, out_path: str) -> int:
 
 
 def run_child(args: argparse.Namespace, scenario: str, target: str, mode: str,
-              trigger: str = "always") -> dict:
+              trigger: str = "always", **extra: str) -> dict:
     """One engine in a process of its own; mode "vanilla": without the plugin."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     env = dict(os.environ, LAPROX_VLLM_TARGET=target, LAPROX_VLLM_BUDGET=str(args.budget),
                LAPROX_VLLM_MODE=mode, VLLM_ENABLE_V1_MULTIPROCESSING="0",
                LAPROX_VLLM_POLICY=json.dumps(POLICY), LAPROX_VLLM_TRIGGER=trigger,
-               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **extra)
     if mode == "vanilla":
         del env["LAPROX_VLLM_TARGET"]
     command = [sys.executable, __file__, "--child", scenario, "--out", out] + args.passthrough
     if scenario == "preempt" and mode == "mask":
         command += ["--preempt-blocks", "0"]  # the reference: nothing preempted
-    print(f"== {scenario} ({mode}, trigger {trigger})", flush=True)
+    print(f"== {scenario} ({mode}, trigger {trigger}{''.join(f', {k}={v}' for k, v in extra.items())})",
+          flush=True)
     subprocess.run(command, env=env, check=True)
     with open(out) as f:
         result = json.load(f)
@@ -253,7 +261,7 @@ def main() -> int:
     ap.add_argument("--continuation", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--logprob-tolerance", type=float, default=1e-3)
-    ap.add_argument("--checks", default="parity,prefix,preempt,ample,pressure")
+    ap.add_argument("--checks", default="parity,prefix,preempt,ample,pressure,levels")
     ap.add_argument("--preempt-blocks", type=int, default=40)
     ap.add_argument("--preempt-tokens", type=int, default=300)
     ap.add_argument("--pressure-blocks", type=int, default=90)
@@ -288,8 +296,10 @@ def main() -> int:
                   f"{'' if good else ' <- FAIL'}")
             ok = same_decode("ample", got["completions"], vanilla["completions"],
                              args.logprob_tolerance) and good and ok
+        floor = None
         if "pressure" in checks:
-            got = run_child(args, "pressure", server.target, "compact", trigger="pressure")
+            got = floor = run_child(args, "pressure", server.target, "compact",
+                                    trigger="pressure")
             always = run_child(args, "pressure", server.target, "compact")
             m, a = got["metrics"], always["metrics"]
             good = (0 < m["compactions"] < a["compactions"] and m["failures"] == 0
@@ -301,6 +311,30 @@ def main() -> int:
                   f"{got['decisions']}), {m['spared']} spared, {len(got['preempted'])} "
                   f"preemptions; trigger always: {a['compactions']} compactions of {a['plans']} "
                   f"plans, {len(always['preempted'])} preemptions; free blocks "
+                  f"{got['free_before']} before, {got['free_after']} after"
+                  f"{'' if good else ' <- FAIL'}")
+            ok = good and ok
+        if "levels" in checks:
+            budgets = f"{2 * args.budget},{4 * args.budget}"
+            got = run_child(args, "pressure", server.target, "compact", trigger="pressure",
+                            LAPROX_VLLM_PRESSURE_BUDGETS=budgets)
+            floor = floor or run_child(args, "pressure", server.target, "compact",
+                                       trigger="pressure")
+            m, f = got["metrics"], floor["metrics"]
+
+            def per_compaction(metrics):
+                return metrics["kept_entries"] / max(metrics["compactions"], 1)
+
+            good = (m["above_floor"] >= 1 and m["failures"] == 0 and not got["preempted"]
+                    and m["plans"] == m["compactions"] + m["spared"]
+                    and per_compaction(m) > per_compaction(f)
+                    and got["free_after"] == got["free_before"])
+            print(f"   LAPROX_VLLM_PRESSURE_BUDGETS={budgets}: {m['compactions']} compactions "
+                  f"({m['above_floor']} above the budget; [shortfall, compacted, waiting] "
+                  f"{got['decisions']}), {per_compaction(m):.0f} prompt entries kept per "
+                  f"compaction against {per_compaction(f):.0f} at the budget alone, "
+                  f"{m['evicted_entries']} entries evicted against {f['evicted_entries']}, "
+                  f"{m['spared']} spared, {len(got['preempted'])} preemptions; free blocks "
                   f"{got['free_before']} before, {got['free_after']} after"
                   f"{'' if good else ' <- FAIL'}")
             ok = good and ok

@@ -26,6 +26,12 @@ Configuration (environment, read once per process; see Config):
                           one need two steps on, and then the fewest deferred sequences
                           that cover the shortfall are compacted to the budget (a floor: never
                           deeper); a sequence the pool never needed ends uncompressed (spared)
+    LAPROX_VLLM_PRESSURE_BUDGETS
+                          with the pressure trigger and a budget in tokens: budgets above
+                          LAPROX_VLLM_BUDGET, comma-separated (e.g. 1024,2048); each sequence
+                          is also planned at each of them (one laproxd call, a plan per
+                          budget), and a compacted sequence gets the largest budget that still
+                          covers the shortfall (default: none, the budget only)
     LAPROX_VLLM_DECODE_BUFFER
                           N > 0 (compact mode, an int budget): a compacted sequence is
                           re-planned through laproxd and compacted again whenever its cache

@@ -29,6 +29,11 @@ section 6 gives the reasoning; these are the moving parts, in the order they act
       compacted requests are written to, and the seq_lens the kernel reads (_runner).
 Scheduler and worker may run in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0) or two (the
 "mp" executor); both objects are pickled between them, so the two attributes travel either way.
+
+With LAPROX_VLLM_TRIGGER=pressure the scheduler decides later (relieve(), when the pool runs
+short); with LAPROX_VLLM_PRESSURE_BUDGETS each sequence is also planned at budgets above the
+floor, reported as one longest layer per budget (Ready.larger), and the order names the level
+the scheduler chose (Order.level; choose()).
 """
 
 from __future__ import annotations
@@ -54,6 +59,11 @@ class Ready:
     longest: int      # C_max: the longest layer's kept prompt entries per head
     computed: int     # N: positions in the cache when planned (>= P after a preemption)
     replan: bool = False  # a decode re-plan of a compacted request (P = N: it covers them all)
+    larger: Tuple[int, ...] = ()  # C_max of the plans at LAPROX_VLLM_PRESSURE_BUDGETS
+
+    def longest_at(self, level: int) -> int:
+        """C_max of the plan at `level` (0: the budget, i: the i-th larger budget)."""
+        return self.longest if level == 0 else self.larger[level - 1]
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,7 @@ class Order:
     released: int        # blocks given back to the pool
     computed: int        # positions in the cache when it is carried out (>= Pending.computed
                          # when the compaction was deferred: LAPROX_VLLM_TRIGGER=pressure)
+    level: int = 0       # the plan it applies: 0 the budget's, i the i-th larger budget's
 
 
 @dataclass
@@ -71,11 +82,22 @@ class Pending:
     """Worker: a plan waiting for its order. kept[l] [Hkv, C_l] are the slots each head of
     layer l keeps (its prompt positions before the first compaction, the entries of a decode
     re-plan), ascending and padded to the layer's longest head; positions[l] their token
-    positions (None: kept, the slots are the positions)."""
+    positions (None: kept, the slots are the positions). budget: the budget planned for;
+    larger: the same sequence's plans at larger budgets (LAPROX_VLLM_PRESSURE_BUDGETS),
+    ascending."""
     prompt_len: int
     computed: int
     kept: List[np.ndarray]
     positions: Optional[List[np.ndarray]] = None
+    budget: int = 0
+    larger: List["Pending"] = field(default_factory=list)
+
+    def at(self, level: int) -> "Pending":
+        return self if level == 0 else self.larger[level - 1]
+
+    @property
+    def longest(self) -> int:
+        return max(k.shape[1] for k in self.kept)
 
 
 @dataclass
@@ -85,7 +107,7 @@ class Compacted:
     P on follow them). With decode re-plans (Config.decode_buffer): the post-RoPE queries of the
     last w decode tokens, [L, H, w, d] oldest first, `filled` of them recorded; the positions
     computed after the last step seen; the position before which no re-plan is tried; whether
-    one waits for its order."""
+    one waits for its order; the budget it was compacted to, which its re-plans keep."""
     prompt_len: int
     drops: np.ndarray
     positions: List[np.ndarray] = field(default_factory=list)
@@ -94,6 +116,7 @@ class Compacted:
     computed: int = 0  # positions in the cache after the last step seen
     retry_at: int = 0
     replanning: bool = False
+    budget: int = 0
 
     def cache_positions(self, computed: int) -> List[np.ndarray]:
         """Every layer's token positions of the entries it holds with `computed` positions."""
@@ -112,7 +135,8 @@ class Compacted:
 
 # --- the worker ---------------------------------------------------------------------------------
 
-def note_plan(masks: np.ndarray, prompt_len: int, computed: int) -> Tuple[Pending, np.ndarray]:
+def note_plan(masks: np.ndarray, prompt_len: int, computed: int,
+              budget: int = 0) -> Tuple[Pending, np.ndarray]:
     """The compaction of a LAYER_UNIFORM plan `masks` [L, Hkv, P]: the heads of a layer with one
     entry fewer than its longest head keep their most recent evicted prompt entry too (the
     kernel reads one length per layer). Returns the pending compaction and the padded masks
@@ -126,21 +150,22 @@ def note_plan(masks: np.ndarray, prompt_len: int, computed: int) -> Tuple[Pendin
             evicted = np.flatnonzero(~layer[h])
             layer[h, evicted[len(evicted) - (longest - counts[h]):]] = True
         kept.append(np.stack([np.flatnonzero(row) for row in layer]).astype(np.int64))
-    return Pending(prompt_len, computed, kept), masks
+    return Pending(prompt_len, computed, kept, budget=budget), masks
 
 
-def note_replan(plan: Any, positions: List[np.ndarray], computed: int) -> Pending:
+def note_replan(plan: Any, positions: List[np.ndarray], computed: int,
+                budget: int = 0) -> Pending:
     """The compaction of a decode re-plan `plan` (LAYER_UNIFORM) of a cache whose layers hold
     the token positions `positions`: each layer's kept entries, padded as note_plan pads
     (KeepPlan.layer_entries), and their positions; it covers every entry (P = N)."""
     kept = [plan.layer_entries(l) for l in range(len(positions))]
     return Pending(computed, computed, kept,
-                   [np.take_along_axis(p, k, axis=1) for p, k in zip(positions, kept)])
+                   [np.take_along_axis(p, k, axis=1) for p, k in zip(positions, kept)], budget)
 
 
 def ready(pending: Pending, replan: bool = False) -> Ready:
-    return Ready(pending.prompt_len, max(k.shape[1] for k in pending.kept), pending.computed,
-                 replan)
+    return Ready(pending.prompt_len, pending.longest, pending.computed, replan,
+                 tuple(p.longest for p in pending.larger))
 
 
 def move(pending: Pending, block_ids: List[int], order: Order,
@@ -148,7 +173,13 @@ def move(pending: Pending, block_ids: List[int], order: Order,
     """Moves every layer's kept entries (and those after the prompt, up to order.computed) to
     slots 0.. of order.dest, reading them through the request's old blocks. caches[l] are layer
     l's keys [blocks, Hkv, d, bs] and values [blocks, Hkv, bs, d] (the "vec" layout). Returns
-    drops."""
+    drops. Raises when the order's blocks are not what this plan needs (the scheduler decided
+    for another plan: a bug), before anything moved."""
+    block_size = caches[0][0].shape[3]
+    need = _blocks_for(pending.longest, order.computed, pending.prompt_len, block_size)
+    if need != len(order.dest):
+        raise RuntimeError(f"laprox: a compaction order of {len(order.dest)} blocks for a plan "
+                           f"that needs {need} (level {order.level})")
     sources = torch.tensor(block_ids[:order.sources], dtype=torch.int64)
     dest = torch.tensor(order.dest, dtype=torch.int64)
     after = np.arange(pending.prompt_len, order.computed, dtype=np.int64)
@@ -243,23 +274,31 @@ def _compactable(scheduler: Any, manager: Any, req_id: str, found: Ready,
     return request
 
 
-def _blocks_needed(found: Ready, computed: int, block_size: int) -> int:
-    """Blocks a request planned as `found` holds once compacted with `computed` positions."""
-    return -(-(found.longest + computed - found.prompt_len) // block_size)
+def _blocks_for(longest: int, computed: int, prompt_len: int, block_size: int) -> int:
+    """Blocks a request holds once compacted: its longest layer's kept prompt entries and the
+    entries computed after the prompt."""
+    return -(-(longest + computed - prompt_len) // block_size)
 
 
-def decide(scheduler: Any, req_id: str, found: Ready, deferred: bool = False) -> int:
+def _blocks_needed(found: Ready, computed: int, block_size: int, level: int = 0) -> int:
+    """Blocks a request planned as `found` holds once compacted at `level` with `computed`
+    positions."""
+    return _blocks_for(found.longest_at(level), computed, found.prompt_len, block_size)
+
+
+def decide(scheduler: Any, req_id: str, found: Ready, deferred: bool = False,
+           level: int = 0) -> int:
     """The blocks `req_id` keeps once compacted (module docstring), or nothing when it ended,
     was preempted, or compaction frees no block. `deferred`: the plan was made on an earlier
-    step (LAPROX_VLLM_TRIGGER=pressure); the entries computed since are kept as well. Returns
-    the blocks released."""
+    step (LAPROX_VLLM_TRIGGER=pressure); the entries computed since are kept as well. `level`:
+    the plan applied (Ready.longest_at). Returns the blocks released."""
     manager = _manager(scheduler)
     request = _compactable(scheduler, manager, req_id, found, deferred)
     if request is None:
         return 0
     blocks = manager.req_to_blocks[req_id]
     computed = request.num_computed_tokens
-    need = _blocks_needed(found, computed, manager.block_size)
+    need = _blocks_needed(found, computed, manager.block_size, level)
     if need > len(blocks):
         return 0
     private = [b for b in blocks if b.ref_cnt == 1 and not b.is_null]
@@ -276,9 +315,9 @@ def decide(scheduler: Any, req_id: str, found: Ready, deferred: bool = False) ->
     # Rewritten in place: their hashes would name positions they no longer hold.
     manager.block_pool.evict_blocks({b.block_id for b in dest if b.block_hash is not None})
     SCHED.pending[req_id] = Order(len(blocks), tuple(b.block_id for b in dest), len(released),
-                                  computed)
+                                  computed, level)
     SCHED.held[req_id] = released
-    SCHED.drops[req_id] = found.prompt_len - found.longest
+    SCHED.drops[req_id] = found.prompt_len - found.longest_at(level)
     blocks[:] = dest
     manager.num_cached_block[req_id] = _NEVER
     return len(released)
@@ -318,10 +357,31 @@ def fewest(gains: Dict[str, int], short: int) -> List[str]:
     return chosen
 
 
+def choose(gains: Dict[str, List[int]], short: int) -> Dict[str, int]:
+    """The level each compacted request is compacted at: gains[r][i] are the blocks request r
+    releases at level i (0: the budget, the most; then larger budgets, fewer). The requests are
+    fewest()'s at level 0; then, in fewest()'s order, each is raised to the largest budget
+    that still leaves the shortfall covered: each compacted request keeps as much as its
+    budgets allow while the moment's need is met (DESIGN.md section 8 says what that trades)."""
+    chosen = fewest({r: g[0] for r, g in gains.items()}, short)
+    surplus = sum(gains[r][0] for r in chosen) - short
+    levels = {}
+    for req_id in chosen:
+        levels[req_id] = 0
+        for level in range(len(gains[req_id]) - 1, 0, -1):
+            cut = gains[req_id][0] - gains[req_id][level]
+            if gains[req_id][level] > 0 and cut <= surplus:
+                levels[req_id] = level
+                surplus -= cut
+                break
+    return levels
+
+
 def relieve(scheduler: Any) -> int:
     """LAPROX_VLLM_TRIGGER=pressure: compacts the fewest deferred requests that cover the
-    pool's shortfall (evicted entries cannot come back, so nothing is compacted while the pool
-    has room). Returns the requests compacted."""
+    pool's shortfall, each at the largest budget that covers it (choose(); evicted entries
+    cannot come back, so nothing is compacted while the pool has room). Returns the requests
+    compacted."""
     manager = _manager(scheduler)
     if manager is None or not SCHED.deferred:
         return 0
@@ -332,12 +392,14 @@ def relieve(scheduler: Any) -> int:
     for req_id, found in SCHED.deferred.items():
         request = _compactable(scheduler, manager, req_id, found, deferred=True)
         if request is not None:
-            gains[req_id] = len(manager.req_to_blocks[req_id]) - _blocks_needed(
-                found, request.num_computed_tokens, manager.block_size)
+            held = len(manager.req_to_blocks[req_id])
+            gains[req_id] = [held - _blocks_needed(found, request.num_computed_tokens,
+                                                   manager.block_size, level)
+                             for level in range(1 + len(found.larger))]
     compacted = 0
-    for req_id in fewest(gains, short):
+    for req_id, level in choose(gains, short).items():
         # One that cannot be compacted now (no free block to compact into) stays deferred.
-        if decide(scheduler, req_id, SCHED.deferred[req_id], deferred=True):
+        if decide(scheduler, req_id, SCHED.deferred[req_id], deferred=True, level=level):
             del SCHED.deferred[req_id]
             compacted += 1
     return compacted

@@ -202,11 +202,12 @@ def _update_states(original: Any) -> Any:
 def _carry_out(runner: Any, req_id: str, order: _compact.Order) -> None:
     pending = STATE.pending.pop(req_id, None)
     state = runner.requests.get(req_id)
-    if pending is None or state is None:
+    if pending is None or state is None or order.level > len(pending.larger):
         # The scheduler released the blocks after a plan this worker no longer has: that is a
         # bug, and the request's cache is no longer what it reads.
         raise RuntimeError(f"laprox: a compaction order for request {req_id}, which has no "
-                           f"pending plan here")
+                           f"pending plan (at level {order.level}) here")
+    pending = pending.at(order.level)
     block_ids = state.block_ids[0]
     context = runner.compilation_config.static_forward_context
     caches = [_cache_views(context[name], context[name].kv_cache) for name in _layer_names(runner)]
@@ -219,13 +220,15 @@ def _carry_out(runner: Any, req_id: str, order: _compact.Order) -> None:
     before = STATE.compacted.get(req_id)
     compacted = _compact.Compacted(
         pending.prompt_len, drops,
-        pending.positions if pending.positions is not None else pending.kept)
+        pending.positions if pending.positions is not None else pending.kept,
+        budget=pending.budget or STATE.config.budget)
     heads = STATE.geometry.num_kv_heads
     if before is not None:  # a re-plan: the decode queries recorded so far stay
         compacted.queries, compacted.filled = before.queries, before.filled
         STATE.metrics.evicted_entries += heads * int(drops.sum() - before.drops.sum())
     else:
         STATE.metrics.compactions += 1
+        STATE.metrics.above_floor += order.level > 0
         STATE.metrics.evicted_entries += heads * int(drops.sum())
         STATE.metrics.kept_entries += heads * int((pending.prompt_len - drops).sum())
     STATE.compacted[req_id] = compacted
@@ -410,21 +413,27 @@ def _plan(runner: Any, done: List[Tuple[str, _Prefill]]) -> None:
     started = time.perf_counter()
     context = runner.compilation_config.static_forward_context
     names = _layer_names(runner)
+    # One plan per sequence at the budget, and with LAPROX_VLLM_PRESSURE_BUDGETS one at each
+    # larger budget that evicts something from its prompt.
+    budgets = [[b for i, b in enumerate(STATE.config.budgets) if i == 0 or b < prefill.prompt_len]
+               for _, prefill in done]
     sequences = []
-    deadline = plan_deadline(sum(prefill.prompt_len for _, prefill in done),
-                             STATE.config.deadline)
+    deadline = plan_deadline(sum(prefill.prompt_len * len(b) for (_, prefill), b
+                                 in zip(done, budgets)), STATE.config.deadline)
     try:
-        for _, prefill in done:
+        for (_, prefill), sequence_budgets in zip(done, budgets):
             keys, values = [], []
             for name in names:
                 k, v = _paged_layer(context[name], link.region_id, prefill.block_ids,
                                     prefill.prompt_len)
                 keys.append(k)
                 values.append(v)
-            sequences.append(laprox.SequenceInputs(
-                keys, values, list(prefill.queries), budget=STATE.config.budget,
-                **STATE.config.plan_policy()))
-        plans = link.client.compute_keep_plans(link.model_id, sequences, timeout=deadline)
+            for budget in sequence_budgets:
+                sequences.append(laprox.SequenceInputs(
+                    keys, values, list(prefill.queries), budget=budget,
+                    **STATE.config.plan_policy()))
+        plans = iter(link.client.compute_keep_plans(link.model_id, sequences,
+                                                    timeout=deadline))
     except Exception as e:
         if _call_failed(link, e, len(done)) == "DEADLINE_EXCEEDED":
             STATE.warn(f"laproxd did not answer within the plan deadline of {deadline:.3g} s "
@@ -434,13 +443,19 @@ def _plan(runner: Any, done: List[Tuple[str, _Prefill]]) -> None:
         return
     finally:
         STATE.metrics.observe("call", time.perf_counter() - started)
-    for (req_id, prefill), plan in zip(done, plans):
+    for (req_id, prefill), sequence_budgets in zip(done, budgets):
+        plan = next(plans)
+        larger = [next(plans) for _ in sequence_budgets[1:]]
         STATE.plans[req_id] = plan
         STATE.metrics.plans += 1
         masks = plan.to_masks()
         if STATE.config.layer_uniform:
             # Padded to one length per layer in both modes, so that they apply the same sets.
-            pending, masks = _compact.note_plan(masks, prefill.prompt_len, prefill.computed)
+            pending, masks = _compact.note_plan(masks, prefill.prompt_len, prefill.computed,
+                                                sequence_budgets[0])
+            pending.larger = [_compact.note_plan(p.to_masks(), prefill.prompt_len,
+                                                 prefill.computed, b)[0]
+                              for p, b in zip(larger, sequence_budgets[1:])]
             if STATE.config.compacts:
                 STATE.pending[req_id] = pending
                 STATE.ready[req_id] = _compact.ready(pending)
@@ -480,7 +495,6 @@ def _replan(runner: Any) -> None:
     the last w tokens' queries); each plan is compacted like a prefill's (_compact)."""
     import laprox
 
-    limit = STATE.config.budget + STATE.config.decode_buffer
     due = []
     for req_id, _, count, position in STATE.shift_rows:
         compacted = STATE.compacted.get(req_id)
@@ -490,6 +504,7 @@ def _replan(runner: Any) -> None:
         computed = compacted.computed = position + count
         if compacted.replanning or compacted.filled < STATE.config.window:
             continue
+        limit = compacted.budget + STATE.config.decode_buffer
         if computed < compacted.retry_at or np.mean(computed - compacted.drops) < limit:
             continue
         due.append((req_id, compacted, computed, np.asarray(state.block_ids[0])))
@@ -513,7 +528,7 @@ def _replan(runner: Any) -> None:
             values.append(v)
         positions.append(cache)
         sequences.append(laprox.SequenceInputs(
-            keys, values, list(compacted.queries), budget=STATE.config.budget,
+            keys, values, list(compacted.queries), budget=compacted.budget,
             cache_positions=cache, **STATE.config.plan_policy()))
     deadline = plan_deadline(sum(int(p[0].shape[1]) for p in positions), STATE.config.deadline)
     try:
@@ -527,7 +542,7 @@ def _replan(runner: Any) -> None:
     finally:
         STATE.metrics.observe("call", time.perf_counter() - started)
     for (req_id, compacted, computed, _), cache, plan in zip(due, positions, plans):
-        pending = _compact.note_replan(plan, cache, computed)
+        pending = _compact.note_replan(plan, cache, computed, compacted.budget)
         STATE.pending[req_id] = pending
         STATE.ready[req_id] = _compact.ready(pending, replan=True)
         compacted.replanning = True

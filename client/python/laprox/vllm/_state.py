@@ -68,6 +68,15 @@ class Config:
     # fewer free blocks than its requests need (_compact.relieve), the fewest sequences that
     # cover the shortfall; until then it decodes with its full cache.
     trigger: str = "always"
+    # With the pressure trigger and a budget in tokens: budgets above `budget` (ascending) a
+    # sequence is also planned at after its prefill, so that relieving the pool can compact a
+    # sequence no deeper than the shortfall needs (_compact.choose). (): the budget only.
+    pressure_budgets: Tuple[int, ...] = ()
+
+    @property
+    def budgets(self) -> Tuple[Any, ...]:
+        """The budgets a sequence is planned at: the floor, then pressure_budgets."""
+        return (self.budget,) + self.pressure_budgets
 
     @property
     def compacts(self) -> bool:
@@ -125,13 +134,37 @@ class Config:
             logger.warning("laprox: LAPROX_VLLM_TRIGGER=pressure needs compact mode (masking "
                            "frees no block); every planned sequence decodes masked")
             trigger = "always"
+        pressure_budgets = _pressure_budgets(budget, trigger)
         return Config(target=os.environ["LAPROX_VLLM_TARGET"], budget=budget, policy=policy,
                       mode=mode, decode_buffer=decode_buffer, trigger=trigger,
+                      pressure_budgets=pressure_budgets,
                       window=int(os.environ.get("LAPROX_VLLM_WINDOW", "32")),
                       model_name=os.environ.get("LAPROX_VLLM_MODEL", ""),
                       deadline=_seconds("LAPROX_VLLM_DEADLINE_SECONDS", PLAN_DEADLINE_S),
                       register_deadline=_seconds("LAPROX_VLLM_REGISTER_DEADLINE_SECONDS",
                                                  REGISTER_DEADLINE_S))
+
+
+def _pressure_budgets(budget: Any, trigger: str) -> Tuple[int, ...]:
+    """LAPROX_VLLM_PRESSURE_BUDGETS: comma-separated budgets in tokens per head above
+    LAPROX_VLLM_BUDGET (the floor), for the pressure trigger with a budget in tokens."""
+    text = os.environ.get("LAPROX_VLLM_PRESSURE_BUDGETS", "").strip()
+    if not text:
+        return ()
+    try:
+        budgets = sorted({int(b) for b in text.split(",")})
+    except ValueError:
+        raise ValueError(f"LAPROX_VLLM_PRESSURE_BUDGETS must be budgets in tokens per head, "
+                         f"comma-separated, not {text!r}") from None
+    if trigger != "pressure" or not isinstance(budget, int):
+        logger.warning("laprox: LAPROX_VLLM_PRESSURE_BUDGETS needs LAPROX_VLLM_TRIGGER=pressure "
+                       "and LAPROX_VLLM_BUDGET in tokens per head; sequences are planned at "
+                       "the budget only")
+        return ()
+    if budgets[0] <= budget:
+        raise ValueError(f"LAPROX_VLLM_PRESSURE_BUDGETS must be above LAPROX_VLLM_BUDGET "
+                         f"({budget}, the floor), not {text!r}")
+    return tuple(budgets)
 
 
 def _seconds(variable: str, default: float) -> float:
