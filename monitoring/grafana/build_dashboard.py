@@ -298,11 +298,12 @@ def build_vllm():
           "Planned: got a keep-plan after the prefill. Compacted: evicted entries left the "
           "cache. Deferred: kept the full cache because the pool had room (trigger "
           "pressure). Spared: deferred and never compacted. Above the floor: compacted at a "
-          "budget above LAPROX_VLLM_BUDGET, which covered the shortfall. Re-plans: decode "
-          "re-plans.",
+          "budget above LAPROX_VLLM_BUDGET, which covered the shortfall. Long prompt: compacted "
+          "at once for its length (LAPROX_VLLM_LONG_PROMPT). Re-plans: decode re-plans.",
           [(plugin("plans"), "planned"), (plugin("compactions"), "compacted"),
            (plugin("deferred"), "deferred"), (plugin("spared"), "spared"),
-           (plugin("above_floor"), "above the floor"), (plugin("replans"), "re-plans")],
+           (plugin("above_floor"), "above the floor"), (plugin("long_prompt"), "long prompt"),
+           (plugin("replans"), "re-plans")],
           x=0, w=8, unit="short")
     panel("timeseries", "KV entries per second: kept and evicted",
           "(layer, KV head, position) triples: the prompt entries first compactions kept, "

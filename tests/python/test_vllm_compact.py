@@ -311,6 +311,15 @@ class TriggerConfigTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "LAPROX_VLLM_TRIGGER.*'sometimes'"):
             self.config(LAPROX_VLLM_TRIGGER="sometimes")
 
+    def test_a_long_prompt_threshold_needs_pressure(self):
+        self.assertEqual(self.config(LAPROX_VLLM_TRIGGER="pressure",
+                                     LAPROX_VLLM_LONG_PROMPT="4096").long_prompt, 4096)
+        self.assertEqual(self.config().long_prompt, 0)
+        with self.assertLogs("laprox.vllm", "WARNING"):
+            self.assertEqual(self.config(LAPROX_VLLM_LONG_PROMPT="4096").long_prompt, 0)
+        with self.assertRaisesRegex(ValueError, "LAPROX_VLLM_LONG_PROMPT must be >= 0"):
+            self.config(LAPROX_VLLM_TRIGGER="pressure", LAPROX_VLLM_LONG_PROMPT="-1")
+
 
 class ChooseTest(unittest.TestCase):
     """LAPROX_VLLM_PRESSURE_BUDGETS: the fewest requests, each at the largest budget that still

@@ -5,7 +5,7 @@ the masked engine (LAPROX_VLLM_MODE=mask) under the same plans.
 
     compaction.py --laproxd build/service/laproxd --model build/vllm-model/SmolLM2-135M-Instruct
                   [--prompts 3] [--budget 128] [--continuation 32]
-                  [--checks parity,prefix,preempt,ample,pressure,levels]
+                  [--checks parity,prefix,preempt,ample,pressure,levels,long]
 
 Each engine runs in a process of its own (the plugin's settings are read once per process),
 with the same prompts (a needle question and 1-3K tokens of seeded text), policy
@@ -41,6 +41,9 @@ and greedy sampling:
            the pressure scenario's, none is preempted, every plan ends compacted or spared and
            the pool is whole at the end (a compaction order whose blocks do not fit the plan it
            names stops the engine: _compact.move).
+  long     the ample scenario with LAPROX_VLLM_LONG_PROMPT=--long-prompt: the prompts at least
+           that long are compacted at once (laprox_vllm_long_prompt_total), the others deferred
+           and spared, and the pool is whole at the end.
 Exits 1 when a check fails.
 """
 
@@ -141,6 +144,7 @@ def child(args: argparse.Namespace, scenario: str, out_path: str) -> int:
         result["kept"] = [[int(c) for c in plan.counts.max(axis=1)]
                           for plan in laprox.vllm.plans().values()]
         result["prompt_tokens"] = sum(len(p) for p in prompts + pair)
+        result["prompt_lengths"] = [len(p) for p in prompts + pair]
     elif scenario == "prefix":
         llm = LLM(enable_prefix_caching=True, enable_chunked_prefill=True,
                   max_num_batched_tokens=256, **engine)
@@ -202,7 +206,7 @@ def child(args: argparse.Namespace, scenario: str, out_path: str) -> int:
     result["metrics"] = {name: getattr(laprox.vllm.metrics(), name)
                          for name in ("plans", "failures", "compactions", "blocks_released",
                                       "deferred", "spared", "evicted_entries", "kept_entries",
-                                      "above_floor")}
+                                      "above_floor", "long_prompt")}
     geometry = _runner.STATE.geometry
     result["geometry"] = geometry and [geometry.num_layers, geometry.num_kv_heads]
     with open(out_path, "w") as f:
@@ -261,7 +265,8 @@ def main() -> int:
     ap.add_argument("--continuation", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--logprob-tolerance", type=float, default=1e-3)
-    ap.add_argument("--checks", default="parity,prefix,preempt,ample,pressure,levels")
+    ap.add_argument("--checks", default="parity,prefix,preempt,ample,pressure,levels,long")
+    ap.add_argument("--long-prompt", type=int, default=2000)
     ap.add_argument("--preempt-blocks", type=int, default=40)
     ap.add_argument("--preempt-tokens", type=int, default=300)
     ap.add_argument("--pressure-blocks", type=int, default=90)
@@ -335,6 +340,21 @@ def main() -> int:
                   f"compaction against {per_compaction(f):.0f} at the budget alone, "
                   f"{m['evicted_entries']} entries evicted against {f['evicted_entries']}, "
                   f"{m['spared']} spared, {len(got['preempted'])} preemptions; free blocks "
+                  f"{got['free_before']} before, {got['free_after']} after"
+                  f"{'' if good else ' <- FAIL'}")
+            ok = good and ok
+        if "long" in checks:
+            got = run_child(args, "ample", server.target, "compact", trigger="pressure",
+                            LAPROX_VLLM_LONG_PROMPT=str(args.long_prompt))
+            m, lengths = got["metrics"], got["prompt_lengths"]
+            long = sum(n >= args.long_prompt for n in lengths)
+            good = (0 < long < len(lengths) and m["plans"] == len(lengths)
+                    and m["long_prompt"] == m["compactions"] == long
+                    and m["deferred"] == m["spared"] == len(lengths) - long
+                    and m["failures"] == 0 and got["free_after"] == got["free_before"])
+            print(f"   LAPROX_VLLM_LONG_PROMPT={args.long_prompt}, prompts of {lengths} tokens: "
+                  f"{m['long_prompt']} compacted at once, {m['compactions']} compactions in "
+                  f"all, {m['deferred']} deferred, {m['spared']} spared; free blocks "
                   f"{got['free_before']} before, {got['free_after']} after"
                   f"{'' if good else ' <- FAIL'}")
             ok = good and ok

@@ -23,7 +23,8 @@
 #    sharing the blocks of one being compacted; compacted requests preempted and compacted again;
 #    the pressure trigger (LAPROX_VLLM_TRIGGER=pressure): a pool with room compacts nothing and
 #    decodes as vLLM without the plugin; a pool too small compacts fewer sequences than
-#    LAPROX_VLLM_TRIGGER=always, the rest spared;
+#    LAPROX_VLLM_TRIGGER=always, the rest spared; with LAPROX_VLLM_PRESSURE_BUDGETS some at a
+#    budget above the floor; with LAPROX_VLLM_LONG_PROMPT the long prompts at once;
 # 3c. replan.py: decode re-plans (LAPROX_VLLM_DECODE_BUFFER) keep two 512-token generations
 #    within budget + buffer blocks, against the engine planning once; the pool whole at the end;
 # 4. bad_paths.py: laproxd's budget-share metrics for the model; laproxd down and laproxd
@@ -40,7 +41,7 @@
 #    and after laproxd stops.
 # --smoke (what .ci/run runs): steps 1 and 2, platform_check and the chunked parity of step 3,
 # test_hf*.py, test_vllm_compact.py, compaction.py's parity and block-return check and the
-# pressure trigger's two checks, replan.py, and steps 5 and 6.
+# pressure trigger's four checks, replan.py, and steps 5 and 6.
 # Exit status 0 when every check passes. About 15 minutes on 2 cores once set up (--smoke: 5),
 # before the pressure trigger's checks, which add about 5 minutes to each.
 set -euo pipefail
@@ -56,7 +57,7 @@ for arg in "$@"; do
   case "$arg" in
     --laproxd=*) laproxd="${arg#--laproxd=}" ;;
     --smoke) smoke=1 ;;
-    -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,46p' "$0"; exit 0 ;;
     *) echo "unknown argument: $arg (see --help)" >&2; exit 1 ;;
   esac
 done
@@ -90,7 +91,7 @@ echo "== compaction: blocks given back, the same tokens as masking"
   -p test_vllm_compact.py
 if (( smoke )); then
   "$python" "$here/compaction.py" --laproxd "$laproxd" --model "$model" \
-    --checks parity,ample,pressure,levels
+    --checks parity,ample,pressure,levels,long
 else
   "$python" "$here/compaction.py" --laproxd "$laproxd" --model "$model"
 fi

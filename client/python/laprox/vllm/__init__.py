@@ -32,6 +32,9 @@ Configuration (environment, read once per process; see Config):
                           is also planned at each of them (one laproxd call, a plan per
                           budget), and a compacted sequence gets the largest budget that still
                           covers the shortfall (default: none, the budget only)
+    LAPROX_VLLM_LONG_PROMPT
+                          with the pressure trigger: a sequence whose prompt has at least this
+                          many tokens is compacted at once, pool short or not (default 0: none)
     LAPROX_VLLM_DECODE_BUFFER
                           N > 0 (compact mode, an int budget): a compacted sequence is
                           re-planned through laproxd and compacted again whenever its cache

@@ -405,6 +405,16 @@ def relieve(scheduler: Any) -> int:
     return compacted
 
 
+def _decide_safely(scheduler: Any, req_id: str, found: Ready, deferred: bool = False) -> int:
+    """decide(), with a failure logged (the request decodes as it is) instead of raised."""
+    try:
+        return decide(scheduler, req_id, found, deferred)
+    except Exception as e:  # noqa: BLE001 - never the engine's failure
+        logger.warning("laprox: compacting %s failed (%r); it decodes %s", req_id, e,
+                       "with its full cache" if deferred else "masked")
+        return 0
+
+
 def _release(manager: Any, req_id: str) -> None:
     held = SCHED.held.pop(req_id, None)
     if held:
@@ -439,13 +449,16 @@ def install_scheduler_hooks() -> None:
         new = []
         for req_id, found in (getattr(model_runner_output, "_laprox_ready", None) or {}).items():
             if STATE.config.deferred and not found.replan:
+                # A prompt of LAPROX_VLLM_LONG_PROMPT tokens or more is compacted at once (it
+                # decoded unmasked until now); one that cannot be waits with the others.
+                if 0 < STATE.config.long_prompt <= found.prompt_len and _decide_safely(
+                        self, req_id, found, deferred=True):
+                    STATE.metrics.long_prompt += 1
+                    continue
                 SCHED.deferred[req_id] = found
                 new.append(req_id)
                 continue
-            try:
-                decide(self, req_id, found)
-            except Exception as e:  # noqa: BLE001 - never the engine's failure
-                logger.warning("laprox: compacting %s failed (%r); it decodes masked", req_id, e)
+            _decide_safely(self, req_id, found)
         if SCHED.deferred:
             try:
                 relieve(self)

@@ -42,6 +42,9 @@ sums the files by model at scrape time:
   laprox_vllm_above_floor_total{model_name}    deferred sequences compacted at a budget above
                                                LAPROX_VLLM_BUDGET, which covered the pool's
                                                shortfall (LAPROX_VLLM_PRESSURE_BUDGETS)
+  laprox_vllm_long_prompt_total{model_name}    sequences compacted at once under the pressure
+                                               trigger because their prompt reached
+                                               LAPROX_VLLM_LONG_PROMPT tokens
   laprox_vllm_stage_seconds{model_name,stage}  histogram per engine step of the time spent
       capturing window queries (stage="capture"), calling laproxd (stage="call", one per
       ComputeKeepPlans call) and recomputing masked decode rows (stage="apply")
@@ -73,7 +76,7 @@ logger = logging.getLogger("laprox.vllm")
 DIR_VARIABLE = "LAPROX_VLLM_METRICS_DIR"
 COUNTERS = ("plans", "failures", "prefill_steps", "not_captured", "timeouts", "not_ready",
             "compactions", "blocks_released", "replans", "deferred", "spared",
-            "evicted_entries", "kept_entries", "above_floor")
+            "evicted_entries", "kept_entries", "above_floor", "long_prompt")
 STAGES = ("capture", "call", "apply")
 # Upper bounds of the stage histograms' buckets, seconds (the last bucket, +Inf, is the count).
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -107,6 +110,8 @@ HELP = {
                     "compactions kept",
     "above_floor": "Deferred sequences compacted at a budget above LAPROX_VLLM_BUDGET because "
                    "that covered the pool's shortfall (LAPROX_VLLM_PRESSURE_BUDGETS)",
+    "long_prompt": "Sequences compacted at once, not deferred, because their prompt reached "
+                   "LAPROX_VLLM_LONG_PROMPT tokens (LAPROX_VLLM_TRIGGER=pressure)",
 }
 STAGE_HELP = ("Seconds per engine step the laprox plugin spent capturing window queries "
               "(capture), calling laproxd (call, per call) and masking decode rows (apply)")

@@ -72,6 +72,10 @@ class Config:
     # sequence is also planned at after its prefill, so that relieving the pool can compact a
     # sequence no deeper than the shortfall needs (_compact.choose). (): the budget only.
     pressure_budgets: Tuple[int, ...] = ()
+    # With the pressure trigger: a sequence whose prompt has at least this many tokens is
+    # compacted at once, as `always` would (its decode is where compaction pays even with room:
+    # bench/RESULTS.md, "Long contexts, with room"). 0: none is.
+    long_prompt: int = 0
 
     @property
     def budgets(self) -> Tuple[Any, ...]:
@@ -135,9 +139,16 @@ class Config:
                            "frees no block); every planned sequence decodes masked")
             trigger = "always"
         pressure_budgets = _pressure_budgets(budget, trigger)
+        long_prompt = int(os.environ.get("LAPROX_VLLM_LONG_PROMPT", "0"))
+        if long_prompt < 0:
+            raise ValueError(f"LAPROX_VLLM_LONG_PROMPT must be >= 0, not {long_prompt}")
+        if long_prompt and trigger != "pressure":
+            logger.warning("laprox: LAPROX_VLLM_LONG_PROMPT needs LAPROX_VLLM_TRIGGER=pressure "
+                           "(with always every planned sequence is compacted at once)")
+            long_prompt = 0
         return Config(target=os.environ["LAPROX_VLLM_TARGET"], budget=budget, policy=policy,
                       mode=mode, decode_buffer=decode_buffer, trigger=trigger,
-                      pressure_budgets=pressure_budgets,
+                      pressure_budgets=pressure_budgets, long_prompt=long_prompt,
                       window=int(os.environ.get("LAPROX_VLLM_WINDOW", "32")),
                       model_name=os.environ.get("LAPROX_VLLM_MODEL", ""),
                       deadline=_seconds("LAPROX_VLLM_DEADLINE_SECONDS", PLAN_DEADLINE_S),
