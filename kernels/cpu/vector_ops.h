@@ -69,6 +69,16 @@ void ForcePortableVectorOps(bool portable);
 // Tests: true runs the AVX2 kernels where there is an AVX-512 one too (false restores the choice).
 void LimitVectorOpsToAvx2(bool limit);
 
+// Tests: LimitVectorOpsToAvx2(true) for the guard's lifetime, undone by its destructor, so that a
+// test that stops early (a failed ASSERT) does not leave the tests after it on the AVX2 kernels.
+class ScopedAvx2Limit {
+ public:
+  ScopedAvx2Limit() { LimitVectorOpsToAvx2(true); }
+  ~ScopedAvx2Limit() { LimitVectorOpsToAvx2(false); }
+  ScopedAvx2Limit(const ScopedAvx2Limit&) = delete;
+  ScopedAvx2Limit& operator=(const ScopedAvx2Limit&) = delete;
+};
+
 }  // namespace laprox::kernels::cpu
 
 #endif  // LAPROX_KERNELS_CPU_VECTOR_OPS_H_

@@ -51,11 +51,10 @@ TEST(LogitsTest, MatchFp64DotsAtEveryShape) {
 }
 
 TEST(LogitsTest, WithoutAvx512TheCallerUsesSgemm) {
-  LimitVectorOpsToAvx2(true);
+  const ScopedAvx2Limit avx2;
   std::vector<float> q(4, 1.f), keys(4, 1.f), c(1, -3.f), packed;
   EXPECT_FALSE(QueryKeyLogits(q.data(), 4, 1, keys.data(), 4, 1, 4, c.data(), 1, packed));
   EXPECT_EQ(c[0], -3.f);
-  LimitVectorOpsToAvx2(false);
 }
 
 }  // namespace

@@ -166,9 +166,10 @@ TEST(VectorOpsIsaTest, Avx512GivesTheAvx2Bits) {
   std::uniform_real_distribution<float> u(-4.f, 4.f);
   std::normal_distribution<float> normal(0.f, 1.f);
   const auto both = [](auto&& run) {
-    cpu::LimitVectorOpsToAvx2(true);
-    const auto avx2 = run();
-    cpu::LimitVectorOpsToAvx2(false);
+    const auto avx2 = [&] {
+      const cpu::ScopedAvx2Limit limit;
+      return run();
+    }();
     return std::make_pair(avx2, run());
   };
   for (int64_t len : {1, 7, 8, 9, 15, 16, 17, 24, 31, 255, 256, 257, 264, 272, 1000, 4099}) {

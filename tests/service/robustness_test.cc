@@ -219,14 +219,32 @@ TEST_F(RobustnessTest, AllocationFailureDespiteTheBudgetIsResourceExhausted) {
   Prefill prefill(28);
   const uint64_t region = RegisterRegion(prefill);
   const v1::ComputeKeepMaskRequest request = WideRegionRequest(model, region);
-  struct rlimit saved {};
-  ASSERT_EQ(getrlimit(RLIMIT_AS, &saved), 0);
-  struct rlimit tight = saved;
-  tight.rlim_cur = static_cast<rlim_t>(MappedBytes() + (int64_t{4} << 30));  // 17 GB needed
-  ASSERT_EQ(setrlimit(RLIMIT_AS, &tight), 0);
-  v1::ComputeKeepMaskResponse response;
-  grpc::Status s = Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response);
-  ASSERT_EQ(setrlimit(RLIMIT_AS, &saved), 0);
+  // The limit is the whole process's: restored on every way out of this test, a failed ASSERT
+  // included, so that the tests after it are not run short of address space.
+  class ScopedAddressSpaceLimit {
+   public:
+    explicit ScopedAddressSpaceLimit(int64_t bytes) {
+      ok_ = getrlimit(RLIMIT_AS, &saved_) == 0;
+      struct rlimit tight = saved_;
+      tight.rlim_cur = static_cast<rlim_t>(bytes);
+      ok_ = ok_ && setrlimit(RLIMIT_AS, &tight) == 0;
+    }
+    ~ScopedAddressSpaceLimit() {
+      if (ok_) setrlimit(RLIMIT_AS, &saved_);
+    }
+    bool ok() const { return ok_; }
+
+   private:
+    struct rlimit saved_ {};
+    bool ok_ = false;
+  };
+  grpc::Status s;
+  {
+    const ScopedAddressSpaceLimit limit(MappedBytes() + (int64_t{4} << 30));  // 17 GB needed
+    ASSERT_TRUE(limit.ok()) << "getrlimit / setrlimit(RLIMIT_AS) failed";
+    v1::ComputeKeepMaskResponse response;
+    s = Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response);
+  }
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
   EXPECT_THAT(s.error_message(), HasSubstr("out of memory")) << s.error_message();
   ExpectServes(29);
