@@ -43,7 +43,8 @@
 # test_hf*.py, test_vllm_compact.py, compaction.py's parity and block-return check and the
 # pressure trigger's four checks, replan.py, and steps 5 and 6.
 # Exit status 0 when every check passes. --smoke took 7.6 minutes on 2 cores once set up
-# (2026-12-06); the whole run about twice that.
+# (2026-12-06); the whole run adds the prefix, preempt and bad-path checks (about 15 minutes
+# before the pressure trigger's checks; not timed since).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -57,7 +58,7 @@ for arg in "$@"; do
   case "$arg" in
     --laproxd=*) laproxd="${arg#--laproxd=}" ;;
     --smoke) smoke=1 ;;
-    -h|--help) sed -n '2,46p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,47p' "$0"; exit 0 ;;
     *) echo "unknown argument: $arg (see --help)" >&2; exit 1 ;;
   esac
 done
