@@ -104,6 +104,14 @@ class Laproxd:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def timing(test):
+    """Marks a test whose assertion is a wall-clock bound (it can fail on a loaded machine
+    without a bug): run_tests.py --timing=skip leaves it out, --timing=only runs only such
+    tests (ctest's python_client and python_client_timing, the latter labelled timing)."""
+    test.laprox_timing = True
+    return test
+
+
 def module_laproxd(namespace):
     """setUpModule and tearDownModule of a test module whose tests share one laproxd, as its
     global SERVER: `setUpModule, tearDownModule = support.module_laproxd(globals())`."""

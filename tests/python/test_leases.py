@@ -62,6 +62,7 @@ def metric(text, name):
 
 class LeaseTest(unittest.TestCase):
 
+    @support.timing  # reclaimed within the lease of wall-clock time
     def test_a_killed_client_is_reclaimed_and_a_live_idle_one_is_not(self):
         server = support.Laproxd(f"--lease_seconds={LEASE}", "--max_regions=2",
                                  "--metrics_listen=127.0.0.1:0")

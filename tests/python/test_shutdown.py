@@ -36,6 +36,7 @@ def cpu_seconds(pid):
 
 
 class ShutdownTest(unittest.TestCase):
+    @support.timing  # stops within the shutdown timeout plus 2 s of wall-clock time
     def test_sigterm_with_a_heavy_plan_in_flight_keeps_the_shutdown_timeout(self):
         server = support.Laproxd("--shutdown_timeout=2s", "--workers=1")
         lock = server.socket + ".lock"
