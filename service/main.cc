@@ -97,7 +97,8 @@ ABSL_FLAG(int, workers, 2, "keep-plan requests computed concurrently (heavy ones
 ABSL_FLAG(int, heavy_workers, 1,
           "keep-plan requests of more work than --heavy_request_work computed concurrently, on "
           "workers of their own (so that small plans never wait behind them); their backlog is "
-          "--max_pending too");
+          "--max_pending too. 0: heavy plans share the --workers queue (small ones can wait "
+          "behind them)");
 ABSL_FLAG(int64_t, max_request_work, 0,
           "work units (flops plus bytes read, estimated from shapes) one keep-plan call or model "
           "preparation may do; more is RESOURCE_EXHAUSTED before anything runs. 0: the "
@@ -209,11 +210,7 @@ absl::StatusOr<laprox::service::ServerOptions> OptionsFromFlags() {
               .heavy_request_work = absl::GetFlag(FLAGS_heavy_request_work)};
   o.core = {.shared_models = absl::GetFlag(FLAGS_shared_models), .first_id = RandomFirstId()};
   o.workers = absl::GetFlag(FLAGS_workers);
-  o.heavy_workers = absl::GetFlag(FLAGS_heavy_workers);
-  if (o.heavy_workers < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--heavy_workers=", o.heavy_workers, " is outside [1, 1024]"));
-  }
+  o.heavy_workers = absl::GetFlag(FLAGS_heavy_workers);  // checked with the others by Server
   o.max_pending = absl::GetFlag(FLAGS_max_pending);
 
   o.socket = absl::GetFlag(FLAGS_socket);

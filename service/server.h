@@ -41,8 +41,9 @@ struct ServerOptions {
   CoreLimits limits;
   CoreOptions core;
   int workers = 2;
-  // 0: heavy plans wait on the compute queue with the others (what --heavy_workers prevents;
-  // laproxd's flag takes >= 1, tests use 0 to show the stall).
+  // 0: heavy plans wait on the compute queue with the others (the stall a separate queue
+  // prevents; tests use 0 to show it). Checked, with every other option, by CheckOptions
+  // (server.cc) when the server starts.
   int heavy_workers = 1;
   int64_t max_pending = 64;
   // A path (laprox::v1::DefaultSocketPath(), laprox/v1/endpoint.h, resolves laproxd's "auto");
