@@ -1,7 +1,5 @@
 #include "service/grpc/tcp_security.h"
 
-#include <arpa/inet.h>
-
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -11,19 +9,10 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "service/net/host_port.h"
 
 namespace laprox::service {
 namespace {
-
-// The host part of host:port or [host]:port ("" when there is none).
-std::string Host(absl::string_view address) {
-  if (absl::ConsumePrefix(&address, "[")) {
-    const size_t close = address.find(']');
-    return close == absl::string_view::npos ? "" : absl::StrCat(address.substr(0, close));
-  }
-  const size_t colon = address.rfind(':');
-  return absl::StrCat(colon == absl::string_view::npos ? address : address.substr(0, colon));
-}
 
 absl::StatusOr<std::string> ReadPem(const std::string& path, absl::string_view flag) {
   std::ifstream file(path, std::ios::binary);
@@ -39,13 +28,12 @@ absl::StatusOr<std::string> ReadPem(const std::string& path, absl::string_view f
 }  // namespace
 
 bool IsLoopbackAddress(absl::string_view address) {
-  const std::string host = Host(address);
-  if (host == "localhost") return true;
-  in_addr v4{};
-  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
-  in6_addr v6{};
-  if (inet_pton(AF_INET6, host.c_str(), &v6) == 1) return IN6_IS_ADDR_LOOPBACK(&v6);
-  return false;
+  const absl::StatusOr<HostPort> split = SplitHostPort(address);
+  if (split.ok()) return IsLoopbackHost(split->host);
+  // gRPC also listens on a host without a port (it picks the port): "localhost", "[::1]".
+  absl::ConsumePrefix(&address, "[");
+  absl::ConsumeSuffix(&address, "]");
+  return IsLoopbackHost(address);
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TcpCredentials(

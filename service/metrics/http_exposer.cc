@@ -10,8 +10,8 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "service/net/host_port.h"
 
 namespace laprox::service {
 namespace {
@@ -88,20 +88,18 @@ struct Address {
 };
 
 absl::StatusOr<Address> ParseAddress(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  int port = 0;
-  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port) ||
-      port < 0 || port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("metrics address \"", address, "\" is not host:port"));
+  absl::StatusOr<HostPort> split = SplitHostPort(address);
+  if (!split.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("metrics ", split.status().message()));
   }
-  std::string host = address.substr(0, colon);
+  std::string host = split->host;
+  const int port = split->port;
   Address out;
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+  if (split->bracketed) {
     auto* in6 = reinterpret_cast<sockaddr_in6*>(&out.storage);
     in6->sin6_family = AF_INET6;
     in6->sin6_port = htons(static_cast<uint16_t>(port));
-    if (inet_pton(AF_INET6, host.substr(1, host.size() - 2).c_str(), &in6->sin6_addr) != 1) {
+    if (inet_pton(AF_INET6, host.c_str(), &in6->sin6_addr) != 1) {
       return absl::InvalidArgumentError(
           absl::StrCat("metrics address \"", address, "\": \"", host, "\" is not an IPv6 address"));
     }
