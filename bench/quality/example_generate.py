@@ -35,7 +35,7 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=128, help="kept tokens per KV head")
     ap.add_argument("--policy", default="laprox", help="laprox, snapkv, adakv, ...")
     ap.add_argument("--compact", action="store_true",
-                    help="one length per layer (head_uniform_layers) and shrink the cache")
+                    help="one length per layer (plan_shape layer_uniform) and shrink the cache")
     ap.add_argument("--max-new-tokens", type=int, default=40)
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -70,7 +70,7 @@ def main() -> int:
         t_full = time.time() - t0
 
     client = laprox.Client(args.target)
-    options = dict(head_uniform_layers=True) if args.compact else {}
+    options = dict(plan_shape="layer_uniform") if args.compact else {}
     press = laprox.hf.Compressor(model, client, budget=args.budget, policy=args.policy,
                                  compact=args.compact, **options)
     with torch.no_grad(), press:

@@ -1,5 +1,6 @@
 #include "client/cli/policy_flags.h"
 
+#include <cstdio>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -54,7 +55,8 @@ ABSL_FLAG(std::optional<double>, max_layer_share, std::nullopt,
           "LAPROX: the most one layer may select, in multiples of the average layer's share "
           "(unset: no cap)");
 ABSL_FLAG(bool, head_uniform_layers, false,
-          "LAPROX: spread each layer's share evenly over its heads");
+          "deprecated: --plan_shape=layer_uniform (the same plans; this older spelling is still "
+          "sent)");
 ABSL_FLAG(std::optional<double>, pyramid_beta, std::nullopt, "PYRAMIDKV steepness (unset: 20)");
 ABSL_FLAG(std::optional<double>, alpha_safeguard, std::nullopt,
           "ADAKV, CRITICAL_ADAKV safeguard share (unset: 0.2)");
@@ -121,6 +123,11 @@ absl::StatusOr<kernels::PolicySpec> PolicyFromFlags() {
   if (auto m = absl::GetFlag(FLAGS_min_per_head)) policy.set_min_per_head(*m);
   if (auto b = absl::GetFlag(FLAGS_block_size)) policy.set_block_size(*b);
   if (auto x = absl::GetFlag(FLAGS_max_layer_share)) policy.set_max_layer_share(*x);
+  if (absl::GetFlag(FLAGS_head_uniform_layers)) {
+    std::fprintf(stderr,
+                 "laprox-cli: --head_uniform_layers is deprecated; use --plan_shape=layer_uniform "
+                 "(the same plans)\n");
+  }
   policy.set_head_uniform_layers(absl::GetFlag(FLAGS_head_uniform_layers));
   if (auto x = absl::GetFlag(FLAGS_pyramid_beta)) policy.set_pyramid_beta(*x);
   if (auto x = absl::GetFlag(FLAGS_alpha_safeguard)) policy.set_alpha_safeguard(*x);

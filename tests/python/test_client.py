@@ -112,7 +112,8 @@ class ProtoMirrorTest(unittest.TestCase):
         policy = laprox.Policy(kind="cake", window=8, pooling="max", head_uniform_layers=True,
                                cake_gamma=3.5, extra={"min_per_head": 2})
         message = _proto.pb.Policy()
-        _proto.policy_to_proto(policy, message)
+        with self.assertWarnsRegex(DeprecationWarning, "plan_shape='layer_uniform'"):
+            _proto.policy_to_proto(policy, message)  # still sent: laproxd honours it
         back = _proto.policy_from_proto(message)
         self.assertEqual(back.kind, laprox.PolicyKind.CAKE)
         self.assertEqual((back.window, back.pooling, back.cake_gamma, back.min_per_head),

@@ -17,6 +17,7 @@ message classes, enum wrappers and enum values of their file (and DESCRIPTOR);
 from __future__ import annotations
 
 import os
+import warnings
 from types import SimpleNamespace
 from typing import Any, Dict, Tuple
 
@@ -147,6 +148,10 @@ def policy_to_proto(policy: t.Policy, message: Any) -> None:
             if enum_type is not None:
                 setattr(message, name, int(enum_type.parse(value)))
             elif name == "head_uniform_layers":
+                if value:
+                    warnings.warn("laprox: Policy.head_uniform_layers is deprecated; set "
+                                  "plan_shape='layer_uniform' instead (the same plans)",
+                                  DeprecationWarning, stacklevel=3)
                 setattr(message, name, bool(value))
             else:
                 setattr(message, name, value)

@@ -50,10 +50,10 @@ keys/values returned by the cache, so:
    values repeated to every query head.
 4. With `compact=True` the cache is physically shrunk instead: each layer to its largest
    per-head kept count, shorter heads padded with a masked duplicate. That saves memory when the
-   plan keeps one length per layer (policy option plan_shape="layer_uniform", or its older
-   spelling head_uniform_layers=True: at most one padded slot; plan_shape="blocks_shared" or
-   "blocks_per_layer" with a block_size: none, every head keeps the same blocks; or
-   STREAMING_LLM/SNAPKV/PYRAMIDKV/CRITICALKV). Layers then differ in length; positions
+   plan keeps one length per layer (policy option plan_shape="layer_uniform", or its older,
+   deprecated spelling head_uniform_layers=True: at most one padded slot;
+   plan_shape="blocks_shared" or "blocks_per_layer" with a block_size: none, every head keeps
+   the same blocks; or STREAMING_LLM/SNAPKV/PYRAMIDKV/CRITICALKV). Layers then differ in length; positions
    and RoPE of new tokens stay those of the full sequence because generate() advances
    cache_position itself rather than reading the cache length. transformers builds the causal
    mask of a multi-token call from those positions, which no longer index a compacted layer:

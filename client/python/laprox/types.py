@@ -175,7 +175,7 @@ class Policy:
     pool_kernel: Optional[int] = None          # odd (31 for LAPROX, 5 for the baselines)
     sinks: Optional[int] = None
     min_per_head: Optional[int] = None
-    head_uniform_layers: Optional[bool] = None
+    head_uniform_layers: Optional[bool] = None  # deprecated: plan_shape="layer_uniform"
     max_layer_share: Optional[float] = None    # LAPROX global allocations: per-layer cap, >= 1
     pool_target: Optional[EnumLike] = None     # PoolTarget (LAPROX)
     preset: Optional[EnumLike] = None          # PolicyPreset (LAPROX): fills unset fields

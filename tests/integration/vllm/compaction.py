@@ -228,8 +228,8 @@ def run_child(args: argparse.Namespace, scenario: str, target: str, mode: str,
     command = [sys.executable, __file__, "--child", scenario, "--out", out] + args.passthrough
     if scenario == "preempt" and mode == "mask":
         command += ["--preempt-blocks", "0"]  # the reference: nothing preempted
-    print(f"== {scenario} ({mode}, trigger {trigger}{''.join(f', {k}={v}' for k, v in extra.items())})",
-          flush=True)
+    settings = "".join(f", {k}={v}" for k, v in extra.items())
+    print(f"== {scenario} ({mode}, trigger {trigger}{settings})", flush=True)
     subprocess.run(command, env=env, check=True)
     with open(out) as f:
         result = json.load(f)
