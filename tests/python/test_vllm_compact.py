@@ -286,15 +286,20 @@ class FewestTest(unittest.TestCase):
                 self.assertEqual(sorted(chosen), sorted(useful))
 
 
+def config_from_env(**env):
+    """The plugin's Config read from `env` alone (and a target)."""
+    from unittest import mock
+    from laprox.vllm._state import Config
+    with mock.patch.dict("os.environ", dict(LAPROX_VLLM_TARGET="unix:/nowhere", **env),
+                        clear=True):
+        return Config.from_env()
+
+
 class TriggerConfigTest(unittest.TestCase):
     """LAPROX_VLLM_TRIGGER: always (the default) or pressure, which needs compact mode."""
 
     def config(self, **env):
-        from unittest import mock
-        from laprox.vllm._state import Config
-        with mock.patch.dict("os.environ", dict(LAPROX_VLLM_TARGET="unix:/nowhere", **env),
-                            clear=True):
-            return Config.from_env()
+        return config_from_env(**env)
 
     def test_always_is_the_default_and_defers_nothing(self):
         self.assertEqual(self.config().trigger, "always")
@@ -362,11 +367,7 @@ class PressureBudgetsConfigTest(unittest.TestCase):
     """LAPROX_VLLM_PRESSURE_BUDGETS: budgets above the floor, for the pressure trigger."""
 
     def config(self, **env):
-        from unittest import mock
-        from laprox.vllm._state import Config
-        with mock.patch.dict("os.environ", dict(LAPROX_VLLM_TARGET="unix:/nowhere", **env),
-                            clear=True):
-            return Config.from_env()
+        return config_from_env(**env)
 
     def test_sorted_above_the_floor(self):
         config = self.config(LAPROX_VLLM_TRIGGER="pressure", LAPROX_VLLM_BUDGET="256",
