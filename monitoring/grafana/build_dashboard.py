@@ -299,11 +299,13 @@ def build_vllm():
           "cache. Deferred: kept the full cache because the pool had room (trigger "
           "pressure). Spared: deferred and never compacted. Above the floor: compacted at a "
           "budget above LAPROX_VLLM_BUDGET, which covered the shortfall. Long prompt: compacted "
-          "at once for its length (LAPROX_VLLM_LONG_PROMPT). Re-plans: decode re-plans.",
+          "at once for its length (LAPROX_VLLM_LONG_PROMPT). Re-plans: decode re-plans. "
+          "Fenced: plans dropped because their request was aborted, preempted, its id reused "
+          "or its cache compacted since.",
           [(plugin("plans"), "planned"), (plugin("compactions"), "compacted"),
            (plugin("deferred"), "deferred"), (plugin("spared"), "spared"),
            (plugin("above_floor"), "above the floor"), (plugin("long_prompt"), "long prompt"),
-           (plugin("replans"), "re-plans")],
+           (plugin("replans"), "re-plans"), (plugin("fenced"), "fenced")],
           x=0, w=8, unit="short")
     panel("timeseries", "KV entries per second: kept and evicted",
           "(layer, KV head, position) triples: the prompt entries first compactions kept, "

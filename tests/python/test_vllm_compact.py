@@ -382,3 +382,124 @@ class PressureBudgetsConfigTest(unittest.TestCase):
             self.config(LAPROX_VLLM_TRIGGER="pressure", LAPROX_VLLM_PRESSURE_BUDGETS="big")
         with self.assertLogs("laprox.vllm", "WARNING"):
             self.assertEqual(self.config(LAPROX_VLLM_PRESSURE_BUDGETS="512").budgets, (128,))
+
+
+class FenceTest(unittest.TestCase):
+    """The fence (_compact.current): a plan is applied only to the generation of its request it
+    was computed for, and only to the cache it read; otherwise it is dropped and counted. The
+    scheduler side runs on vLLM's own FullAttentionManager and BlockPool (a pool of 32 blocks
+    of 16 slots), the worker side through the plugin's _update_states hook."""
+
+    def setUp(self):
+        from types import SimpleNamespace
+
+        from vllm.v1.core.block_pool import BlockPool
+        from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+        from vllm.v1.request import RequestStatus
+
+        from laprox.vllm import _state
+
+        self.addCleanup(setattr, _compact, "SCHED", _compact.SCHED)
+        _compact.SCHED = _compact._SchedulerSide()
+        self.addCleanup(setattr, _state.STATE, "metrics", _state.STATE.metrics)
+        _state.STATE.metrics = _state._metrics.Metrics()
+        self.metrics = _state.STATE.metrics
+        self.pool = BlockPool(32, enable_caching=False, hash_block_size=16)
+        spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=32,
+                                 dtype=torch.float32)
+        self.manager = FullAttentionManager(spec, block_pool=self.pool, enable_caching=False,
+                                            kv_cache_group_id=0, scheduler_block_size=16)
+        self.requests = {}
+        self.scheduler = SimpleNamespace(requests=self.requests, kv_cache_manager=SimpleNamespace(
+            coordinator=SimpleNamespace(single_type_managers=[self.manager])))
+        self.running = RequestStatus.RUNNING
+
+    def start(self, req_id, computed):
+        """A running request of `computed` positions (all in its blocks) in a new generation."""
+        from types import SimpleNamespace
+
+        self.requests[req_id] = SimpleNamespace(status=self.running,
+                                                num_computed_tokens=computed)
+        self.manager.req_to_blocks[req_id] = self.pool.get_new_blocks(-(-computed // 16))
+        return _compact.SCHED.begin(req_id)
+
+    def carried_out(self, req_id):
+        """The worker moved the entries: the order is sent and its held blocks come back."""
+        _compact.SCHED.pending.pop(req_id)
+        _compact._release(self.manager, req_id)
+
+    def test_a_plan_of_the_current_generation_is_compacted(self):
+        generation = self.start("A", 160)  # 10 blocks; a plan keeping 40 needs 3
+        self.assertEqual(_compact.decide(self.scheduler, "A",
+                                         _compact.Ready(160, 40, 160, generation=generation)), 7)
+        self.assertEqual(_compact.SCHED.pending["A"].generation, generation)
+
+    def test_a_plan_of_an_earlier_generation_is_dropped(self):
+        # Preempted (or aborted and its id reused) and scheduled again from its first
+        # position: a new generation, equal to the old one in every other respect.
+        old = self.start("A", 160)
+        stale = _compact.Ready(160, 40, 160, generation=old)
+        _compact.SCHED.forget("A")
+        self.assertFalse(_compact.current("A", stale))  # ended: nothing applies
+        self.manager.req_to_blocks.pop("A")
+        self.start("A", 160)
+        self.assertFalse(_compact.current("A", stale))
+        self.assertEqual(_compact.decide(self.scheduler, "A", stale), 0)
+        self.assertEqual(len(self.manager.req_to_blocks["A"]), 10)
+        self.assertNotIn("A", _compact.SCHED.pending)
+
+    def test_a_replan_that_read_the_cache_before_a_compaction_is_dropped(self):
+        generation = self.start("A", 160)
+        self.assertGreater(_compact.decide(self.scheduler, "A", _compact.Ready(
+            160, 80, 160, generation=generation)), 0)
+        self.carried_out("A")  # layout 1: 5 blocks
+        replan = _compact.Ready(160, 30, 160, replan=True, generation=generation, layout=1)
+        raced = _compact.Ready(160, 20, 160, replan=True, generation=generation, layout=1)
+        self.assertGreater(_compact.decide(self.scheduler, "A", replan), 0)
+        self.carried_out("A")  # layout 2: the cache `raced` read is gone
+        self.assertFalse(_compact.current("A", raced))
+        self.assertEqual(_compact.decide(self.scheduler, "A", raced), 0)
+        self.assertEqual(_compact.SCHED.layouts["A"], 2)
+
+    def test_a_deferred_plan_of_an_earlier_generation_is_dropped_and_counted(self):
+        old = self.start("A", 160)
+        _compact.SCHED.deferred["A"] = _compact.Ready(160, 40, 160, generation=old)
+        _compact.SCHED.begin("A")  # no pop_blocks_for_free in between: the fence alone
+        self.scheduler.running, self.scheduler.waiting = [], []
+        self.scheduler.max_num_running_reqs = 8
+        _compact.relieve(self.scheduler)
+        self.assertNotIn("A", _compact.SCHED.deferred)
+        self.assertEqual(self.metrics.fenced, 1)
+
+    def test_the_worker_drops_what_it_holds_of_an_earlier_generation(self):
+        from types import SimpleNamespace
+
+        from laprox.vllm import _runner
+        from laprox.vllm._state import STATE, _Prefill
+
+        for table in ("prefills", "pending", "ready", "compacted", "generations"):
+            self.addCleanup(setattr, STATE, table, getattr(STATE, table))
+            setattr(STATE, table, {})
+        queries = np.zeros((1, 1, 4, 8), np.float32)
+        STATE.generations.update(A=3, B=4)
+        STATE.prefills.update(A=_Prefill(100, queries, generation=3),
+                              B=_Prefill(100, queries, generation=4))
+        STATE.pending["C"] = _compact.Pending(10, 10, [np.zeros((1, 2), np.int64)],
+                                              generation=5)
+        update = _runner._update_states(lambda runner, output: None)
+        cached = SimpleNamespace(resumed_req_ids=set())
+
+        def step(generations, finished=()):
+            update(None, SimpleNamespace(finished_req_ids=set(finished), preempted_req_ids=set(),
+                                         scheduled_cached_reqs=cached,
+                                         _laprox_generations=generations))
+
+        # A's id is reused by a request of another prompt: its capture so far is another's.
+        step({"A": 9}, finished=["A"])
+        self.assertNotIn("A", STATE.prefills)
+        self.assertIn("B", STATE.prefills)  # its own generation: kept
+        self.assertEqual(self.metrics.fenced, 1)
+        step({}, finished=["C"])  # ended: dropped, not counted
+        self.assertNotIn("C", STATE.pending)
+        self.assertEqual(self.metrics.fenced, 1)

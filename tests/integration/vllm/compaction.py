@@ -5,7 +5,7 @@ the masked engine (LAPROX_VLLM_MODE=mask) under the same plans.
 
     compaction.py --laproxd build/service/laproxd --model build/vllm-model/SmolLM2-135M-Instruct
                   [--prompts 3] [--budget 128] [--continuation 32]
-                  [--checks parity,prefix,preempt,ample,pressure,levels,long]
+                  [--checks parity,prefix,preempt,ample,pressure,levels,long,fence]
 
 Each engine runs in a process of its own (the plugin's settings are read once per process),
 with the same prompts (a needle question and 1-3K tokens of seeded text), policy
@@ -44,6 +44,14 @@ and greedy sampling:
   long     the ample scenario with LAPROX_VLLM_LONG_PROMPT=--long-prompt: the prompts at least
            that long are compacted at once (laprox_vllm_long_prompt_total), the others deferred
            and spared, and the pool is whole at the end.
+  fence    in both modes, prefills cut into chunks of 256 tokens and request ids as given
+           (VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1; vLLM otherwise appends 8 random characters
+           to each): request A is aborted half prefilled and its id given at once to a request
+           of another prompt, which must decode as the same prompt does under a fresh id
+           afterwards (tokens and log-probs): the reused id begins a generation of its own, and
+           the first one's window queries are dropped (laprox_vllm_fenced_total), not planned
+           with the second's; once they ended (one more short request tells the worker),
+           nothing of them is left in the plugin's tables, worker or scheduler.
 Exits 1 when a check fails.
 """
 
@@ -181,6 +189,37 @@ def child(args: argparse.Namespace, scenario: str, out_path: str) -> int:
         result["cached_tokens_B"] = int(finished["B"].num_cached_tokens or 0)
         result.update(seen)
         result["free_after"] = pool.get_num_free_blocks()
+    elif scenario == "fence":
+        llm = LLM(enable_prefix_caching=False, enable_chunked_prefill=True,
+                  max_num_batched_tokens=256, **engine)
+        engine_ = llm.llm_engine
+        finished = {}
+
+        def run(req_id, prompt, abort_after=0):
+            engine_.add_request(req_id, {"prompt_token_ids": prompt}, greedy)
+            steps = 0
+            while engine_.has_unfinished_requests():
+                for output in engine_.step():
+                    if output.finished:
+                        finished[output.request_id] = completion(output)
+                steps += 1
+                if steps == abort_after:  # A has 512 of its positions
+                    engine_.abort_request([req_id])
+                    return
+
+        run("A", pair[0], abort_after=2)
+        run("A", prompts[1])  # the same id, another prompt, at once
+        reused = finished.pop("A")
+        run("fresh", prompts[1])
+        result["completions"] = [reused, finished["fresh"]]
+        # The worker hears that a request ended on the next step's SchedulerOutput.
+        run("last", prompts[1][:200])
+        tables = {f"worker.{name}": getattr(_runner.STATE, name) for name in (
+            "prefills", "compressed", "pending", "ready", "compacted", "generations")}
+        tables.update({f"scheduler.{name}": getattr(_compact.SCHED, name) for name in (
+            "drops", "pending", "held", "deferred", "generations", "layouts")})
+        result["left"] = {name: list(table) for name, table in tables.items()
+                          if set(table) - {"last"}}
     elif scenario == "pressure":
         decisions: list = []
         relieve = _compact.relieve
@@ -206,7 +245,7 @@ def child(args: argparse.Namespace, scenario: str, out_path: str) -> int:
     result["metrics"] = {name: getattr(laprox.vllm.metrics(), name)
                          for name in ("plans", "failures", "compactions", "blocks_released",
                                       "deferred", "spared", "evicted_entries", "kept_entries",
-                                      "above_floor", "long_prompt")}
+                                      "above_floor", "long_prompt", "fenced")}
     geometry = _runner.STATE.geometry
     result["geometry"] = geometry and [geometry.num_layers, geometry.num_kv_heads]
     with open(out_path, "w") as f:
@@ -265,7 +304,8 @@ def main() -> int:
     ap.add_argument("--continuation", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--logprob-tolerance", type=float, default=1e-3)
-    ap.add_argument("--checks", default="parity,prefix,preempt,ample,pressure,levels,long")
+    ap.add_argument("--checks",
+                    default="parity,prefix,preempt,ample,pressure,levels,long,fence")
     ap.add_argument("--long-prompt", type=int, default=2000)
     ap.add_argument("--preempt-blocks", type=int, default=40)
     ap.add_argument("--preempt-tokens", type=int, default=300)
@@ -358,6 +398,20 @@ def main() -> int:
                   f"{got['free_before']} before, {got['free_after']} after"
                   f"{'' if good else ' <- FAIL'}")
             ok = good and ok
+        if "fence" in checks:
+            for mode in ("compact", "mask"):
+                got = run_child(args, "fence", server.target, mode,
+                                VLLM_DISABLE_REQUEST_ID_RANDOMIZATION="1")
+                m = got["metrics"]
+                good = (m["fenced"] >= 1 and m["plans"] == 3 and not got["left"]
+                        and m["compactions"] == (3 if mode == "compact" else 0))
+                print(f"   {mode}: request A aborted half prefilled, its id reused at once: "
+                      f"{m['fenced']} fenced, {m['plans']} plans, {m['compactions']} "
+                      f"compactions; left in the plugin's tables at the end: "
+                      f"{got['left'] or 'nothing'}{'' if good else ' <- FAIL'}")
+                ok = same_decode(f"fence ({mode}, reused id against a fresh one)",
+                                 got["completions"][:1], got["completions"][1:],
+                                 args.logprob_tolerance) and good and ok
         if not {"parity", "prefix", "preempt"} & set(checks):
             checks = []  # the masked engine is their reference only
         else:

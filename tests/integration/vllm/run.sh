@@ -92,7 +92,7 @@ echo "== compaction: blocks given back, the same tokens as masking"
   -p test_vllm_compact.py
 if (( smoke )); then
   "$python" "$here/compaction.py" --laproxd "$laproxd" --model "$model" \
-    --checks parity,ample,pressure,levels,long
+    --checks parity,ample,pressure,levels,long,fence
 else
   "$python" "$here/compaction.py" --laproxd "$laproxd" --model "$model"
 fi

@@ -60,6 +60,10 @@ class Ready:
     computed: int     # N: positions in the cache when planned (>= P after a preemption)
     replan: bool = False  # a decode re-plan of a compacted request (P = N: it covers them all)
     larger: Tuple[int, ...] = ()  # C_max of the plans at LAPROX_VLLM_PRESSURE_BUDGETS
+    # The fence (current()): the request's generation the plan was computed for, and the
+    # compactions carried out on its cache (in that generation) when the plan read it.
+    generation: int = 0
+    layout: int = 0
 
     def longest_at(self, level: int) -> int:
         """C_max of the plan at `level` (0: the budget, i: the i-th larger budget)."""
@@ -75,6 +79,7 @@ class Order:
     computed: int        # positions in the cache when it is carried out (>= Pending.computed
                          # when the compaction was deferred: LAPROX_VLLM_TRIGGER=pressure)
     level: int = 0       # the plan it applies: 0 the budget's, i the i-th larger budget's
+    generation: int = 0  # the request's generation it was decided for (Ready.generation)
 
 
 @dataclass
@@ -91,6 +96,8 @@ class Pending:
     positions: Optional[List[np.ndarray]] = None
     budget: int = 0
     larger: List["Pending"] = field(default_factory=list)
+    generation: int = 0  # the request's generation the plan was computed for
+    layout: int = 0      # compactions carried out on the cache the plan read
 
     def at(self, level: int) -> "Pending":
         return self if level == 0 else self.larger[level - 1]
@@ -117,6 +124,8 @@ class Compacted:
     retry_at: int = 0
     replanning: bool = False
     budget: int = 0
+    generation: int = 0  # the request's generation
+    layout: int = 0      # compactions carried out on its cache in that generation (>= 1)
 
     def cache_positions(self, computed: int) -> List[np.ndarray]:
         """Every layer's token positions of the entries it holds with `computed` positions."""
@@ -165,7 +174,7 @@ def note_replan(plan: Any, positions: List[np.ndarray], computed: int,
 
 def ready(pending: Pending, replan: bool = False) -> Ready:
     return Ready(pending.prompt_len, pending.longest, pending.computed, replan,
-                 tuple(p.longest for p in pending.larger))
+                 tuple(p.longest for p in pending.larger), pending.generation, pending.layout)
 
 
 def move(pending: Pending, block_ids: List[int], order: Order,
@@ -240,6 +249,27 @@ class _SchedulerSide:
         # LAPROX_VLLM_TRIGGER=pressure: planned requests whose compaction waits until the pool
         # runs short (relieve), by request.
         self.deferred: Dict[str, Ready] = {}
+        # The fence (current()): each request's generation, a number given each time it is
+        # scheduled from its first position (new, a reused id, resumed after a preemption),
+        # and the compactions decided for it in that generation.
+        self.generations: Dict[str, int] = {}
+        self.layouts: Dict[str, int] = {}
+        self.last_generation = 0
+        # Generations given since the last schedule() output, sent on the next one.
+        self.announced: Dict[str, int] = {}
+
+    def begin(self, req_id: str) -> int:
+        """A new generation of `req_id` (scheduled from its first position)."""
+        self.last_generation += 1
+        self.generations[req_id] = self.last_generation
+        self.layouts.pop(req_id, None)
+        self.announced[req_id] = self.last_generation
+        return self.last_generation
+
+    def forget(self, req_id: str) -> None:
+        """`req_id` ended or was preempted: no plan of its generation applies any more."""
+        self.generations.pop(req_id, None)
+        self.layouts.pop(req_id, None)
 
 
 SCHED = _SchedulerSide()
@@ -256,6 +286,16 @@ def _manager(scheduler: Any) -> Any:
     return managers[0]
 
 
+def current(req_id: str, found: Ready) -> bool:
+    """The fence: whether the plan `found` was computed for the request's current generation
+    (not for one that was aborted, preempted and recomputed, or whose id is now another
+    request's) and on its cache as it is (no compaction decided since the plan read it: a
+    re-plan racing a compaction). A plan that is not current is dropped (counted: fenced)."""
+    generation = SCHED.generations.get(req_id)
+    return (generation is not None and found.generation == generation
+            and found.layout == SCHED.layouts.get(req_id, 0))
+
+
 def _compactable(scheduler: Any, manager: Any, req_id: str, found: Ready,
                  deferred: bool) -> Optional[Any]:
     """The request `req_id` when its plan `found` can be compacted now, else None."""
@@ -265,7 +305,8 @@ def _compactable(scheduler: Any, manager: Any, req_id: str, found: Ready,
     # A first compaction is of a request not compacted yet; a re-plan of one compacted before,
     # whose previous order has been carried out (its blocks are no longer held). Unless it was
     # deferred, it is decided on the step the plan was made for.
-    if (manager is None or request is None or request.status != RequestStatus.RUNNING
+    if (manager is None or request is None or not current(req_id, found)
+            or request.status != RequestStatus.RUNNING
             or req_id not in manager.req_to_blocks or (req_id in SCHED.drops) != found.replan
             or req_id in SCHED.pending or req_id in SCHED.held
             or request.num_computed_tokens < found.computed
@@ -315,7 +356,8 @@ def decide(scheduler: Any, req_id: str, found: Ready, deferred: bool = False,
     # Rewritten in place: their hashes would name positions they no longer hold.
     manager.block_pool.evict_blocks({b.block_id for b in dest if b.block_hash is not None})
     SCHED.pending[req_id] = Order(len(blocks), tuple(b.block_id for b in dest), len(released),
-                                  computed, level)
+                                  computed, level, found.generation)
+    SCHED.layouts[req_id] = found.layout + 1
     SCHED.held[req_id] = released
     SCHED.drops[req_id] = found.prompt_len - found.longest_at(level)
     blocks[:] = dest
@@ -382,6 +424,11 @@ def relieve(scheduler: Any) -> int:
     pool's shortfall, each at the largest budget that covers it (choose(); evicted entries
     cannot come back, so nothing is compacted while the pool has room). Returns the requests
     compacted."""
+    from ._state import STATE
+
+    for req_id in [r for r, found in SCHED.deferred.items() if not current(r, found)]:
+        del SCHED.deferred[req_id]  # its request is in another generation now (the fence)
+        STATE.metrics.fenced += 1
     manager = _manager(scheduler)
     if manager is None or not SCHED.deferred:
         return 0
@@ -421,9 +468,10 @@ def _release(manager: Any, req_id: str) -> None:
         manager.block_pool.free_blocks(reversed(held))
 
 
-def install_scheduler_hooks() -> None:
-    """Wraps Scheduler.schedule / update_from_output and the full-attention manager's block
-    accounting (scheduler process)."""
+def install_scheduler_hooks(compacts: bool = True) -> None:
+    """Wraps Scheduler.schedule (the generations of the fence, both modes) and, when the plugin
+    compacts, update_from_output and the full-attention manager's block accounting (scheduler
+    process)."""
     from vllm.v1.core import single_type_kv_cache_manager as stm
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -448,6 +496,9 @@ def install_scheduler_hooks() -> None:
         result = update(self, scheduler_output, model_runner_output)
         new = []
         for req_id, found in (getattr(model_runner_output, "_laprox_ready", None) or {}).items():
+            if not current(req_id, found):
+                STATE.metrics.fenced += 1  # for an earlier generation or cache: dropped
+                continue
             if STATE.config.deferred and not found.replan:
                 # A prompt of LAPROX_VLLM_LONG_PROMPT tokens or more is compacted at once (it
                 # decoded unmasked until now); one that cannot be waits with the others.
@@ -471,6 +522,13 @@ def install_scheduler_hooks() -> None:
 
     def schedule_(self: Any, *args: Any, **kwargs: Any) -> Any:
         output = schedule(self, *args, **kwargs)
+        # Requests scheduled from their first position begin a generation (the fence).
+        for new in output.scheduled_new_reqs:
+            SCHED.begin(new.req_id)
+        for req_id in output.scheduled_cached_reqs.resumed_req_ids or ():
+            SCHED.begin(req_id)
+        if SCHED.announced:
+            output._laprox_generations, SCHED.announced = SCHED.announced, {}
         if SCHED.pending:
             output._laprox_compact, SCHED.pending = SCHED.pending, {}
         return output
@@ -489,7 +547,9 @@ def install_scheduler_hooks() -> None:
     def pop_blocks_for_free(self: Any, request_id: str) -> Any:
         from ._state import STATE
 
-        # Finished, aborted or preempted: nothing of its compaction outlives it.
+        # Finished, aborted or preempted: nothing of its compaction outlives it, and no plan
+        # of this generation is applied any more (the fence).
+        SCHED.forget(request_id)
         SCHED.drops.pop(request_id, None)
         SCHED.pending.pop(request_id, None)
         if SCHED.deferred.pop(request_id, None) is not None:
@@ -497,9 +557,10 @@ def install_scheduler_hooks() -> None:
         _release(self, request_id)
         return pop(self, request_id)
 
-    Scheduler.__init__ = __init__
-    Scheduler.update_from_output = update_from_output
     Scheduler.schedule = schedule_
-    base.get_num_blocks_to_allocate = get_num_blocks_to_allocate
-    base.allocate_new_blocks = allocate_new_blocks
     base.pop_blocks_for_free = pop_blocks_for_free
+    if compacts:
+        Scheduler.__init__ = __init__
+        Scheduler.update_from_output = update_from_output
+        base.get_num_blocks_to_allocate = get_num_blocks_to_allocate
+        base.allocate_new_blocks = allocate_new_blocks

@@ -45,6 +45,10 @@ sums the files by model at scrape time:
   laprox_vllm_long_prompt_total{model_name}    sequences compacted at once under the pressure
                                                trigger because their prompt reached
                                                LAPROX_VLLM_LONG_PROMPT tokens
+  laprox_vllm_fenced_total{model_name}         plans and window captures dropped because
+                                               their request ended, was preempted, its id
+                                               reused or its cache compacted since they were
+                                               made (the fence, _compact.current)
   laprox_vllm_stage_seconds{model_name,stage}  histogram per engine step of the time spent
       capturing window queries (stage="capture"), calling laproxd (stage="call", one per
       ComputeKeepPlans call) and recomputing masked decode rows (stage="apply")
@@ -76,7 +80,7 @@ logger = logging.getLogger("laprox.vllm")
 DIR_VARIABLE = "LAPROX_VLLM_METRICS_DIR"
 COUNTERS = ("plans", "failures", "prefill_steps", "not_captured", "timeouts", "not_ready",
             "compactions", "blocks_released", "replans", "deferred", "spared",
-            "evicted_entries", "kept_entries", "above_floor", "long_prompt")
+            "evicted_entries", "kept_entries", "above_floor", "long_prompt", "fenced")
 STAGES = ("capture", "call", "apply")
 # Upper bounds of the stage histograms' buckets, seconds (the last bucket, +Inf, is the count).
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -112,6 +116,9 @@ HELP = {
                    "that covered the pool's shortfall (LAPROX_VLLM_PRESSURE_BUDGETS)",
     "long_prompt": "Sequences compacted at once, not deferred, because their prompt reached "
                    "LAPROX_VLLM_LONG_PROMPT tokens (LAPROX_VLLM_TRIGGER=pressure)",
+    "fenced": "Plans (and window captures) dropped because their request was aborted, "
+              "preempted or replaced by another of the same id, or its cache compacted, "
+              "since they were made",
 }
 STAGE_HELP = ("Seconds per engine step the laprox plugin spent capturing window queries "
               "(capture), calling laproxd (call, per call) and masking decode rows (apply)")

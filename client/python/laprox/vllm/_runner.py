@@ -1,6 +1,8 @@
 """The hooks of laprox.vllm in vLLM 0.32's model runner and CPU attention backend.
 
-Five functions are wrapped, each calling the original and adding only what the plugin needs:
+Six functions are wrapped here in both modes, each calling the original and adding only what
+the plugin needs (compaction wraps two more here, _update_states does more, and the scheduler's
+hooks are _compact.install_scheduler_hooks'):
   vllm.v1.worker.gpu_model_runner.allocate_kv_cache   the one backing buffer of every layer's
       KV cache is a POSIX shared-memory object of the plugin's (registered by _Connector);
   CPUModelRunner.load_model                           notes the model's geometry and path;
@@ -9,7 +11,10 @@ Five functions are wrapped, each calling the original and adding only what the p
   CPUAttentionBackendImpl.forward                     captures the last w prompt queries, and
       recomputes the decode rows of compressed sequences with the evicted entries masked;
   GPUModelRunner.execute_model                        after the forward, one ComputeKeepPlans
-      call for every sequence whose prefill completed in this step.
+      call for every sequence whose prefill completed in this step;
+  GPUModelRunner._update_states                       takes the requests' generations from the
+      scheduler and drops what is held of an earlier one (the fence, _compact.current), and
+      carries out compaction orders.
 A failure of laproxd (down, restarted, stopped, refusing a request) never stops the engine: the
 sequence goes on with its full cache, the failure is counted and logged at most once per
 LOG_INTERVAL seconds, and the registrations are made again when laproxd answers.
@@ -147,7 +152,8 @@ def _note_rows(batch: Any, num_scheduled_tokens: np.ndarray) -> None:
                 continue
             g = STATE.geometry
             STATE.prefills[req_id] = _Prefill(prompt_len, np.zeros(
-                (g.num_layers, g.num_heads, w, g.head_dim), np.float32))
+                (g.num_layers, g.num_heads, w, g.head_dim), np.float32),
+                generation=STATE.generations.get(req_id, 0))
         STATE.step[i] = (req_id, start, int(num_scheduled_tokens[i]))
         STATE.metrics.prefill_steps += 1
 
@@ -180,10 +186,14 @@ def _update_states(original: Any) -> Any:
         result = original(self, scheduler_output)
         ended = set(scheduler_output.finished_req_ids)
         ended |= set(scheduler_output.preempted_req_ids or ())
-        ended |= set(scheduler_output.scheduled_cached_reqs.resumed_req_ids or ())
         for req_id in ended:
-            for table in (STATE.compressed, STATE.pending, STATE.ready, STATE.compacted):
-                table.pop(req_id, None)
+            STATE.generations.pop(req_id, None)
+        # The fence: a request scheduled from its first position (new, a reused id, resumed
+        # after a preemption) begins a generation, and nothing of an earlier one applies to it.
+        begun = getattr(scheduler_output, "_laprox_generations", None) or {}
+        STATE.generations.update(begun)
+        for req_id in ended | set(begun):
+            _forget(req_id)
         orders = getattr(scheduler_output, "_laprox_compact", None) or {}
         for req_id, order in orders.items():
             _carry_out(self, req_id, order)
@@ -199,14 +209,33 @@ def _update_states(original: Any) -> Any:
     return update_states
 
 
+def _forget(req_id: str) -> None:
+    """Drops what the worker holds for `req_id` that is not of its current generation (all of
+    it when it has none: ended or preempted); a plan or a capture of another generation is
+    counted (fenced)."""
+    generation = STATE.generations.get(req_id)
+    dropped = False
+    for table in (STATE.prefills, STATE.compressed, STATE.pending, STATE.ready,
+                  STATE.compacted):
+        held = table.get(req_id)
+        if held is not None and held.generation != generation:
+            del table[req_id]
+            dropped = True
+    STATE.metrics.fenced += dropped and generation is not None
+
+
 def _carry_out(runner: Any, req_id: str, order: _compact.Order) -> None:
     pending = STATE.pending.pop(req_id, None)
     state = runner.requests.get(req_id)
-    if pending is None or state is None or order.level > len(pending.larger):
-        # The scheduler released the blocks after a plan this worker no longer has: that is a
-        # bug, and the request's cache is no longer what it reads.
-        raise RuntimeError(f"laprox: a compaction order for request {req_id}, which has no "
-                           f"pending plan (at level {order.level}) here")
+    if (pending is None or state is None or order.level > len(pending.larger)
+            or pending.generation != order.generation):
+        # The scheduler released the blocks after a plan this worker no longer has (or has for
+        # another generation of the request): that is a bug, and the request's cache is no
+        # longer what it reads.
+        raise RuntimeError(f"laprox: a compaction order for request {req_id} (generation "
+                           f"{order.generation}), which has no pending plan (at level "
+                           f"{order.level}) of that generation here")
+    layout = pending.layout + 1
     pending = pending.at(order.level)
     block_ids = state.block_ids[0]
     context = runner.compilation_config.static_forward_context
@@ -221,7 +250,8 @@ def _carry_out(runner: Any, req_id: str, order: _compact.Order) -> None:
     compacted = _compact.Compacted(
         pending.prompt_len, drops,
         pending.positions if pending.positions is not None else pending.kept,
-        budget=pending.budget or STATE.config.budget)
+        budget=pending.budget or STATE.config.budget, generation=order.generation,
+        layout=layout)
     heads = STATE.geometry.num_kv_heads
     if before is not None:  # a re-plan: the decode queries recorded so far stay
         compacted.queries, compacted.filled = before.queries, before.filled
@@ -453,6 +483,7 @@ def _plan(runner: Any, done: List[Tuple[str, _Prefill]]) -> None:
             # Padded to one length per layer in both modes, so that they apply the same sets.
             pending, masks = _compact.note_plan(masks, prefill.prompt_len, prefill.computed,
                                                 sequence_budgets[0])
+            pending.generation = prefill.generation
             pending.larger = [_compact.note_plan(p.to_masks(), prefill.prompt_len,
                                                  prefill.computed, b)[0]
                               for p, b in zip(larger, sequence_budgets[1:])]
@@ -462,7 +493,8 @@ def _plan(runner: Any, done: List[Tuple[str, _Prefill]]) -> None:
         # Masked until compacted (or for good in mask mode, or when no order comes); with the
         # pressure trigger it decodes with its full cache until compacted.
         if not STATE.config.deferred:
-            STATE.compressed[req_id] = _Compressed(prefill.prompt_len, masks, prefill.block_ids)
+            STATE.compressed[req_id] = _Compressed(prefill.prompt_len, masks, prefill.block_ids,
+                                                   generation=prefill.generation)
     while len(STATE.plans) > MAX_PLANS:
         STATE.plans.popitem(last=False)
 
@@ -543,6 +575,7 @@ def _replan(runner: Any) -> None:
         STATE.metrics.observe("call", time.perf_counter() - started)
     for (req_id, compacted, computed, _), cache, plan in zip(due, positions, plans):
         pending = _compact.note_replan(plan, cache, computed, compacted.budget)
+        pending.generation, pending.layout = compacted.generation, compacted.layout
         STATE.pending[req_id] = pending
         STATE.ready[req_id] = _compact.ready(pending, replan=True)
         compacted.replanning = True
@@ -579,9 +612,11 @@ def install(config: Config) -> None:
     base.execute_model = _execute_model(base.execute_model)
     impl = cpu_attn.CPUAttentionBackendImpl
     impl.forward = _forward(impl.forward)
+    # Both modes: the fence (a request's generation begins where the scheduler schedules it
+    # from its first position; what the worker holds of an earlier one is dropped).
+    base._update_states = _update_states(base._update_states)
+    _compact.install_scheduler_hooks(config.compacts)
     if config.compacts:
-        base._update_states = _update_states(base._update_states)
         base.sample_tokens = _sample_tokens(base.sample_tokens)
         impl.do_kv_cache_update = _do_kv_cache_update(impl.do_kv_cache_update)
-        _compact.install_scheduler_hooks()
 

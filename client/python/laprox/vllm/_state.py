@@ -200,6 +200,7 @@ class _Prefill:
     queries: np.ndarray                   # [L, H, w, d] float32, rows of the last w positions
     block_ids: Optional[np.ndarray] = None
     computed: int = 0                     # positions in the cache after the last prefill step
+    generation: int = 0                   # the request's generation (_compact.current)
 
 
 @dataclass
@@ -213,6 +214,7 @@ class _Compressed:
     block_ids: np.ndarray
     layers: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
         default_factory=dict)
+    generation: int = 0
 
 
 class _State:
@@ -244,6 +246,9 @@ class _State:
         # This step's compacted rows: (request id, index of its first token in the step, count,
         # its first token's position).
         self.shift_rows: List[Tuple[str, int, int, int]] = []
+        # The fence (_compact.current): each request's generation, as the scheduler sends it
+        # with the first step of each (_laprox_generations).
+        self.generations: Dict[str, int] = {}
         self.plans: "OrderedDict[str, Any]" = OrderedDict()  # the last MAX_PLANS requests
         self.metrics = _metrics.Metrics()
         # Seconds of this step's capture and masked decode, observed at its end (_execute_model).
