@@ -65,6 +65,8 @@ sys.path.insert(0, HERE)
 
 import methods as M  # noqa: E402
 import tasks as T    # noqa: E402
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "integration", "vllm"))
+from convert import gemma3_tokenizer  # noqa: E402  (also the vLLM tests' Gemma 3)
 
 WQ = 32        # window query rows given to laproxd: the largest window of the run's methods
 OBJ_ROWS = 32  # scoring-window rows of the objective check (w = 32: kept by every method)
@@ -125,39 +127,6 @@ def gguf_architecture(gguf: str) -> str:
     return bytes(field.parts[field.data[0]]).decode("utf-8")
 
 
-def gemma3_tokenizer(tok, gguf: str):
-    """Repairs the tokenizer transformers 5.2 builds from a Gemma 3 GGUF. Its GGUF converter
-    makes a Unigram model of the GGUF's scores, but Gemma 3's SentencePiece model is BPE and the
-    scores are merge priorities (minus the rank): Unigram then prefers many short pieces
-    ("capital" -> " c", "ap", "it", "al") and the model answers nonsense. Here the model is
-    replaced by a byte-fallback BPE whose merges come from the scores (transformers'
-    generate_merges, as for a SentencePiece BPE file), and <bos> is prepended (the GGUF's
-    tokenizer.ggml.add_bos_token): "The capital of France is" -> [2, 818, 5279, 529, 7001, 563],
-    the ids of the upstream tokenizer."""
-    from gguf import GGUFReader
-    from tokenizers.models import BPE
-    from transformers.convert_slow_tokenizer import generate_merges
-    fields = GGUFReader(gguf).fields
-    tokens = [bytes(fields["tokenizer.ggml.tokens"].parts[i]).decode("utf-8")
-              for i in fields["tokenizer.ggml.tokens"].data]
-    scores = [float(fields["tokenizer.ggml.scores"].parts[i][0])
-              for i in fields["tokenizer.ggml.scores"].data]
-
-    def piece(token):  # the same fixes as transformers' GGUFGemmaConverter.vocab
-        if token == "<0x09>":
-            return "\t"
-        if " " in token and not token.strip():
-            return "\u2581" * len(token)
-        return token
-    tokens = [piece(token) for token in tokens]
-    vocab = {token: i for i, token in enumerate(tokens)}
-    merges = generate_merges(vocab, list(zip(tokens, scores)))
-    tok.backend_tokenizer.model = BPE(vocab, merges, unk_token=tok.unk_token or "<unk>",
-                                      byte_fallback=True, fuse_unk=True)
-    tok.add_bos_token = True
-    return tok
-
-
 def load_model(gguf: str):
     """The GGUF through transformers (dequantized to fp32), converted once and cached beside
     the GGUF (hf/, safetensors). Llama (SmolLM2) and Gemma 3 GGUFs; Gemma 3's tokenizer is
@@ -179,7 +148,7 @@ def load_model(gguf: str):
         log(f"== converting {name} (dequantized to fp32; cached in {converted})")
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         if architecture == "gemma3":
-            tok = gemma3_tokenizer(tok, gguf)
+            tok = gemma3_tokenizer(tok, gguf)  # tests/integration/vllm/convert.py
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
                                                      attn_implementation="sdpa")
         model.save_pretrained(converted)

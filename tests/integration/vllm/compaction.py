@@ -17,7 +17,8 @@ and greedy sampling:
            released, and once every request ended the pool's free blocks are back at their
            count before the first request; laprox_vllm_kept_entries_total is the plans' kept
            entries and, with _evicted_entries_total, every prompt entry; the needle is
-           answered alike;
+           answered alike; the layers planned are the model's full-attention ones (all of
+           SmolLM2's; Gemma 3's every sixth, its sliding-window layers left to vLLM);
   prefix   prefix caching on, prefills cut into chunks of 256 tokens: request B is added while
            request A is half prefilled, so B's first blocks are A's (ref_cnt 2) when A is
            compacted; both decode as in the masked engine, B's prefix-cache hit is real, and
@@ -248,6 +249,13 @@ def child(args: argparse.Namespace, scenario: str, out_path: str) -> int:
                                       "above_floor", "long_prompt", "fenced")}
     geometry = _runner.STATE.geometry
     result["geometry"] = geometry and [geometry.num_layers, geometry.num_kv_heads]
+    # The layers a hybrid model plans: its full-attention ones (Gemma 3: layer_types).
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(args.model)
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    result["full_attention_layers"] = [i for i, t in enumerate(types) if t == "full_attention"]
+    result["planned_layers"] = _runner.STATE.layer_ids
     with open(out_path, "w") as f:
         json.dump(result, f)
     return 0
@@ -424,10 +432,13 @@ def main() -> int:
             layers, heads = got["geometry"]
             kept = heads * sum(sum(k) for k in got["kept"])
             good = (m["compactions"] == m["plans"] == sequences and m["blocks_released"] > 0
+                    and got["planned_layers"] == got["full_attention_layers"]
                     and got["free_after"] == got["free_before"] and m["kept_entries"] == kept
                     and m["kept_entries"] + m["evicted_entries"]
                     == layers * heads * got["prompt_tokens"])
-            print(f"   compactions {m['compactions']} of {m['plans']} plans ({sequences} "
+            print(f"   planned layers {got['planned_layers']} (full attention: "
+                  f"{got['full_attention_layers']}); "
+                  f"compactions {m['compactions']} of {m['plans']} plans ({sequences} "
                   f"sequences), {m['blocks_released']} blocks released, free blocks "
                   f"{got['free_before']} before, {got['free_after']} after; entries kept "
                   f"{m['kept_entries']} (the plans: {kept}), evicted {m['evicted_entries']}, "

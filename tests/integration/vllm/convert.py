@@ -1,5 +1,5 @@
-"""SmolLM2-135M-Instruct from its GGUF into a model folder vLLM and transformers both load
-(run by setup.sh).
+"""SmolLM2-135M-Instruct (or Gemma 3 270M) from its GGUF into a model folder vLLM and transformers
+both load (run by setup.sh).
 
     python convert.py GGUF OUT_DIR
 
@@ -10,7 +10,8 @@ values are kept as they are, so transformers' fp32 reference and vLLM read the s
 would round them (vLLM can still run the folder with dtype=bfloat16).
 
 Tokenizer: the one transformers builds from the GGUF metadata is saved, then repaired against
-that metadata (repair_tokenizer says what and why).
+that metadata (repair_tokenizer says what and why); Gemma 3's is rebuilt as the BPE its
+SentencePiece model is before it is saved (gemma3_tokenizer).
 
 Reused while OUT_DIR/source.json matches (GGUF name and size, this file's SHA-256).
 """
@@ -139,6 +140,39 @@ def repair_tokenizer(out: str, meta: dict) -> list[str]:
     return changes
 
 
+def gemma3_tokenizer(tok, gguf: str):
+    """Repairs the tokenizer transformers 5.2 builds from a Gemma 3 GGUF. Its GGUF converter
+    makes a Unigram model of the GGUF's scores, but Gemma 3's SentencePiece model is BPE and the
+    scores are merge priorities (minus the rank): Unigram then prefers many short pieces
+    ("capital" -> " c", "ap", "it", "al") and the model answers nonsense. Here the model is
+    replaced by a byte-fallback BPE whose merges come from the scores (transformers'
+    generate_merges, as for a SentencePiece BPE file), and <bos> is prepended (the GGUF's
+    tokenizer.ggml.add_bos_token): "The capital of France is" -> [2, 818, 5279, 529, 7001, 563],
+    the ids of the upstream tokenizer."""
+    from gguf import GGUFReader
+    from tokenizers.models import BPE
+    from transformers.convert_slow_tokenizer import generate_merges
+    fields = GGUFReader(gguf).fields
+    tokens = [bytes(fields["tokenizer.ggml.tokens"].parts[i]).decode("utf-8")
+              for i in fields["tokenizer.ggml.tokens"].data]
+    scores = [float(fields["tokenizer.ggml.scores"].parts[i][0])
+              for i in fields["tokenizer.ggml.scores"].data]
+
+    def piece(token):  # the same fixes as transformers' GGUFGemmaConverter.vocab
+        if token == "<0x09>":
+            return "\t"
+        if " " in token and not token.strip():
+            return "\u2581" * len(token)
+        return token
+    tokens = [piece(token) for token in tokens]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    merges = generate_merges(vocab, list(zip(tokens, scores)))
+    tok.backend_tokenizer.model = BPE(vocab, merges, unk_token=tok.unk_token or "<unk>",
+                                      byte_fallback=True, fuse_unk=True)
+    tok.add_bos_token = True
+    return tok
+
+
 def check_tokenizer(out: str) -> None:
     """The saved tokenizer, as AutoTokenizer loads it, round-trips text and adds no BOS."""
     from transformers import AutoTokenizer
@@ -150,6 +184,15 @@ def check_tokenizer(out: str) -> None:
                                f"decoded {tok.decode(ids)!r}")
     log(f"   tokenizer: {type(tok).__name__}, decoder {tok.backend_tokenizer.decoder}, "
         f"no BOS added; 4 texts round-trip")
+
+
+def check_gemma3_tokenizer(out: str) -> None:
+    """The saved Gemma 3 tokenizer gives the upstream tokenizer's ids (gemma3_tokenizer)."""
+    from transformers import AutoTokenizer
+    ids = AutoTokenizer.from_pretrained(out).encode("The capital of France is")
+    if ids != [2, 818, 5279, 529, 7001, 563]:
+        raise RuntimeError(f"Gemma 3 tokenizer check failed: {ids}")
+    log("   tokenizer: Gemma 3's BPE, <bos> first; the upstream ids")
 
 
 def main() -> int:
@@ -171,7 +214,11 @@ def main() -> int:
     folder, name = os.path.split(os.path.abspath(gguf))
     log(f"== converting {name} into {out} (fp32)")
     os.makedirs(out, exist_ok=True)
+    fields = gguf_fields(gguf)
+    gemma3 = fields.get("general.architecture") == "gemma3"
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if gemma3:
+        tok = gemma3_tokenizer(tok, gguf)
     # transformers >= 5.1x keeps GGUF weights packed unless asked to dequantize, and refuses to
     # save a model loaded from a GGUF either way (its quantizer stays attached): the dequantized
     # weights go into a plain model built from the same config, which saves as usual.
@@ -197,9 +244,12 @@ def main() -> int:
     if diff != 0.0:
         raise RuntimeError(f"saved model's logits differ from the GGUF model's by {diff}")
     log("   saved model: logits equal to the GGUF model's (max |diff| 0)")
-    for line in repair_tokenizer(out, gguf_fields(gguf)):
-        log("   repaired " + line)
-    check_tokenizer(out)
+    if gemma3:
+        check_gemma3_tokenizer(out)
+    else:
+        for line in repair_tokenizer(out, fields):
+            log("   repaired " + line)
+        check_tokenizer(out)
     with open(stamp, "w") as f:
         json.dump(source, f)
     return 0

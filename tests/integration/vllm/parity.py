@@ -44,11 +44,15 @@ def prompt_text(rng: np.random.Generator, words: int) -> str:
 
 def draw_prompts(tokenizer, rng: np.random.Generator, count: int) -> list:
     """Token ids of a needle in ~1.5K tokens of filler, asked for through the chat template
-    (first), then `count` seeded texts of 1-3K tokens."""
+    (a base model without one, such as Gemma 3 270M: as text followed by "Answer:"), first,
+    then `count` seeded texts of 1-3K tokens."""
     text = prompt_text(rng, 700) + " The secret code of the harbour is 4821. " + \
         prompt_text(rng, 700) + " What is the secret code of the harbour?"
-    needle = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                           add_generation_prompt=True, tokenize=True)
+    if tokenizer.chat_template:
+        needle = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                               add_generation_prompt=True, tokenize=True)
+    else:
+        needle = tokenizer(text + " Answer: the secret code of the harbour is")
     if isinstance(needle, dict) or hasattr(needle, "input_ids"):
         needle = needle["input_ids"]
     prompts = [[int(x) for x in needle]]

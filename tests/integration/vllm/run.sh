@@ -24,7 +24,10 @@
 #    the pressure trigger (LAPROX_VLLM_TRIGGER=pressure): a pool with room compacts nothing and
 #    decodes as vLLM without the plugin; a pool too small compacts fewer sequences than
 #    LAPROX_VLLM_TRIGGER=always, the rest spared; with LAPROX_VLLM_PRESSURE_BUDGETS some at a
-#    budget above the floor; with LAPROX_VLLM_LONG_PROMPT the long prompts at once;
+#    budget above the floor; with LAPROX_VLLM_LONG_PROMPT the long prompts at once; a request
+#    aborted half prefilled and its id reused at once (the fence), in both modes; then the
+#    parity check on Gemma 3 270M, a hybrid model: its three full-attention layers planned
+#    and compacted, its fifteen sliding-window layers left to vLLM;
 # 3c. replan.py: decode re-plans (LAPROX_VLLM_DECODE_BUFFER) keep two 512-token generations
 #    within budget + buffer blocks, against the engine planning once; the pool whole at the end;
 # 4. bad_paths.py: laproxd's budget-share metrics for the model; laproxd down and laproxd
@@ -40,8 +43,8 @@
 #    monitoring/grafana/laprox-vllm.json answered by a real Prometheus scraping it, before
 #    and after laproxd stops.
 # --smoke (what .ci/run runs): steps 1 and 2, platform_check and the chunked parity of step 3,
-# test_hf*.py, test_vllm_compact.py, compaction.py's parity and block-return check and the
-# pressure trigger's four checks, replan.py, and steps 5 and 6.
+# test_hf*.py, test_vllm_compact.py, compaction.py's parity and block-return check, the
+# pressure trigger's four checks and the fence, Gemma 3's parity, replan.py, and steps 5 and 6.
 # Exit status 0 when every check passes. --smoke took 7.6 minutes on 2 cores once set up
 # (2026-12-06); the whole run adds the prefix, preempt and bad-path checks (about 15 minutes
 # before the pressure trigger's checks; not timed since).
@@ -52,6 +55,7 @@ root="$(cd "$here/../../.." && pwd)"
 build="${BUILD_DIR:-$root/build}"
 venv="${VLLM_VENV:-$build/vllm-venv}"
 model="$build/vllm-model/SmolLM2-135M-Instruct"
+gemma3="$build/vllm-model/gemma-3-270m"  # a hybrid model: sliding-window and full layers
 laproxd="${LAPROXD:-}"
 smoke=0
 for arg in "$@"; do
@@ -96,6 +100,9 @@ if (( smoke )); then
 else
   "$python" "$here/compaction.py" --laproxd "$laproxd" --model "$model"
 fi
+echo "== a hybrid model (Gemma 3 270M): its full-attention layers planned and compacted, the"
+echo "   sliding-window groups left to vLLM, the same tokens as masking"
+"$python" "$here/compaction.py" --laproxd "$laproxd" --model "$gemma3" --checks parity
 echo "== decode re-plans: a long generation held within budget + buffer"
 "$python" "$here/replan.py" --laproxd "$laproxd" --model "$model"
 if (( ! smoke )); then

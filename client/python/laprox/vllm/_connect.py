@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import threading
-import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -130,7 +129,7 @@ def _register() -> _Link:
         region_id = client.register_shm_region(STATE.segment.name, STATE.segment.size,
                                                timeout=config.register_deadline)
         # Read only once laproxd answered: a laproxd that is down costs no disk reads.
-        o_proj = _o_proj(STATE.model_path, STATE.geometry.num_layers)
+        o_proj = _o_proj(STATE.model_path, STATE.layer_ids)
         model_id = client.register_model(STATE.model_name, STATE.geometry, o_proj,
                                          timeout=config.register_deadline)
     except BaseException:
@@ -154,9 +153,10 @@ def _start_connector() -> None:
 
 
 
-def _o_proj(model_path: str, num_layers: int) -> List[np.ndarray]:
-    """Each layer's o_proj.weight [D, H * d] as fp32, read from the checkpoint's safetensors
-    (vLLM's CPU backend may repack the loaded weight for its GEMM and drop the original)."""
+def _o_proj(model_path: str, layers: List[int]) -> List[np.ndarray]:
+    """The o_proj.weight [D, H * d] of each of `layers` (the planned ones, by their number in
+    the model) as fp32, read from the checkpoint's safetensors (vLLM's CPU backend may repack
+    the loaded weight for its GEMM and drop the original)."""
     import glob
 
     from safetensors import safe_open
@@ -172,8 +172,8 @@ def _o_proj(model_path: str, num_layers: int) -> List[np.ndarray]:
                 match = re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", name)
                 if match:
                     found[int(match.group(1))] = f.get_tensor(name).float().numpy()
-    missing = sorted(set(range(num_layers)) - set(found))
+    missing = sorted(set(layers) - set(found))
     if missing:
         raise ValueError(f"no o_proj.weight of layers {missing} in {model_path}")
-    return [found[l] for l in range(num_layers)]
+    return [found[l] for l in layers]
 

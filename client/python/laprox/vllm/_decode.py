@@ -5,21 +5,19 @@ blocks in place."""
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 import torch
 
 from .._attention import masked_attention
-from ._state import _LAYER, STATE, _Compressed, _wire_dtype
+from ._state import STATE, _Compressed, _wire_dtype
 
 
-def _layer_index(layer: Any) -> int:
-    index = getattr(layer, "_laprox_index", None)
-    if index is None:
-        index = int(_LAYER.search(layer.layer_name).group(1))
-        layer._laprox_index = index
-    return index
+def _layer_index(layer: Any) -> Optional[int]:
+    """The layer's index among the planned layers (STATE.layer_names), None for a layer of
+    another KV cache group (a sliding-window one), left to vLLM."""
+    return STATE.planned.get(layer.layer_name)
 
 
 def _capture(layer: Any, query: torch.Tensor, attn_metadata: Any) -> None:

@@ -74,11 +74,51 @@ def _allocate_kv_cache(original: Any) -> Any:
 
         with SharedZeros():
             caches = original(kv_cache_config, device, layout, kernel_block_sizes)
+        if STATE.geometry is not None:
+            try:
+                _plan_group(kv_cache_config)
+            except ValueError as e:
+                STATE.warn(f"this model's KV cache is not one laprox.vllm compresses ({e})")
+                STATE.geometry = None  # the plugin stays off: every step goes uncompressed
         _start_connector()
         return caches
 
     return allocate
 
+
+
+def _compacted_group(kv_cache_config: Any) -> Tuple[int, List[str]]:
+    """The KV cache group the plugin plans and compacts, and its layers' names in model order:
+    the one group of full-attention layers. A hybrid model's other groups (sliding-window
+    layers, whose blocks vLLM frees as the window moves on) are left as vLLM keeps them."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    full = [g for g, group in enumerate(groups) if type(group.kv_cache_spec) is FullAttentionSpec]
+    if any(groups[g].kv_cache_spec.sliding_window is not None for g in full):
+        # vLLM's hybrid KV cache manager is off (--disable-hybrid-kv-cache-manager, or a KV
+        # connector without hybrid support): sliding-window layers share the full layers'
+        # blocks, and their kernel reads positions, not the compacted slots.
+        raise ValueError("sliding-window layers are held as full-attention ones: the hybrid KV "
+                         "cache manager is off")
+    if len(full) != 1:
+        raise ValueError(f"{len(full)} groups of full-attention layers "
+                         f"({', '.join(type(g.kv_cache_spec).__name__ for g in groups)}); "
+                         f"laprox.vllm compacts one")
+    names = sorted(groups[full[0]].layer_names,
+                   key=lambda name: int(_LAYER.search(name).group(1)))
+    return full[0], names
+
+
+def _plan_group(kv_cache_config: Any) -> None:
+    """Plans the full-attention layers only (STATE.group, layer_names, layer_ids, planned);
+    the geometry registered with laproxd counts them."""
+    import dataclasses
+
+    STATE.group, STATE.layer_names = _compacted_group(kv_cache_config)
+    STATE.layer_ids = [int(_LAYER.search(name).group(1)) for name in STATE.layer_names]
+    STATE.planned = {name: i for i, name in enumerate(STATE.layer_names)}
+    STATE.geometry = dataclasses.replace(STATE.geometry, num_layers=len(STATE.layer_names))
 
 
 def _geometry(runner: Any) -> Any:
@@ -172,7 +212,7 @@ def _shift(batch: Any, num_scheduled_tokens: np.ndarray) -> Optional[_compact.Sh
                          compacted.drops))
             STATE.shift_rows.append((req_id, int(starts[i]), int(num_scheduled_tokens[i]),
                                      int(batch.num_computed_tokens_cpu[i])))
-    table = batch.block_table.block_tables[0]
+    table = batch.block_table.block_tables[STATE.group]
     return _compact.shift(rows, starts, table.block_table.np, table.block_size,
                           STATE.geometry.num_layers, len(batch.req_ids))
 
@@ -237,14 +277,14 @@ def _carry_out(runner: Any, req_id: str, order: _compact.Order) -> None:
                            f"{order.level}) of that generation here")
     layout = pending.layout + 1
     pending = pending.at(order.level)
-    block_ids = state.block_ids[0]
+    block_ids = state.block_ids[STATE.group]
     context = runner.compilation_config.static_forward_context
-    caches = [_cache_views(context[name], context[name].kv_cache) for name in _layer_names(runner)]
+    caches = [_cache_views(context[name], context[name].kv_cache) for name in STATE.layer_names]
     drops = _compact.move(pending, block_ids, order, caches)
     block_ids[:] = list(order.dest) + block_ids[order.sources:]
     row = runner.input_batch.req_id_to_index.get(req_id)
     if row is not None:
-        runner.input_batch.block_table.block_tables[0].add_row(block_ids, row)
+        runner.input_batch.block_table.block_tables[STATE.group].add_row(block_ids, row)
     STATE.compressed.pop(req_id, None)
     before = STATE.compacted.get(req_id)
     compacted = _compact.Compacted(
@@ -265,21 +305,16 @@ def _carry_out(runner: Any, req_id: str, order: _compact.Order) -> None:
     STATE.metrics.blocks_released += order.released
 
 
-def _layer_names(runner: Any) -> List[str]:
-    context = runner.compilation_config.static_forward_context
-    return sorted((name for name in context if _LAYER.search(name)),
-                  key=lambda name: int(_LAYER.search(name).group(1)))
-
-
 def _do_kv_cache_update(original: Any) -> Any:
     """Writes the tokens of compacted requests to their layer's slots (_compact.Shift)."""
 
     def do_kv_cache_update(self: Any, layer: Any, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> Any:
         shift = STATE.shift
-        if shift is not None:
+        index = _layer_index(layer) if shift is not None else None
+        if index is not None:
             slot_mapping = slot_mapping.clone()
-            slot_mapping[shift.tokens] = shift.slots[_layer_index(layer)].to(slot_mapping.dtype)
+            slot_mapping[shift.tokens] = shift.slots[index].to(slot_mapping.dtype)
         return original(self, layer, key, value, kv_cache, slot_mapping)
 
     return do_kv_cache_update
@@ -312,6 +347,9 @@ def _forward(original: Any) -> Any:
     def forward(self: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any,
                 output: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if _layer_index(layer) is None:  # a layer laprox does not plan (sliding-window)
+            return original(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                            *args, **kwargs)
         shifted = attn_metadata
         if attn_metadata is not None and STATE.shift is not None:
             shifted = _shifted(self, layer, query, attn_metadata)
@@ -442,7 +480,7 @@ def _plan(runner: Any, done: List[Tuple[str, _Prefill]]) -> None:
         return
     started = time.perf_counter()
     context = runner.compilation_config.static_forward_context
-    names = _layer_names(runner)
+    names = STATE.layer_names
     # One plan per sequence at the budget, and with LAPROX_VLLM_PRESSURE_BUDGETS one at each
     # larger budget that evicts something from its prompt.
     budgets = [[b for i, b in enumerate(STATE.config.budgets) if i == 0 or b < prefill.prompt_len]
@@ -539,7 +577,7 @@ def _replan(runner: Any) -> None:
         limit = compacted.budget + STATE.config.decode_buffer
         if computed < compacted.retry_at or np.mean(computed - compacted.drops) < limit:
             continue
-        due.append((req_id, compacted, computed, np.asarray(state.block_ids[0])))
+        due.append((req_id, compacted, computed, np.asarray(state.block_ids[STATE.group])))
     if not due:
         return
     link = _ready_link(len(due))
@@ -549,7 +587,7 @@ def _replan(runner: Any) -> None:
         return
     started = time.perf_counter()
     context = runner.compilation_config.static_forward_context
-    names = _layer_names(runner)
+    names = STATE.layer_names
     sequences, positions = [], []
     for _, compacted, computed, block_ids in due:
         cache = compacted.cache_positions(computed)

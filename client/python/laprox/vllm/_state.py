@@ -228,7 +228,14 @@ class _State:
         self.connector: Optional["_Connector"] = None
         self.model_name = ""
         self.model_path = ""
-        self.geometry: Any = None
+        self.geometry: Any = None             # of the planned layers (num_layers: theirs)
+        # The KV cache group laprox plans and compacts (its only full-attention one; the other
+        # groups, sliding-window ones, are left to vLLM), its layers' names in model order and
+        # their numbers in the model, and each name's index among them (_compacted_group).
+        self.group = 0
+        self.layer_names: List[str] = []
+        self.layer_ids: List[int] = []
+        self.planned: Dict[str, int] = {}
         # This step's prefill rows: batch index -> (request id, first position, count).
         self.step: Dict[int, Tuple[str, int, int]] = {}
         self.prefills: Dict[str, _Prefill] = {}
