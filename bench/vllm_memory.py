@@ -56,9 +56,9 @@ def child(args: argparse.Namespace) -> dict:
 
     from parity import prompt_text
 
-    if os.environ.get("LAPROX_VLLM_TARGET"):
-        import laprox.vllm
+    import laprox.vllm
 
+    if os.environ.get("LAPROX_VLLM_TARGET"):
         laprox.vllm.register()
     from laprox.vllm import _compact
 
@@ -75,12 +75,16 @@ def child(args: argparse.Namespace) -> dict:
 
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, seed=0,
               max_model_len=longest + max(args.output_tokens, args.decode_tokens) + 8,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, kv_transfer_config=laprox.vllm.kv_transfer_config())
     core = llm.llm_engine.engine_core.engine_core
     scheduler = core.scheduler
-    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
-    seen = {"running": 0, "held": [], "kept": [], "steps": [], "preemptions": 0,
-            "recomputed": 0}
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    # The full-attention group's manager (a hybrid model's other groups, sliding-window ones,
+    # are left to vLLM), and every group's blocks a request holds (null blocks, which stand for
+    # those freed behind a sliding window, not counted).
+    manager = _compact._manager(scheduler) or managers[0]
+    seen = {"running": 0, "held": [], "held_all": [], "kept": [], "steps": [],
+            "preemptions": 0, "recomputed": 0}
     schedule = type(scheduler).schedule
 
     def watching(self, *a, **k):
@@ -99,6 +103,9 @@ def child(args: argparse.Namespace) -> dict:
         for request in self.running:
             if request.num_computed_tokens >= request.num_prompt_tokens:
                 seen["held"].append(len(manager.req_to_blocks.get(request.request_id, ())))
+                seen["held_all"].append(sum(not b.is_null for m in managers
+                                            for b in m.req_to_blocks.get(request.request_id,
+                                                                         ())))
         return output
 
     type(scheduler).schedule = watching
@@ -120,11 +127,13 @@ def child(args: argparse.Namespace) -> dict:
 
     _compact.decide = noting
     result = {"block_size": manager.block_size,
-              "pool_blocks": manager.block_pool.get_num_free_blocks()}
+              "pool_blocks": manager.block_pool.get_num_free_blocks(),
+              "groups": len(managers)}
 
     # Warm-up: one short request.
     llm.generate([{"prompt_token_ids": prompt(0, 256)}], SamplingParams(max_tokens=4))
-    seen.update(running=0, held=[], kept=[], steps=[], preemptions=0, recomputed=0)
+    seen.update(running=0, held=[], held_all=[], kept=[], steps=[], preemptions=0,
+                recomputed=0)
 
     engine = llm.llm_engine
     sampling = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
@@ -159,6 +168,8 @@ def child(args: argparse.Namespace) -> dict:
                        "decoding_per_step": float(np.mean([s["decode"] for s in decoding]))
                        if decoding else 0.0,
                        "blocks_held_decoding": float(np.mean(seen["held"])) if seen["held"] else 0,
+                       "blocks_held_decoding_all_groups": float(np.mean(seen["held_all"]))
+                       if seen["held_all"] else 0,
                        "blocks_kept_at_compaction": seen["kept"],
                        "preemptions": seen["preemptions"],
                        "recomputed_tokens": seen["recomputed"],
@@ -232,15 +243,20 @@ def report(results: list, args: argparse.Namespace) -> None:
     base = "vanilla"
     print(f"\nbatch: {args.requests} requests x {args.prompt_tokens} prompt tokens, "
           f"{args.output_tokens} output tokens (medians of {args.rounds} rounds)")
-    print("| config | max running | decoding per step | blocks held per decoding sequence | "
+    hybrid = results[0].get("groups", 1) > 1
+    print("| config | max running | decoding per step | blocks held per decoding sequence"
+          f"{' (full-attention group / all groups)' if hybrid else ''} | "
           "preemptions (tokens recomputed) | time between tokens p50 / p99 ms | "
           "output tokens/s | x vanilla |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name in names:
         b = lambda key: med(name, lambda r: r["batch"][key])  # noqa: E731
         tps = b("tokens_per_second")
+        held = f"{b('blocks_held_decoding'):.1f}"
+        if hybrid:
+            held += f" / {b('blocks_held_decoding_all_groups'):.1f}"
         print(f"| {name} | {b('max_running'):.0f} | {b('decoding_per_step'):.1f} | "
-              f"{b('blocks_held_decoding'):.1f} | {b('preemptions'):.0f} "
+              f"{held} | {b('preemptions'):.0f} "
               f"({b('recomputed_tokens'):.0f}) | {b('itl_ms_p50'):.0f} / {b('itl_ms_p99'):.0f} | "
               f"{tps:.1f} | {tps / med(base, lambda r: r['batch']['tokens_per_second']):.2f} |")
     print("\nwhere the batch's time goes (medians): steps that prefill, steps that only decode")

@@ -31,7 +31,8 @@ def child(args: argparse.Namespace) -> int:
     laprox.vllm.register()
     # No prefix caching: the second generate of a prompt must prefill it again.
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=8192,
-              seed=0, enable_prefix_caching=False)
+              seed=0, enable_prefix_caching=False,
+              kv_transfer_config=laprox.vllm.kv_transfer_config())
     results = {}
     for n in [int(x) for x in args.sizes.split(",")]:
         prefill, decode = [], []

@@ -427,7 +427,7 @@ class FenceTest(unittest.TestCase):
     def carried_out(self, req_id):
         """The worker moved the entries: the order is sent and its held blocks come back."""
         _compact.SCHED.pending.pop(req_id)
-        _compact._release(self.manager, req_id)
+        _compact._release(req_id)
 
     def test_a_plan_of_the_current_generation_is_compacted(self):
         generation = self.start("A", 160)  # 10 blocks; a plan keeping 40 needs 3
@@ -487,13 +487,14 @@ class FenceTest(unittest.TestCase):
                               B=_Prefill(100, queries, generation=4))
         STATE.pending["C"] = _compact.Pending(10, 10, [np.zeros((1, 2), np.int64)],
                                               generation=5)
+        from laprox.vllm.connector import Channel
+
         update = _runner._update_states(lambda runner, output: None)
-        cached = SimpleNamespace(resumed_req_ids=set())
+        self.addCleanup(setattr, STATE, "runner", STATE.runner)
 
         def step(generations, finished=()):
-            update(None, SimpleNamespace(finished_req_ids=set(finished), preempted_req_ids=set(),
-                                         scheduled_cached_reqs=cached,
-                                         _laprox_generations=generations))
+            STATE.channel = Channel(generations=generations)  # connector.handle_preemptions
+            update(None, SimpleNamespace(finished_req_ids=set(finished), preempted_req_ids=set()))
 
         # A's id is reused by a request of another prompt: its capture so far is another's.
         step({"A": 9}, finished=["A"])
@@ -503,3 +504,73 @@ class FenceTest(unittest.TestCase):
         step({}, finished=["C"])  # ended: dropped, not counted
         self.assertNotIn("C", STATE.pending)
         self.assertEqual(self.metrics.fenced, 1)
+
+
+class ConnectorTest(FenceTest):
+    """laprox.vllm.connector's scheduler side on FenceTest's manager and pool: what a
+    preemption, a finish and the worker's reports do to the plugin's state (its methods on the
+    scheduler's side read no state of the instance; the instance is made without vLLM's
+    configuration)."""
+
+    def setUp(self):
+        super().setUp()
+        from laprox.vllm import _state
+        from laprox.vllm.connector import LaproxConnector
+
+        self.addCleanup(setattr, _state.STATE, "config", _state.STATE.config)
+        _state.STATE.config = _state.Config(target="unix:/nonexistent")
+        self.connector = LaproxConnector.__new__(LaproxConnector)
+
+    def output(self, new=(), preempted=()):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(
+            preempted_req_ids=set(preempted),
+            scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new],
+            scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set()))
+
+    def test_a_preemption_drops_the_order_and_gives_the_held_blocks_back(self):
+        free = self.pool.get_num_free_blocks()
+        generation = self.start("A", 160)
+        _compact.decide(self.scheduler, "A", _compact.Ready(160, 40, 160, generation=generation))
+        self.assertEqual(self.pool.get_num_free_blocks(), free - 10)  # 3 kept, 7 held
+        channel = self.connector.build_connector_meta(self.output(new=["B"], preempted=["A"]))
+        self.assertEqual(channel.orders, {})
+        self.assertEqual(set(channel.generations), {"B"})
+        self.assertNotIn("A", _compact.SCHED.drops)
+        self.assertNotIn("A", _compact.SCHED.generations)
+        self.assertEqual(self.pool.get_num_free_blocks(), free - 3)  # the request's own 3 left
+
+    def test_an_order_and_the_generations_travel_once(self):
+        generation = self.start("A", 160)
+        _compact.decide(self.scheduler, "A", _compact.Ready(160, 40, 160, generation=generation))
+        channel = self.connector.build_connector_meta(self.output())
+        self.assertEqual(set(channel.orders), {"A"})
+        self.assertEqual(channel.generations, {"A": generation})
+        again = self.connector.build_connector_meta(self.output())
+        self.assertEqual((again.orders, again.generations), ({}, {}))
+
+    def test_a_deferred_request_that_finishes_is_spared(self):
+        generation = self.start("A", 160)
+        _compact.SCHED.deferred["A"] = _compact.Ready(160, 40, 160, generation=generation)
+        from types import SimpleNamespace
+
+        self.assertEqual(self.connector.request_finished_all_groups(
+            SimpleNamespace(request_id="A"), ([], [])), (False, None))
+        self.assertNotIn("A", _compact.SCHED.deferred)
+        self.assertEqual(self.metrics.spared, 1)
+
+    def test_the_workers_reports_reach_the_scheduler(self):
+        from types import SimpleNamespace
+
+        from laprox.vllm._state import STATE
+
+        self.addCleanup(setattr, STATE, "ready", STATE.ready)
+        self.addCleanup(setattr, _compact.SCHED, "arrived", {})
+        found = _compact.Ready(160, 40, 160, generation=3)
+        STATE.ready = {"A": found}
+        reports = self.connector.build_connector_worker_meta()
+        self.assertEqual(STATE.ready, {})
+        self.assertIsNone(self.connector.build_connector_worker_meta())  # nothing new
+        self.connector.update_connector_output(SimpleNamespace(kv_connector_worker_meta=reports))
+        self.assertEqual(_compact.SCHED.arrived, {"A": found})

@@ -62,7 +62,7 @@ def child(mode: str, model: str) -> int:
 
         _runner._apply = broken
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, kv_transfer_config=laprox.vllm.kv_transfer_config())
     params = SamplingParams(max_tokens=8, temperature=0.0)
 
     ids = []

@@ -141,7 +141,7 @@ def child(args: argparse.Namespace, scenario: str, out_path: str) -> int:
     _, prompts, pair = prompts_for(args)
     greedy = SamplingParams(max_tokens=args.continuation, temperature=0.0, logprobs=1)
     engine = dict(model=args.model, dtype="float32", enforce_eager=True, max_model_len=4096,
-                  seed=0)
+                  seed=0, kv_transfer_config=laprox.vllm.kv_transfer_config())
     result: dict = {}
     if scenario in ("parity", "mask", "ample"):
         llm = LLM(enable_prefix_caching=False, **engine)

@@ -116,7 +116,7 @@ def compare(args: argparse.Namespace, target: str) -> int:
     # No prefix caching: the decoding pass prefills the prompts again, and a cache hit inside
     # the query window would leave a sequence without a plan (laprox/vllm/DESIGN.md, section 0).
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=4096,
-              seed=0, enable_prefix_caching=False, **extra)
+              seed=0, enable_prefix_caching=False, kv_transfer_config=laprox.vllm.kv_transfer_config(), **extra)
     print(f"vLLM loaded in {time.perf_counter() - started:.1f} s")
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(max_tokens=1, temperature=0.0))

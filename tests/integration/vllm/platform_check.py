@@ -11,6 +11,7 @@ import sys
 
 def main() -> int:
     from vllm.platforms import current_platform
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.attention.backends import cpu_attn
     from vllm.v1.worker import gpu_model_runner
 
@@ -23,12 +24,15 @@ def main() -> int:
             warnings.append(record.getMessage())
 
     logging.getLogger("laprox.vllm").addHandler(Collect())
-    before = (gpu_model_runner.allocate_kv_cache, cpu_attn.CPUAttentionBackendImpl.forward,
-              gpu_model_runner.GPUModelRunner.execute_model)
+    def wrapped():  # what install() wraps on the CPU backend (compact mode)
+        runner, impl = gpu_model_runner.GPUModelRunner, cpu_attn.CPUAttentionBackendImpl
+        return (runner._prepare_inputs, runner._update_states, impl.forward,
+                impl.do_kv_cache_update, Scheduler.update_from_output)
+
+    before = wrapped()
     type(current_platform).is_cpu = lambda self: False  # what a CUDA build answers
     _runner.install(_runner.Config(target="unix:/nonexistent"))
-    after = (gpu_model_runner.allocate_kv_cache, cpu_attn.CPUAttentionBackendImpl.forward,
-             gpu_model_runner.GPUModelRunner.execute_model)
+    after = wrapped()
     ok = before == after and len(warnings) == 1 and "CPU backend only" in warnings[0]
     print(("ok   " if ok else "FAIL ") + f"not the CPU backend: vLLM's functions "
           f"{'untouched' if before == after else 'WRAPPED'}, warnings {warnings}")

@@ -56,7 +56,7 @@ def child(args: argparse.Namespace, out_path: str) -> int:
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
     prompts = draw_prompts(tokenizer, np.random.default_rng(args.seed), 2)[1:]
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=4096,
-              seed=0, enable_prefix_caching=False)
+              seed=0, enable_prefix_caching=False, kv_transfer_config=laprox.vllm.kv_transfer_config())
     core = llm.llm_engine.engine_core.engine_core
     manager = core.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
     pool = core.scheduler.kv_cache_manager.block_pool

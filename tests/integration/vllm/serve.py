@@ -40,6 +40,7 @@ import time
 import urllib.request
 
 from laproxd_support import Laproxd, use_laproxd
+from laprox.vllm import KV_TRANSFER_CONFIG
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "tests", "monitoring"))
@@ -147,7 +148,8 @@ def serve(args: argparse.Namespace, api_servers: int, trigger: str) -> None:
         [sys.executable, "-c", VLLM_SERVE, "serve", args.model,
          "--served-model-name", MODEL_NAME, "--dtype", "float32", "--enforce-eager",
          "--max-model-len", "2048", "--no-enable-prefix-caching", "--host", "127.0.0.1",
-         "--port", str(port), "--api-server-count", str(api_servers)],
+         "--port", str(port), "--api-server-count", str(api_servers),
+         "--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG)],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def server_log() -> str:

@@ -123,7 +123,7 @@ def run(args: argparse.Namespace, server: Laproxd) -> int:
     InprocClient.get_output = timed_get_output
 
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, kv_transfer_config=laprox.vllm.kv_transfer_config())
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     offset = [0]
 

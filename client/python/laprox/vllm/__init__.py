@@ -2,10 +2,15 @@
 
 Installed with the package (entry point `laprox = laprox.vllm:register` in the group
 `vllm.general_plugins`); vLLM calls register() in every process it starts. The plugin does
-nothing unless LAPROX_VLLM_TARGET names a laproxd, e.g.
+nothing unless LAPROX_VLLM_TARGET names a laproxd and the engine loads laprox's KV connector
+(laprox.vllm.connector, KV_TRANSFER_CONFIG), e.g.
 
     LAPROX_VLLM_TARGET=unix:/run/laprox/laproxd.sock LAPROX_VLLM_BUDGET=256 \\
-        VLLM_CPU_KVCACHE_SPACE=1 vllm serve MODEL --enforce-eager
+        VLLM_CPU_KVCACHE_SPACE=1 vllm serve MODEL --enforce-eager --kv-transfer-config \\
+        '{"kv_connector": "LaproxConnector", "kv_connector_module_path": "laprox.vllm.connector", "kv_role": "kv_producer"}'
+
+(offline: LLM(MODEL, ..., kv_transfer_config=laprox.vllm.kv_transfer_config())). Without the
+connector the plugin stays off and says so once.
 
 Configuration (environment, read once per process; see Config):
     LAPROX_VLLM_TARGET    laproxd address (unset: the plugin is off)
@@ -73,6 +78,13 @@ What it does (vLLM 0.32, CPU attention backend; see DESIGN.md in this directory)
 from __future__ import annotations
 
 import os
+from typing import Any, Dict, Optional
+
+# The --kv-transfer-config (LLM(kv_transfer_config=...)) that makes vLLM load laprox's KV
+# connector (laprox.vllm.connector), without which the plugin stays off.
+KV_TRANSFER_CONFIG: Dict[str, Any] = {"kv_connector": "LaproxConnector",
+                                      "kv_connector_module_path": "laprox.vllm.connector",
+                                      "kv_role": "kv_producer"}
 
 # The vLLM releases the plugin was tested with: its hooks patch their internals.
 SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
@@ -96,6 +108,12 @@ def register() -> None:
     _metrics.ensure_directory()
     _metrics.export()
     _runner.install(_runner.Config.from_env())
+
+
+def kv_transfer_config() -> Optional[Dict[str, Any]]:
+    """The kv_transfer_config of an engine that runs the plugin: KV_TRANSFER_CONFIG when
+    LAPROX_VLLM_TARGET is set, None (vLLM without it) otherwise."""
+    return dict(KV_TRANSFER_CONFIG) if os.environ.get("LAPROX_VLLM_TARGET") else None
 
 
 def plans():

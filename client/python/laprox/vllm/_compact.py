@@ -10,16 +10,16 @@ section 6 gives the reasoning; these are the moving parts, in the order they act
 
   worker, step t (the last prefill step)   the plan arrives (_runner._plan); the heads of a
       layer that keep one entry fewer than its longest head are padded with their most recent
-      evicted prompt entry (note_plan), the request is reported as ready on the step's
-      ModelRunnerOutput (`_laprox_ready`: prompt length, longest layer, cache length), and
-      decodes masked until compacted;
+      evicted prompt entry (note_plan), the request is reported as ready in the step's KV
+      connector output (connector.Reports, Ready: prompt length, longest layer, cache length),
+      and decodes masked until compacted;
   scheduler, update_from_output(t)         decide(): the blocks the compacted request keeps
       (its private blocks, ref_cnt 1, the last ones first, so that a shared or reusable prefix
       stays in the prefix cache; fresh blocks when too few are private), their prefix-cache
       hashes evicted, the request's block list cut to them; from now on its allocations count
       drop = P - C_max fewer tokens; the other blocks wait, held, until the move is done;
-  scheduler, schedule(t + 1)                the order travels to the worker on the
-      SchedulerOutput (`_laprox_compact`);
+  scheduler, schedule(t + 1)                the order travels to the worker in the step's
+      KV connector metadata (connector.Channel);
   worker, _update_states(t + 1)             apply(): the entries move (before any block of
       this step is written), the worker's block list and block-table row become the kept
       blocks plus those appended this step;
@@ -28,7 +28,7 @@ section 6 gives the reasoning; these are the moving parts, in the order they act
   worker, every later step                  shift(): per layer, the slots the step's tokens of
       compacted requests are written to, and the seq_lens the kernel reads (_runner).
 Scheduler and worker may run in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0) or two (the
-"mp" executor); both objects are pickled between them, so the two attributes travel either way.
+"mp" executor); vLLM pickles the connector's metadata between them.
 
 With LAPROX_VLLM_TRIGGER=pressure the scheduler decides later (relieve(), when the pool runs
 short); with LAPROX_VLLM_PRESSURE_BUDGETS each sequence is also planned at budgets above the
@@ -257,6 +257,10 @@ class _SchedulerSide:
         self.last_generation = 0
         # Generations given since the last schedule() output, sent on the next one.
         self.announced: Dict[str, int] = {}
+        # Ready reports of the step being updated (connector.update_connector_output), and the
+        # pool the held blocks go back to.
+        self.arrived: Dict[str, Ready] = {}
+        self.block_pool: Any = None
 
     def begin(self, req_id: str) -> int:
         """A new generation of `req_id` (scheduled from its first position)."""
@@ -270,6 +274,7 @@ class _SchedulerSide:
         """`req_id` ended or was preempted: no plan of its generation applies any more."""
         self.generations.pop(req_id, None)
         self.layouts.pop(req_id, None)
+        self.announced.pop(req_id, None)
 
 
 SCHED = _SchedulerSide()
@@ -361,6 +366,7 @@ def decide(scheduler: Any, req_id: str, found: Ready, deferred: bool = False,
     released = [b for b in blocks if id(b) not in kept_ids]
     # Rewritten in place: their hashes would name positions they no longer hold.
     manager.block_pool.evict_blocks({b.block_id for b in dest if b.block_hash is not None})
+    SCHED.block_pool = manager.block_pool
     SCHED.pending[req_id] = Order(len(blocks), tuple(b.block_id for b in dest), len(released),
                                   computed, level, found.generation)
     SCHED.layouts[req_id] = found.layout + 1
@@ -468,40 +474,49 @@ def _decide_safely(scheduler: Any, req_id: str, found: Ready, deferred: bool = F
         return 0
 
 
-def _release(manager: Any, req_id: str) -> None:
+def _release(req_id: str) -> None:
     held = SCHED.held.pop(req_id, None)
     if held:
-        manager.block_pool.free_blocks(reversed(held))
+        SCHED.block_pool.free_blocks(reversed(held))
 
 
-def install_scheduler_hooks(compacts: bool = True) -> None:
-    """Wraps Scheduler.schedule (the generations of the fence, both modes) and, when the plugin
-    compacts, update_from_output and the full-attention manager's block accounting (scheduler
-    process)."""
+def ended(req_id: str) -> None:
+    """A request finished, was aborted or was preempted (connector.request_finished,
+    build_connector_meta): nothing of its compaction outlives it, and no plan of its generation
+    is applied any more (the fence); a deferred plan it never used is counted spared."""
+    from ._state import STATE
+
+    SCHED.forget(req_id)
+    SCHED.drops.pop(req_id, None)
+    SCHED.pending.pop(req_id, None)
+    SCHED.arrived.pop(req_id, None)
+    if SCHED.deferred.pop(req_id, None) is not None:
+        STATE.metrics.spared += 1
+    _release(req_id)
+
+
+def install_scheduler_hooks() -> None:
+    """Wraps what the KV connector API does not cover on the scheduler's side (compact mode):
+    Scheduler.update_from_output (deciding needs the scheduler's requests and queues, which a
+    connector is not given) and the full-attention manager's block accounting."""
     from vllm.v1.core import single_type_kv_cache_manager as stm
     from vllm.v1.core.sched.scheduler import Scheduler
 
     base = stm.SingleTypeKVCacheManager
-    init, update, schedule = Scheduler.__init__, Scheduler.update_from_output, Scheduler.schedule
-    count, allocate, pop = (base.get_num_blocks_to_allocate, base.allocate_new_blocks,
-                            base.pop_blocks_for_free)
-
-    def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
-        from ._state import STATE
-
-        init(self, vllm_config, *args, **kwargs)
-        # The deferred and spared counts are the scheduler's, maybe in a process of its own.
-        STATE.name_model(str(vllm_config.model_config.served_model_name))
+    update = Scheduler.update_from_output
+    count, allocate = base.get_num_blocks_to_allocate, base.allocate_new_blocks
 
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
         from ._state import STATE
 
-        manager = _manager(self)
-        for req_id in getattr(scheduler_output, "_laprox_compact", ()):
-            _release(manager, req_id)  # the worker moved their entries
+        channel = scheduler_output.kv_connector_metadata
+        for req_id in getattr(channel, "orders", ()):
+            _release(req_id)  # the worker moved their entries
+        # The worker's Ready reports arrive during update() (connector.update_connector_output).
         result = update(self, scheduler_output, model_runner_output)
+        arrived, SCHED.arrived = SCHED.arrived, {}
         new = []
-        for req_id, found in (getattr(model_runner_output, "_laprox_ready", None) or {}).items():
+        for req_id, found in arrived.items():
             if not current(req_id, found):
                 STATE.metrics.fenced += 1  # for an earlier generation or cache: dropped
                 continue
@@ -526,19 +541,6 @@ def install_scheduler_hooks(compacts: bool = True) -> None:
             STATE.metrics.deferred += sum(req_id in SCHED.deferred for req_id in new)
         return result
 
-    def schedule_(self: Any, *args: Any, **kwargs: Any) -> Any:
-        output = schedule(self, *args, **kwargs)
-        # Requests scheduled from their first position begin a generation (the fence).
-        for new in output.scheduled_new_reqs:
-            SCHED.begin(new.req_id)
-        for req_id in output.scheduled_cached_reqs.resumed_req_ids or ():
-            SCHED.begin(req_id)
-        if SCHED.announced:
-            output._laprox_generations, SCHED.announced = SCHED.announced, {}
-        if SCHED.pending:
-            output._laprox_compact, SCHED.pending = SCHED.pending, {}
-        return output
-
     # A compacted request's drop shortens its compacted group's allocations only (a hybrid
     # model's sliding-window groups hold every position as before).
     def get_num_blocks_to_allocate(self: Any, request_id: str, num_tokens: int,
@@ -552,23 +554,6 @@ def install_scheduler_hooks(compacts: bool = True) -> None:
         return allocate(self, request_id, num_tokens - drop, num_tokens_main_model - drop,
                         *args, **kwargs)
 
-    def pop_blocks_for_free(self: Any, request_id: str) -> Any:
-        from ._state import STATE
-
-        # Finished, aborted or preempted: nothing of its compaction outlives it, and no plan
-        # of this generation is applied any more (the fence).
-        SCHED.forget(request_id)
-        SCHED.drops.pop(request_id, None)
-        SCHED.pending.pop(request_id, None)
-        if SCHED.deferred.pop(request_id, None) is not None:
-            STATE.metrics.spared += 1
-        _release(self, request_id)
-        return pop(self, request_id)
-
-    Scheduler.schedule = schedule_
-    base.pop_blocks_for_free = pop_blocks_for_free
-    if compacts:
-        Scheduler.__init__ = __init__
-        Scheduler.update_from_output = update_from_output
-        base.get_num_blocks_to_allocate = get_num_blocks_to_allocate
-        base.allocate_new_blocks = allocate_new_blocks
+    Scheduler.update_from_output = update_from_output
+    base.get_num_blocks_to_allocate = get_num_blocks_to_allocate
+    base.allocate_new_blocks = allocate_new_blocks

@@ -1,20 +1,20 @@
 """The hooks of laprox.vllm in vLLM 0.32's model runner and CPU attention backend.
 
-Six functions are wrapped here in both modes, each calling the original and adding only what
-the plugin needs (compaction wraps two more here, _update_states does more, and the scheduler's
-hooks are _compact.install_scheduler_hooks'):
-  vllm.v1.worker.gpu_model_runner.allocate_kv_cache   the one backing buffer of every layer's
-      KV cache is a POSIX shared-memory object of the plugin's (registered by _Connector);
-  CPUModelRunner.load_model                           notes the model's geometry and path;
+What the KV connector API (laprox.vllm.connector) does not cover is wrapped here, each hook
+calling the original and adding only what the plugin needs (DESIGN.md section 11 says why no
+seam covers it):
   GPUModelRunner._prepare_inputs                      notes which batch rows are prefill and
-      which decode under a plan;
-  CPUAttentionBackendImpl.forward                     captures the last w prompt queries, and
-      recomputes the decode rows of compressed sequences with the evicted entries masked;
-  GPUModelRunner.execute_model                        after the forward, one ComputeKeepPlans
-      call for every sequence whose prefill completed in this step;
+      which decode under a plan or compacted (their per-layer slots and lengths);
   GPUModelRunner._update_states                       takes the requests' generations from the
-      scheduler and drops what is held of an earlier one (the fence, _compact.current), and
-      carries out compaction orders.
+      scheduler's Channel and drops what is held of an earlier one (the fence,
+      _compact.current), and carries out compaction orders;
+  CPUAttentionBackendImpl.forward                     captures the last w prompt queries, and
+      recomputes the decode rows of compressed sequences with the evicted entries masked, or
+      runs compacted layers with their own lengths;
+  CPUAttentionBackendImpl.do_kv_cache_update          (compact mode) writes compacted requests'
+      tokens to their layer's slots.
+The plan calls run after each step's forward (after_forward, from the connector's
+wait_for_save).
 A failure of laproxd (down, restarted, stopped, refusing a request) never stops the engine: the
 sequence goes on with its full cache, the failure is counted and logged at most once per
 LOG_INTERVAL seconds, and the registrations are made again when laproxd answers.
@@ -31,7 +31,7 @@ compaction, _metrics the counters.
 
 from __future__ import annotations
 
-import atexit
+import json
 import time
 from typing import Any, List, Optional, Tuple
 
@@ -40,51 +40,11 @@ import torch
 
 from ..client import plan_deadline
 from . import _compact
-from ._connect import _RECONNECT_CODES, _code, _start_connector
+from ._connect import _RECONNECT_CODES, _code
 # _apply is looked up here at every step (tests/integration/vllm/bad_paths.py replaces it).
 from ._decode import _apply, _cache_views, _capture, _layer_index, _paged_layer
+from . import KV_TRANSFER_CONFIG
 from ._state import _LAYER, MAX_PLANS, STATE, Config, _Compressed, _Prefill, logger  # noqa: F401
-
-
-def _allocate_kv_cache(original: Any) -> Any:
-    """allocate_kv_cache with its backing buffer in a POSIX shared-memory object of ours, which
-    laproxd can read once it is registered (_Connector)."""
-
-    def allocate(kv_cache_config: Any, device: Any, layout: Any, kernel_block_sizes=None):
-        from torch.overrides import TorchFunctionMode
-
-        from laprox import _shm
-
-        class SharedZeros(TorchFunctionMode):
-            # The buffer is torch.zeros(size, dtype=int8): made in the shared object instead.
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                if (func is torch.zeros and len(args) == 1 and isinstance(args[0], int)
-                        and kwargs.get("dtype") is torch.int8 and STATE.segment is None):
-                    try:
-                        STATE.segment = _shm._Segment(args[0])
-                    except Exception as e:  # /dev/shm too small: a private buffer as usual
-                        STATE.warn(f"cannot place the KV cache in shared memory ({e})")
-                    else:
-                        atexit.register(STATE.segment.release)
-                        buffer = torch.frombuffer(STATE.segment.shm.buf, dtype=torch.int8)
-                        STATE.pool_base = buffer.data_ptr()
-                        return buffer
-                return func(*args, **kwargs)
-
-        with SharedZeros():
-            caches = original(kv_cache_config, device, layout, kernel_block_sizes)
-        if STATE.geometry is not None:
-            try:
-                _plan_group(kv_cache_config)
-            except ValueError as e:
-                STATE.warn(f"this model's KV cache is not one laprox.vllm compresses ({e})")
-                STATE.geometry = None  # the plugin stays off: every step goes uncompressed
-        _start_connector()
-        return caches
-
-    return allocate
-
 
 
 def _compacted_group(kv_cache_config: Any) -> Tuple[int, List[str]]:
@@ -110,40 +70,24 @@ def _compacted_group(kv_cache_config: Any) -> Tuple[int, List[str]]:
     return full[0], names
 
 
-def _plan_group(kv_cache_config: Any) -> None:
-    """Plans the full-attention layers only (STATE.group, layer_names, layer_ids, planned);
-    the geometry registered with laproxd counts them."""
-    import dataclasses
-
-    STATE.group, STATE.layer_names = _compacted_group(kv_cache_config)
-    STATE.layer_ids = [int(_LAYER.search(name).group(1)) for name in STATE.layer_names]
-    STATE.planned = {name: i for i, name in enumerate(STATE.layer_names)}
-    STATE.geometry = dataclasses.replace(STATE.geometry, num_layers=len(STATE.layer_names))
-
-
-def _geometry(runner: Any) -> Any:
+def _plan_group(vllm_config: Any, kv_cache_config: Any) -> None:
+    """The layers the plugin plans, once the KV caches are made (connector.register_kv_caches):
+    the full-attention group's (STATE.group, layer_names, layer_ids, planned, context), and
+    the geometry registered with laproxd (theirs: the attention layers' own head counts and
+    softmax scale). Raises ValueError for a model the plugin does not compress."""
     import laprox
 
-    layers = runner.model.model.layers
-    attn = layers[0].self_attn
-    return laprox.ModelGeometry(num_layers=len(layers), num_heads=attn.num_heads,
-                                num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-                                hidden_size=runner.model_config.get_hidden_size(),
-                                softmax_scale=float(attn.scaling))
-
-
-def _load_model(original: Any) -> Any:
-    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        try:
-            STATE.geometry = _geometry(self)
-        except Exception as e:
-            STATE.warn(f"the model is not one laprox.vllm knows ({e})")
-        STATE.name_model(str(self.model_config.served_model_name))
-        STATE.model_path = self.model_config.model
-        return result
-
-    return load_model
+    STATE.group, names = _compacted_group(kv_cache_config)
+    context = vllm_config.compilation_config.static_forward_context
+    impl = context[names[0]].impl
+    STATE.geometry = laprox.ModelGeometry(
+        num_layers=len(names), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
+        head_dim=impl.head_size, hidden_size=vllm_config.model_config.get_hidden_size(),
+        softmax_scale=float(impl.scale))
+    STATE.context = context
+    STATE.layer_names = names
+    STATE.layer_ids = [int(_LAYER.search(name).group(1)) for name in names]
+    STATE.planned = {name: i for i, name in enumerate(names)}
 
 
 def _prepare_inputs(original: Any) -> Any:
@@ -153,6 +97,13 @@ def _prepare_inputs(original: Any) -> Any:
         STATE.decode_rows = {}
         STATE.shift, STATE.shift_rows = None, []
         if STATE.geometry is None or STATE.segment is None:
+            if not STATE.connector_configured and not STATE.unconfigured_warned:
+                STATE.unconfigured_warned = True
+                logger.warning("laprox: LAPROX_VLLM_TARGET is set but the engine has no laprox "
+                               "KV connector, so the plugin stays off and every sequence keeps "
+                               "its full KV cache; start it with --kv-transfer-config '%s' (or "
+                               "LLM(..., kv_transfer_config=laprox.vllm.KV_TRANSFER_CONFIG))",
+                               json.dumps(KV_TRANSFER_CONFIG))
             return result
         try:
             _note_rows(self.input_batch, num_scheduled_tokens)
@@ -230,11 +181,14 @@ def _update_states(original: Any) -> Any:
             STATE.generations.pop(req_id, None)
         # The fence: a request scheduled from its first position (new, a reused id, resumed
         # after a preemption) begins a generation, and nothing of an earlier one applies to it.
-        begun = getattr(scheduler_output, "_laprox_generations", None) or {}
+        STATE.runner = self
+        # The scheduler's Channel of this step (connector.handle_preemptions took it).
+        channel, STATE.channel = STATE.channel, None
+        begun = channel.generations if channel is not None else {}
         STATE.generations.update(begun)
         for req_id in ended | set(begun):
             _forget(req_id)
-        orders = getattr(scheduler_output, "_laprox_compact", None) or {}
+        orders = channel.orders if channel is not None else {}
         for req_id, order in orders.items():
             _carry_out(self, req_id, order)
         # A re-plan's order comes on the step after its plan or never (the scheduler declined
@@ -278,7 +232,7 @@ def _carry_out(runner: Any, req_id: str, order: _compact.Order) -> None:
     layout = pending.layout + 1
     pending = pending.at(order.level)
     block_ids = state.block_ids[STATE.group]
-    context = runner.compilation_config.static_forward_context
+    context = STATE.context
     caches = [_cache_views(context[name], context[name].kv_cache) for name in STATE.layer_names]
     drops = _compact.move(pending, block_ids, order, caches)
     block_ids[:] = list(order.dest) + block_ids[order.sources:]
@@ -399,52 +353,32 @@ def _forward(original: Any) -> Any:
 
 
 
-def _execute_model(original: Any) -> Any:
-    def execute_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        for stage, seconds in STATE.step_seconds.items():
-            if seconds:
-                STATE.metrics.observe(stage, seconds)
-                STATE.step_seconds[stage] = 0.0
-        step, STATE.step = STATE.step, {}
-        done = []
-        for req_id, start, count in step.values():
-            prefill = STATE.prefills.get(req_id)
-            if prefill is not None and start + count >= prefill.prompt_len:
-                prefill.computed = start + count
-                done.append((req_id, STATE.prefills.pop(req_id)))
-        if done:
-            try:
-                _plan(self, done)
-            except Exception as e:  # never the engine's failure: no plans this step
-                STATE.warn(f"planning failed ({e!r})", len(done))
-        if STATE.config.decode_buffer and STATE.shift_rows:
-            try:
-                _replan(self)
-            except Exception as e:  # never the engine's failure: the caches stay as they are
-                STATE.warn(f"re-planning failed ({e!r})", 0)
-        return _report_ready(result)
-
-    return execute_model
-
-
-def _sample_tokens(original: Any) -> Any:
-    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return _report_ready(original(self, *args, **kwargs))
-
-    return sample_tokens
-
-
-def _report_ready(output: Any) -> Any:
-    """Puts the requests ready for compaction on the step's ModelRunnerOutput, which the
-    scheduler reads (_compact.install_scheduler_hooks); None (sample_tokens follows) or the
-    shared empty output carry nothing."""
-    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
-
-    if STATE.ready and isinstance(output, ModelRunnerOutput) \
-            and output is not EMPTY_MODEL_RUNNER_OUTPUT:
-        output._laprox_ready, STATE.ready = STATE.ready, {}
-    return output
+def after_forward() -> None:
+    """After a step's forward (connector.wait_for_save): its stage times observed, one
+    ComputeKeepPlans call for every sequence whose prefill completed in it, and the decode
+    re-plans that are due; the requests ready for compaction go to the scheduler right after
+    (connector.build_connector_worker_meta)."""
+    for stage, seconds in STATE.step_seconds.items():
+        if seconds:
+            STATE.metrics.observe(stage, seconds)
+            STATE.step_seconds[stage] = 0.0
+    step, STATE.step = STATE.step, {}
+    done = []
+    for req_id, start, count in step.values():
+        prefill = STATE.prefills.get(req_id)
+        if prefill is not None and start + count >= prefill.prompt_len:
+            prefill.computed = start + count
+            done.append((req_id, STATE.prefills.pop(req_id)))
+    if done:
+        try:
+            _plan(done)
+        except Exception as e:  # never the engine's failure: no plans this step
+            STATE.warn(f"planning failed ({e!r})", len(done))
+    if STATE.config.decode_buffer and STATE.shift_rows:
+        try:
+            _replan(STATE.runner)
+        except Exception as e:  # never the engine's failure: the caches stay as they are
+            STATE.warn(f"re-planning failed ({e!r})", 0)
 
 
 def _ready_link(sequences: int) -> Any:
@@ -472,14 +406,14 @@ def _call_failed(link: Any, error: Exception, sequences: int) -> str:
     return code
 
 
-def _plan(runner: Any, done: List[Tuple[str, _Prefill]]) -> None:
+def _plan(done: List[Tuple[str, _Prefill]]) -> None:
     import laprox
 
     link = _ready_link(len(done))
     if link is None:
         return
     started = time.perf_counter()
-    context = runner.compilation_config.static_forward_context
+    context = STATE.context
     names = STATE.layer_names
     # One plan per sequence at the budget, and with LAPROX_VLLM_PRESSURE_BUDGETS one at each
     # larger budget that evicts something from its prompt.
@@ -586,7 +520,7 @@ def _replan(runner: Any) -> None:
             compacted.retry_at = _retry_position(compacted)
         return
     started = time.perf_counter()
-    context = runner.compilation_config.static_forward_context
+    context = STATE.context
     names = STATE.layer_names
     sequences, positions = [], []
     for _, compacted, computed, block_ids in due:
@@ -640,21 +574,17 @@ def install(config: Config) -> None:
         return
     STATE.config = config
     from vllm.v1.attention.backends import cpu_attn
-    from vllm.v1.worker import cpu_model_runner, gpu_model_runner
+    from vllm.v1.worker import gpu_model_runner
 
-    gpu_model_runner.allocate_kv_cache = _allocate_kv_cache(gpu_model_runner.allocate_kv_cache)
-    runner = cpu_model_runner.CPUModelRunner
-    runner.load_model = _load_model(runner.load_model)
+    # What the KV connector API does not cover (laprox.vllm.connector does the rest).
     base = gpu_model_runner.GPUModelRunner
     base._prepare_inputs = _prepare_inputs(base._prepare_inputs)
-    base.execute_model = _execute_model(base.execute_model)
-    impl = cpu_attn.CPUAttentionBackendImpl
-    impl.forward = _forward(impl.forward)
     # Both modes: the fence (a request's generation begins where the scheduler schedules it
     # from its first position; what the worker holds of an earlier one is dropped).
     base._update_states = _update_states(base._update_states)
-    _compact.install_scheduler_hooks(config.compacts)
+    impl = cpu_attn.CPUAttentionBackendImpl
+    impl.forward = _forward(impl.forward)
     if config.compacts:
-        base.sample_tokens = _sample_tokens(base.sample_tokens)
         impl.do_kv_cache_update = _do_kv_cache_update(impl.do_kv_cache_update)
+        _compact.install_scheduler_hooks()
 

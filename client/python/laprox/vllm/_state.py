@@ -42,6 +42,7 @@ COMPACT_LAPROX_SCORING: Dict[str, Any] = {"pooling": "avg", "sinks": 1}  # LAPRO
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
+
 @dataclass(frozen=True)
 class Config:
     """The plugin's settings (module docstring of laprox.vllm)."""
@@ -229,6 +230,15 @@ class _State:
         self.model_name = ""
         self.model_path = ""
         self.geometry: Any = None             # of the planned layers (num_layers: theirs)
+        # Whether vLLM made laprox's KV connector in this process (connector.LaproxConnector),
+        # and whether the engine was told it has none.
+        self.connector_configured = False
+        self.unconfigured_warned = False
+        # This step's Channel from the scheduler (connector.handle_preemptions), the model
+        # runner (seen in _update_states) and the attention layers by name.
+        self.channel: Any = None
+        self.runner: Any = None
+        self.context: Dict[str, Any] = {}
         # The KV cache group laprox plans and compacts (its only full-attention one; the other
         # groups, sliding-window ones, are left to vLLM), its layers' names in model order and
         # their numbers in the model, and each name's index among them (_compacted_group).
@@ -254,11 +264,11 @@ class _State:
         # its first token's position).
         self.shift_rows: List[Tuple[str, int, int, int]] = []
         # The fence (_compact.current): each request's generation, as the scheduler sends it
-        # with the first step of each (_laprox_generations).
+        # with the first step of each (connector.Channel).
         self.generations: Dict[str, int] = {}
         self.plans: "OrderedDict[str, Any]" = OrderedDict()  # the last MAX_PLANS requests
         self.metrics = _metrics.Metrics()
-        # Seconds of this step's capture and masked decode, observed at its end (_execute_model).
+        # Seconds of this step's capture and masked decode, observed at its end (after_forward).
         self.step_seconds: Dict[str, float] = {"capture": 0.0, "apply": 0.0}
         self.last_warning = 0.0
         self.warning_lock = threading.Lock()  # the steps and the connector thread warn
