@@ -384,11 +384,9 @@ class PressureBudgetsConfigTest(unittest.TestCase):
             self.assertEqual(self.config(LAPROX_VLLM_PRESSURE_BUDGETS="512").budgets, (128,))
 
 
-class FenceTest(unittest.TestCase):
-    """The fence (_compact.current): a plan is applied only to the generation of its request it
-    was computed for, and only to the cache it read; otherwise it is dropped and counted. The
-    scheduler side runs on vLLM's own FullAttentionManager and BlockPool (a pool of 32 blocks
-    of 16 slots), the worker side through the plugin's _update_states hook."""
+class SchedulerFixture(unittest.TestCase):
+    """The plugin's scheduler side on vLLM's own FullAttentionManager and BlockPool (a pool of 32
+    blocks of 16 slots) and a scheduler of running requests."""
 
     def setUp(self):
         from types import SimpleNamespace
@@ -428,6 +426,12 @@ class FenceTest(unittest.TestCase):
         """The worker moved the entries: the order is sent and its held blocks come back."""
         _compact.SCHED.pending.pop(req_id)
         _compact._release(req_id)
+
+
+class FenceTest(SchedulerFixture):
+    """The fence (_compact.current): a plan is applied only to the generation of its request it
+    was computed for, and only to the cache it read; otherwise it is dropped and counted (the
+    worker side through the plugin's _update_states hook)."""
 
     def test_a_plan_of_the_current_generation_is_compacted(self):
         generation = self.start("A", 160)  # 10 blocks; a plan keeping 40 needs 3
@@ -506,8 +510,8 @@ class FenceTest(unittest.TestCase):
         self.assertEqual(self.metrics.fenced, 1)
 
 
-class ConnectorTest(FenceTest):
-    """laprox.vllm.connector's scheduler side on FenceTest's manager and pool: what a
+class ConnectorTest(SchedulerFixture):
+    """laprox.vllm.connector's scheduler side: what a
     preemption, a finish and the worker's reports do to the plugin's state (its methods on the
     scheduler's side read no state of the instance; the instance is made without vLLM's
     configuration)."""
