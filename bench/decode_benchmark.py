@@ -11,8 +11,9 @@ the Hugging Face integration (laprox.hf.Compressor, compact=True, plan_shape="la
     # where the decode time goes (cProfile of the decode steps, full and compressed; no table):
     ... bench/decode_benchmark.py --laproxd=... --profile=1400 --new-tokens=40
     # decode steps only, interleaved on one prefill: full cache, compacted with another
-    # version of laprox/hf.py (e.g. before a change), compacted with the installed one:
-    ... bench/decode_benchmark.py --laproxd=... --ab=16384 --baseline-hf=OLD/hf.py \\
+    # version of laprox.hf's attention function (OLD/laprox/hf/_masking.py, or the single
+    # module OLD/laprox/hf.py of before 2026-12-06), compacted with the installed one:
+    ... bench/decode_benchmark.py --laproxd=... --ab=16384 --baseline-hf=OLD/_masking.py \\
         --new-tokens=33 --ab-rounds=5
 
 For every prompt length n (a prompt of exactly n tokens cut from the licence texts in
@@ -281,12 +282,16 @@ def decode_ab(model: Any, client: Any, model_id: int, ids: torch.Tensor, budget:
               policy: str, baseline_hf: str, steps: int, rounds: int) -> None:
     """Decode steps only, interleaved on one prefill: the full cache, the compacted cache
     decoded by the `laprox` attention function of `baseline_hf` (another version of
-    laprox/hf.py), and the compacted cache decoded by the installed laprox.hf. Each round
+    laprox/hf/_masking.py, or of the single module hf.py it was before), and the
+    compacted cache decoded by the installed laprox.hf. Each round
     decodes `steps` greedy tokens from a fresh copy of each cache; prints the median step."""
     import copy
     import importlib.util
     from transformers import AttentionInterface, DynamicCache
-    spec = importlib.util.spec_from_file_location("laprox._hf_baseline", baseline_hf)
+    # Named inside the package its relative imports expect.
+    name = "laprox._hf_baseline" if os.path.basename(baseline_hf) == "hf.py" \
+        else "laprox.hf._masking_baseline"
+    spec = importlib.util.spec_from_file_location(name, baseline_hf)
     baseline = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(baseline)
     n = ids.shape[1]
@@ -317,8 +322,8 @@ def decode_ab(model: Any, client: Any, model_id: int, ids: torch.Tensor, budget:
         return times
 
     variants = {"full cache (sdpa)": ("sdpa", None),
-                "compacted, baseline hf.py": (laprox.hf.ATTENTION_NAME, baseline._attention),
-                "compacted, this hf.py": (laprox.hf.ATTENTION_NAME, laprox.hf._attention)}
+                "compacted, baseline": (laprox.hf.ATTENTION_NAME, baseline._attention),
+                "compacted, this laprox.hf": (laprox.hf.ATTENTION_NAME, laprox.hf._attention)}
     samples: Dict[str, List[float]] = {k: [] for k in variants}
     try:
         for _ in range(rounds):
@@ -359,18 +364,23 @@ def main() -> int:
     ap.add_argument("--ab", type=int, metavar="N",
                     help="only compare decode steps at prompt length N: full cache, compacted "
                     "with --baseline-hf's attention function, compacted with this laprox.hf")
-    ap.add_argument("--baseline-hf", help="another version of laprox/hf.py (for --ab)")
+    ap.add_argument("--baseline-hf", help="another version of laprox/hf/_masking.py (or of "
+                    "hf.py, the single module it was before) for --ab")
     ap.add_argument("--ab-rounds", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not args.target and not args.laproxd:
         ap.error("give --target or --laproxd")
 
-    checkout_hf = os.path.join(ROOT, "client", "python", "laprox", "hf.py")
-    with open(laprox.hf.__file__, "rb") as a, open(checkout_hf, "rb") as b:
-        if a.read() != b.read():  # the venv's copy is installed, not imported from the tree
-            print(f"warning: {laprox.hf.__file__} differs from {checkout_hf}: "
-                  "pip install --no-deps client/python into this venv first", file=sys.stderr)
+    checkout_hf = os.path.join(ROOT, "client", "python", "laprox", "hf")
+    installed_hf = os.path.dirname(laprox.hf.__file__)
+    for name in sorted(f for f in os.listdir(checkout_hf) if f.endswith(".py")):
+        with open(os.path.join(installed_hf, name), "rb") as a, \
+                open(os.path.join(checkout_hf, name), "rb") as b:
+            if a.read() != b.read():  # the venv's copy is installed, not imported from the tree
+                print(f"warning: {installed_hf}/{name} differs from {checkout_hf}/{name}: "
+                      "pip install --no-deps client/python into this venv first",
+                      file=sys.stderr)
     proc = folder = None
     if args.laproxd:
         proc, args.target, folder = start_laproxd(args.laproxd)

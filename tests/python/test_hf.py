@@ -252,9 +252,10 @@ class HfIntegrationTest(unittest.TestCase):
         """Runs generate() with `press`; per decode step (one query row) and layer, the mask
         that reached SDPA, and the number of _masked() calls (mask rebuilt for that call)."""
         from transformers.integrations import sdpa_attention
+        masking = lhf._masking  # the module whose attention function calls them
         seen, rebuilt = [], [0]
-        sdpa, masked_fn = sdpa_attention.sdpa_attention_forward, lhf._masked
-        gqa = getattr(lhf, "_sdpa_masked_gqa", None)
+        sdpa, masked_fn = sdpa_attention.sdpa_attention_forward, masking._masked
+        gqa = getattr(masking, "_sdpa_masked_gqa", None)
 
         def spy_sdpa(module, query, key, value, attention_mask, **kw):
             if query.shape[2] == 1:
@@ -270,17 +271,17 @@ class HfIntegrationTest(unittest.TestCase):
             return masked_fn(*args, **kw)
 
         sdpa_attention.sdpa_attention_forward = spy_sdpa
-        lhf._sdpa_masked_gqa, lhf._masked = spy_gqa, spy_masked
+        masking._sdpa_masked_gqa, masking._masked = spy_gqa, spy_masked
         try:
             with torch.no_grad(), press:
                 out = self.model.generate(self.ids, max_new_tokens=steps, do_sample=False)
         finally:
             sdpa_attention.sdpa_attention_forward = sdpa
-            lhf._masked = masked_fn
+            masking._masked = masked_fn
             if gqa is None:
-                del lhf._sdpa_masked_gqa
+                del masking._sdpa_masked_gqa
             else:
-                lhf._sdpa_masked_gqa = gqa
+                masking._sdpa_masked_gqa = gqa
         self.assertEqual(len(seen), (steps - 1) * L)
         return out, seen, rebuilt[0]
 
