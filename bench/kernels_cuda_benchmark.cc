@@ -4,7 +4,7 @@
 // H32, Hkv8, d128, D4096), bf16 keys, values and window queries in device memory (as cuda_ipc
 // regions give them), the LaProx policy of bench/cuda_reference.py (MEAN_HEAD_NORM, avg pool 7
 // of the attention factor: the default before bench/quality's dev grid, set explicitly so that
-// v1 takes it) with window w, budget B = 1024 tokens per head.
+// fused takes it) with window w, budget B = 1024 tokens per head.
 // For each n, w and kernel version it times Backend::ComputeKeepPlan — a synchronous call, so
 // the time is the wall time from the call to the plan in host memory (input checks, scoring,
 // selection, the copy of the plan back), measured with steady_clock after a device
@@ -21,7 +21,7 @@
 // Prints one table row per case and, with --json=FILE, writes the rows and the measured rates
 // for tests/gpu/run.sh's summary. Exits 0 with "skipped" when no CUDA device is visible.
 //
-//   build/bench/kernels_cuda_benchmark --n=4096,32768,131072 --windows=32,64 --kernels=v0,v1
+//   build/bench/kernels_cuda_benchmark --n=4096,32768,131072 --windows=32,64 --kernels=gemm,fused
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -145,7 +145,7 @@ struct Row {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string n_list = "4096,32768,131072", w_list = "32,64", kernel_list = "v0,v1", json;
+  std::string n_list = "4096,32768,131072", w_list = "32,64", kernel_list = "gemm,fused", json;
   int iters = 20;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];

@@ -9,13 +9,19 @@
 
 namespace laprox::kernels {
 
+absl::StatusOr<std::string> CanonicalCudaKernels(absl::string_view kernels, bool* deprecated) {
+  if (deprecated != nullptr) *deprecated = kernels == "v0" || kernels == "v1";
+  if (kernels == "gemm" || kernels == "v0") return std::string("gemm");
+  if (kernels == "fused" || kernels == "v1") return std::string("fused");
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown CUDA kernels \"", kernels, "\"; expected gemm or fused"));
+}
+
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(BackendKind kind,
                                                        const BackendOptions& options) {
   // Checked for every kind, so a misspelt option fails where it is given, not on the GPU host.
-  if (options.cuda_kernels != "v0" && options.cuda_kernels != "v1") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown CUDA kernels \"", options.cuda_kernels, "\"; expected v0 or v1"));
-  }
+  absl::StatusOr<std::string> kernels = CanonicalCudaKernels(options.cuda_kernels);
+  if (!kernels.ok()) return kernels.status();
   switch (kind) {
     case BackendKind::kCpu:
       return std::make_unique<cpu::CpuBackend>(options.threads, options.cpu_window_bytes,
@@ -23,9 +29,9 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(BackendKind kind,
     case BackendKind::kCuda:
 #if LAPROX_HAVE_CUDA
     {
-      auto backend = cuda::CudaBackend::Create(options.device, options.cuda_kernels == "v1"
-                                                                   ? cuda::KernelVersion::kV1
-                                                                   : cuda::KernelVersion::kV0);
+      auto backend =
+          cuda::CudaBackend::Create(options.device, *kernels == "fused" ? cuda::KernelVersion::kV1
+                                                                        : cuda::KernelVersion::kV0);
       if (!backend.ok()) return backend.status();
       return std::unique_ptr<Backend>(std::move(backend).value());
     }

@@ -90,9 +90,10 @@ ABSL_FLAG(int64_t, cpu_window_mb, 64,
           "CPU backend, LAPROX: MiB of window probabilities a worker thread holds at most; "
           "longer contexts compute the window rows in several passes over the keys");
 ABSL_FLAG(int, device, 0, "CUDA device ordinal (cuda backend)");
-ABSL_FLAG(std::string, cuda_kernels, "v0",
-          "cuda backend kernels: v0 (cuBLAS GEMMs, radix-sort select) or v1 (fused kernel, "
-          "histogram select; requests it cannot take run on v0)");
+ABSL_FLAG(std::string, cuda_kernels, "gemm",
+          "cuda backend kernels: gemm (cuBLAS GEMMs, radix-sort select) or fused (the fused "
+          "kernel, histogram select; requests it cannot take run on gemm); v0 and v1, their "
+          "former names, are taken with a deprecation line");
 ABSL_FLAG(int, workers, 2, "keep-plan requests computed concurrently (heavy ones aside)");
 ABSL_FLAG(int, heavy_workers, 1,
           "keep-plan requests of more work than --heavy_request_work computed concurrently, on "
@@ -195,11 +196,22 @@ absl::StatusOr<laprox::service::ServerOptions> OptionsFromFlags() {
     return absl::InvalidArgumentError(
         absl::StrCat("--cpu_window_mb=", cpu_window_mb, " is outside [1, 2^20]"));
   }
+  bool deprecated = false;
+  absl::StatusOr<std::string> cuda_kernels =
+      laprox::kernels::CanonicalCudaKernels(absl::GetFlag(FLAGS_cuda_kernels), &deprecated);
+  if (!cuda_kernels.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cuda_kernels: ", cuda_kernels.status().message()));
+  }
+  if (deprecated) {
+    std::fprintf(stderr, "laproxd: --cuda_kernels=%s is deprecated; it means %s\n",
+                 absl::GetFlag(FLAGS_cuda_kernels).c_str(), cuda_kernels->c_str());
+  }
   o.backend = absl::GetFlag(FLAGS_backend);
   o.backend_options = {.threads = absl::GetFlag(FLAGS_threads),
                        .cpu_window_bytes = cpu_window_mb << 20,
                        .device = absl::GetFlag(FLAGS_device),
-                       .cuda_kernels = absl::GetFlag(FLAGS_cuda_kernels)};
+                       .cuda_kernels = *cuda_kernels};
   o.limits = {.max_regions = absl::GetFlag(FLAGS_max_regions),
               .max_models = absl::GetFlag(FLAGS_max_models),
               .max_tokens = absl::GetFlag(FLAGS_max_tokens),

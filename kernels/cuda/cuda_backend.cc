@@ -92,7 +92,7 @@ CudaBackend::~CudaBackend() { DestroyDeviceContext(context_); }
 
 std::string CudaBackend::Describe() const {
   cudaDeviceProp prop{};
-  const std::string kernels = kernels_ == KernelVersion::kV1 ? "v1" : "v0";
+  const std::string kernels = kernels_ == KernelVersion::kV1 ? "fused" : "gemm";
   if (cudaGetDeviceProperties(&prop, context_.device) != cudaSuccess) {
     return absl::StrCat("cuda: device ", context_.device, ", kernels ", kernels);
   }

@@ -787,7 +787,7 @@ TEST_P(CudaBackendTest, RejectsOverflowingInputsLikeTheCpu) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Kernels, CudaBackendTest, ::testing::Values("v0", "v1"),
+INSTANTIATE_TEST_SUITE_P(Kernels, CudaBackendTest, ::testing::Values("gemm", "fused"),
                          [](const ::testing::TestParamInfo<const char*>& param) {
                            return std::string(param.param);
                          });

@@ -17,8 +17,8 @@
 #      separate exporter process, bad cuda_ipc regions);
 #   2. compute-sanitizer --tool memcheck over the CUDA tests (small cases), and racecheck over
 #      the kernels that use shared memory;
-#   3. bench/kernels_cuda_benchmark (Llama-3.1-8B geometry, bf16, w 32/64, n 4K/32K/128K, v0
-#      and v1, with the copy-bandwidth / GEMM-rate floor) and bench/cuda_reference.py (PyTorch,
+#   3. bench/kernels_cuda_benchmark (Llama-3.1-8B geometry, bf16, w 32/64, n 4K/32K/128K, the
+#      gemm and fused kernels, with the copy-bandwidth / GEMM-rate floor) and bench/cuda_reference.py (PyTorch,
 #      V.W_O per head) when python3 has torch with CUDA.
 # Exit status: 0 when every test and sanitizer run passed (the benchmark never fails it).
 set -uo pipefail

@@ -229,5 +229,25 @@ TEST(RegistryTest, NamesBackends) {
   }
 }
 
+// --cuda_kernels names the CUDA kernels by method; the former names still work, flagged.
+TEST(RegistryTest, NamesCudaKernelsByMethod) {
+  bool deprecated = true;
+  EXPECT_EQ(CanonicalCudaKernels("gemm", &deprecated).value(), "gemm");
+  EXPECT_FALSE(deprecated);
+  EXPECT_EQ(CanonicalCudaKernels("fused", &deprecated).value(), "fused");
+  EXPECT_FALSE(deprecated);
+  EXPECT_EQ(CanonicalCudaKernels("v0", &deprecated).value(), "gemm");
+  EXPECT_TRUE(deprecated);
+  EXPECT_EQ(CanonicalCudaKernels("v1", &deprecated).value(), "fused");
+  EXPECT_TRUE(deprecated);
+  EXPECT_THAT(CanonicalCudaKernels("v2").status(),
+              IsStatus(absl::StatusCode::kInvalidArgument,
+                       "unknown CUDA kernels \"v2\"; expected gemm or fused"));
+  // Checked for every backend, so a misspelt value fails on a machine without a GPU too.
+  EXPECT_THAT(CreateBackend("cpu", {.cuda_kernels = "v2"}).status(),
+              IsStatus(absl::StatusCode::kInvalidArgument, "unknown CUDA kernels \"v2\""));
+  EXPECT_TRUE(CreateBackend("cpu", {.cuda_kernels = "v1"}).ok());
+}
+
 }  // namespace
 }  // namespace laprox::kernels

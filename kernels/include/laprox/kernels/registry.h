@@ -22,9 +22,10 @@ struct BackendOptions {
   // (sysconf). The plans are the same at every value; only the time and the memory move.
   int64_t cpu_l2_bytes = 0;
   int device = 0;  // CUDA device ordinal
-  // CUDA kernels: "v0" (cuBLAS GEMMs + simple kernels, radix-sort select) or "v1" (fused
-  // kernel, histogram select; requests it cannot take run on v0).
-  std::string cuda_kernels = "v0";
+  // CUDA kernels, named by method: "gemm" (cuBLAS GEMMs + simple kernels, radix-sort select)
+  // or "fused" (the fused kernel, histogram select; requests it cannot take run on gemm).
+  // "v0" and "v1", their names before, are still taken (CanonicalCudaKernels).
+  std::string cuda_kernels = "gemm";
 };
 
 // "cpu" or "cuda"; "auto" is cpu for now (README: until the CUDA backend has passed
@@ -35,6 +36,12 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(absl::string_view name,
                                                        const BackendOptions& options = {});
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(BackendKind kind,
                                                        const BackendOptions& options = {});
+
+// BackendOptions::cuda_kernels by its method's name: "gemm" or "fused" as they are, the former
+// names "v0" and "v1" as "gemm" and "fused" (`deprecated` set when one was given, so that
+// laproxd can say so); INVALID_ARGUMENT naming the value otherwise.
+absl::StatusOr<std::string> CanonicalCudaKernels(absl::string_view kernels,
+                                                 bool* deprecated = nullptr);
 
 }  // namespace laprox::kernels
 
