@@ -20,7 +20,7 @@ struct WorkerPool::Call {
   const absl::FunctionRef<void(int64_t, int)> fn;
   std::atomic<int64_t> next{0};
   int running = 0;  // helpers that took a slot and have not finished; guarded by the pool's mu_
-  std::condition_variable done;
+  absl::CondVar done;
 
   void Run(int worker) {
     for (int64_t item = next.fetch_add(1); item < count; item = next.fetch_add(1)) {
@@ -32,16 +32,18 @@ struct WorkerPool::Call {
 WorkerPool::WorkerPool(std::string name) : name_(std::move(name)) {}
 
 WorkerPool::~WorkerPool() {
+  std::vector<std::thread> threads;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     stopping_ = true;
+    threads.swap(threads_);  // only the threads themselves run now: none starts another
   }
-  work_.notify_all();
-  for (std::thread& thread : threads_) thread.join();
+  work_.SignalAll();
+  for (std::thread& thread : threads) thread.join();
 }
 
 int WorkerPool::threads_started() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return static_cast<int>(threads_.size());
 }
 
@@ -49,7 +51,7 @@ void WorkerPool::ParallelFor(int64_t count, int threads, absl::FunctionRef<void(
   const int workers = static_cast<int>(std::clamp<int64_t>(count, 1, std::max(threads, 1)));
   Call call(count, fn);
   if (workers > 1) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     for (int w = 1; w < workers; ++w) queue_.push_back({&call, w});
     // Every queued slot has a thread of its own: a call gets the workers it asked for even
     // while other calls hold the pool's threads.
@@ -63,36 +65,37 @@ void WorkerPool::ParallelFor(int64_t count, int threads, absl::FunctionRef<void(
       ++idle_;  // the thread waits for mu_, which this call holds
     }
   }
-  if (workers > 1) work_.notify_all();
+  if (workers > 1) work_.SignalAll();
   call.Run(0);
   if (workers == 1) return;
   // Every item is claimed: withdraw the slots nobody took, then wait for the helpers running.
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   queue_.erase(std::remove_if(queue_.begin(), queue_.end(),
                               [&call](const Slot& slot) { return slot.call == &call; }),
                queue_.end());
-  call.done.wait(lock, [&call] { return call.running == 0; });
+  while (call.running != 0) call.done.Wait(&mu_);
 }
 
 void WorkerPool::ThreadMain(int index) {
   // Linux limits a thread's name to 15 characters; a longer one is refused, so cut it.
   const std::string thread_name = absl::StrCat(name_, "-", index).substr(0, 15);
   pthread_setname_np(pthread_self(), thread_name.c_str());
-  std::unique_lock<std::mutex> lock(mu_);
+  mu_.Lock();
   while (true) {
-    work_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-    if (queue_.empty()) return;  // stopping, and nothing left to run
+    while (!stopping_ && queue_.empty()) work_.Wait(&mu_);
+    if (queue_.empty()) break;  // stopping, and nothing left to run
     const Slot slot = queue_.front();
     queue_.pop_front();
     --idle_;
     ++slot.call->running;
-    lock.unlock();
+    mu_.Unlock();
     slot.call->Run(slot.worker);
-    lock.lock();
+    mu_.Lock();
     ++idle_;
     // The caller may return (and destroy the call) as soon as running is 0 and the lock is free.
-    if (--slot.call->running == 0) slot.call->done.notify_all();
+    if (--slot.call->running == 0) slot.call->done.SignalAll();
   }
+  mu_.Unlock();
 }
 
 }  // namespace laprox::kernels

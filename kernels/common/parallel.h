@@ -12,15 +12,15 @@
 #ifndef LAPROX_KERNELS_COMMON_PARALLEL_H_
 #define LAPROX_KERNELS_COMMON_PARALLEL_H_
 
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/functional/function_ref.h"
+#include "absl/synchronization/mutex.h"
 
 namespace laprox::kernels {
 
@@ -54,12 +54,12 @@ class WorkerPool {
   void ThreadMain(int index);
 
   const std::string name_;
-  mutable std::mutex mu_;
-  std::condition_variable work_;  // a slot was queued, or stopping_
-  std::deque<Slot> queue_;        // helper slots no thread has taken yet
-  std::vector<std::thread> threads_;
-  int idle_ = 0;  // threads not running a slot (waiting, or about to take one)
-  bool stopping_ = false;
+  mutable absl::Mutex mu_;
+  absl::CondVar work_;                           // a slot was queued, or stopping_
+  std::deque<Slot> queue_ ABSL_GUARDED_BY(mu_);  // helper slots no thread has taken yet
+  std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
+  int idle_ ABSL_GUARDED_BY(mu_) = 0;  // threads not running a slot (waiting, or about to take one)
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace laprox::kernels
