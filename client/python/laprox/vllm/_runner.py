@@ -179,10 +179,10 @@ def _update_states(original: Any) -> Any:
         ended |= set(scheduler_output.preempted_req_ids or ())
         for req_id in ended:
             STATE.generations.pop(req_id, None)
-        # The fence: a request scheduled from its first position (new, a reused id, resumed
-        # after a preemption) begins a generation, and nothing of an earlier one applies to it.
         STATE.runner = self
-        # The scheduler's Channel of this step (connector.handle_preemptions took it).
+        # The scheduler's Channel of this step (connector.handle_preemptions took it). The
+        # fence: a request scheduled from its first position (new, a reused id, resumed after a
+        # preemption) begins a generation, and nothing of an earlier one applies to it.
         channel, STATE.channel = STATE.channel, None
         begun = channel.generations if channel is not None else {}
         STATE.generations.update(begun)
