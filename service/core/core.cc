@@ -17,6 +17,8 @@
 #include "laprox/kernels/layer_tensors.h"
 #include "laprox/kernels/stop.h"
 #include "laprox/kernels/work.h"
+#include "service/core/decode_cache.h"
+#include "service/core/resolver.h"
 
 namespace laprox::service {
 namespace {
@@ -40,14 +42,6 @@ absl::Status CheckModelName(absl::string_view name) {
 }
 
 // Elements of `shape`, or -1 when the count overflows int64.
-int64_t ElementCount(const kernels::Dims& shape) {
-  int64_t count = 1;
-  for (int64_t d : shape) {
-    if (d < 0 || __builtin_mul_overflow(count, d, &count)) return -1;
-  }
-  return count;
-}
-
 int64_t SaturatingAdd(int64_t a, int64_t b) {
   int64_t sum;
   return __builtin_add_overflow(a, b, &sum) ? std::numeric_limits<int64_t>::max() : sum;
@@ -78,134 +72,6 @@ absl::Status CheckCall(const CallContext& context, absl::string_view not_done) {
   }
   return absl::OkStatus();
 }
-
-// Turns references into views for one call, holding one lease per region it names and
-// remembering the memory every input occupies (for the output overlap check).
-class Resolver {
- public:
-  struct Input {
-    MemoryRange range;
-    std::string field;
-    uint64_t region_id;
-    int64_t byte_offset, byte_count;
-  };
-
-  // Leases regions on behalf of `owner`: another owner's region is NOT_FOUND. Paged references
-  // name `tables` by index.
-  Resolver(RegionRegistry& regions, const Owner& owner,
-           const std::vector<kernels::BlockTable>* tables = nullptr)
-      : regions_(regions), owner_(owner), tables_(tables) {}
-
-  absl::StatusOr<TensorView> Resolve(const TensorRef& ref, const std::string& field) {
-    if (ref.source == TensorRef::Source::kAbsent) return TensorView();
-    kernels::Dims strides = ref.strides;
-    if (strides.empty()) strides = kernels::ContiguousStrides(ref.shape);
-    if (strides.size() != ref.shape.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, " has ", ref.shape.size(), " dimensions but ", strides.size(), " strides"));
-    }
-    std::optional<kernels::PagedLayout> layout;
-    if (ref.paged) {
-      const size_t tables = tables_ == nullptr ? 0 : tables_->size();
-      if (ref.paged->block_table >= tables) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(field, ".paged.block_table = ", ref.paged->block_table,
-                         " but the request has ", tables, " block tables"));
-      }
-      layout = kernels::PagedLayout{&(*tables_)[ref.paged->block_table], ref.paged->block_stride,
-                                    ref.paged->slot_stride, ref.paged->head_stride,
-                                    ref.paged->dim_stride};
-    }
-    // A view over nothing yet, only to compute the extent with the kernels' overflow checks.
-    const TensorView shape_only = layout ? TensorView::Paged(nullptr, ref.dtype, ref.shape, *layout)
-                                         : TensorView(nullptr, ref.dtype, ref.shape, strides);
-    int64_t extent = 0;
-    if (absl::Status s = shape_only.ElementExtent(&extent); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat(field, ": ", s.message()));
-    }
-    const int64_t element = static_cast<int64_t>(DTypeSize(ref.dtype));
-    int64_t bytes;
-    if (__builtin_mul_overflow(extent, element, &bytes)) {
-      return absl::OutOfRangeError(
-          absl::StrCat(field, ": extent of ", extent, " elements overflows int64 bytes"));
-    }
-    const void* data = nullptr;
-    kernels::MemorySpace space = kernels::MemorySpace::kHost;
-    if (ref.source == TensorRef::Source::kInline) {
-      // Inline bytes must carry every element: zero or overlapping strides would let a few
-      // bytes stand for a tensor of any size, and the cost of a request must follow its size.
-      const int64_t elements = ElementCount(ref.shape);
-      if (elements < 0 || elements > extent) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(field, ": an inline tensor must carry every element, but ",
-                         shape_only.DebugString(), " repeats elements (", extent, " distinct of ",
-                         elements < 0 ? "more than 2^63" : absl::StrCat(elements),
-                         "); zero or overlapping strides need a region"));
-      }
-      if (static_cast<int64_t>(ref.inline_bytes.size()) != bytes) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(field, ".inline_bytes has ", ref.inline_bytes.size(), " bytes, expected ",
-                         bytes, " (", extent, " elements of ", element, " bytes)"));
-      }
-      data = ref.inline_bytes.data();
-      if (reinterpret_cast<uintptr_t>(data) % element != 0) {
-        // Protobuf does not promise aligned bytes fields: copy into aligned storage.
-        auto& copy = copies_.emplace_back((bytes + 7) / 8);
-        std::memcpy(copy.data(), data, bytes);
-        data = copy.data();
-      }
-    } else {
-      auto lease = Lease(ref.region_id, field);
-      if (!lease.ok()) return lease.status();
-      auto slice = (*lease)->Slice(ref.byte_offset, bytes, field);
-      if (!slice.ok()) return slice.status();
-      if (reinterpret_cast<uintptr_t>(*slice) % element != 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            field, ".region.byte_offset = ", ref.byte_offset, " is not aligned to the ", element,
-            "-byte ", kernels::DTypeName(ref.dtype), " elements"));
-      }
-      inputs_.push_back(
-          {(*lease)->Range(ref.byte_offset, bytes), field, ref.region_id, ref.byte_offset, bytes});
-      data = *slice;
-      space = (*lease)->space();  // cuda_ipc regions are read in place on the device
-    }
-    if (layout) return TensorView::Paged(data, ref.dtype, ref.shape, *layout, space);
-    return TensorView(data, ref.dtype, ref.shape, strides, space);
-  }
-
-  // A lease on region `id`; `field` names it in errors ("layers[0].keys").
-  absl::StatusOr<const MappedRegion*> Lease(uint64_t id, const std::string& field) {
-    auto it = leases_.find(id);
-    if (it == leases_.end()) {
-      auto lease = regions_.Acquire(id, owner_);
-      if (!lease.ok()) {
-        return absl::Status(lease.status().code(),
-                            absl::StrCat(field, ": ", lease.status().message()));
-      }
-      it = leases_.emplace(id, std::move(lease).value()).first;
-    }
-    return &it->second.region();
-  }
-
-  // FAILED_PRECONDITION if the client shrank a region this call read or writes.
-  absl::Status CheckIntact() const {
-    for (const auto& [id, lease] : leases_) {
-      if (lease.region().shrunk()) return lease.region().ShrunkError();
-    }
-    return absl::OkStatus();
-  }
-
-  const std::vector<Input>& inputs() const { return inputs_; }
-
- private:
-  RegionRegistry& regions_;
-  const Owner& owner_;
-  const std::vector<kernels::BlockTable>* tables_;  // filled after construction, never resized
-                                                    // once a view points into it
-  std::map<uint64_t, RegionLease> leases_;
-  std::vector<std::vector<uint64_t>> copies_;
-  std::vector<Input> inputs_;
-};
 
 // One output area of a destination region.
 struct Area {
@@ -443,67 +309,6 @@ absl::Status PrepareSequence(const KeepPlanCall& call, const CallContext& contex
     request.outputs.scores |= call.destination->scores_offset.has_value();
   }
   return absl::OkStatus();
-}
-
-// The token positions of a decode re-plan's cache (laprox.proto, DecodeCacheLayer), after the
-// backend checked the entry counts and shapes: Hkv * n_l of them per layer, each in
-// [0, 2^31 - 1), strictly ascending along every head, and the last wq entries of every head the
-// same consecutive positions (the window queries' tokens).
-absl::Status CheckCachePositions(const std::vector<CacheLayer>& cache, int64_t num_kv_heads,
-                                 int64_t window_rows) {
-  int64_t window_start = -1;
-  for (size_t l = 0; l < cache.size(); ++l) {
-    const CacheLayer& layer = cache[l];
-    const int64_t n = layer.entries;
-    if (static_cast<int64_t>(layer.positions.size()) != num_kv_heads * n) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "cache.layers[", l, "].positions has ", layer.positions.size(), " values, expected ",
-          num_kv_heads, " KV heads x ", n, " entries = ", num_kv_heads * n));
-    }
-    for (int64_t g = 0; g < num_kv_heads; ++g) {
-      const int32_t* row = layer.positions.data() + g * n;
-      const std::string head = absl::StrCat("cache.layers[", l, "].positions, KV head ", g);
-      for (int64_t i = 0; i < n; ++i) {
-        if (row[i] < 0 || row[i] == std::numeric_limits<int32_t>::max()) {
-          return absl::InvalidArgumentError(absl::StrCat(head, ", entry ", i, ": position ", row[i],
-                                                         " is outside [0, 2^31 - 1)"));
-        }
-        if (i > 0 && row[i] <= row[i - 1]) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              head, ", entries ", i - 1, " and ", i, ": positions ", row[i - 1], " and ", row[i],
-              row[i] == row[i - 1] ? " repeat a token" : " are out of order",
-              "; they must be strictly ascending"));
-        }
-      }
-      // Strictly ascending, so the last wq are consecutive exactly when they span wq - 1.
-      const int64_t start = row[n - window_rows];
-      if (row[n - 1] - start != window_rows - 1) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            head, ": the last ", window_rows, " entries (the window's tokens) hold positions ",
-            start, " .. ", row[n - 1], ", not ", window_rows, " consecutive ones"));
-      }
-      if (window_start < 0) window_start = start;
-      if (start != window_start) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            head, ": the window's tokens start at position ", start, ", but at ", window_start,
-            " in cache.layers[0], KV head 0; every head holds the same most recent tokens"));
-      }
-    }
-  }
-  return absl::OkStatus();
-}
-
-// A decode re-plan's plan positions are entry indices: the token positions of those entries.
-void ToTokenPositions(const std::vector<CacheLayer>& cache, kernels::KeepPlan& plan) {
-  if (plan.positions.empty()) return;
-  const int64_t Hkv = plan.num_kv_heads;
-  for (int64_t lg = 0; lg < static_cast<int64_t>(plan.counts.size()); ++lg) {
-    const CacheLayer& layer = cache[static_cast<size_t>(lg / Hkv)];
-    const int32_t* row = layer.positions.data() + (lg % Hkv) * layer.entries;
-    for (int64_t k = plan.offsets[lg]; k < plan.offsets[lg + 1]; ++k) {
-      plan.positions[k] = row[plan.positions[k]];
-    }
-  }
 }
 
 int64_t LimitOrShare(int64_t limit, int64_t numerator, int64_t denominator) {
