@@ -45,9 +45,9 @@
 # --smoke (what .ci/run runs): steps 1 and 2, platform_check and the chunked parity of step 3,
 # test_hf*.py, test_vllm_compact.py, compaction.py's parity and block-return check, the
 # pressure trigger's four checks and the fence, Gemma 3's parity, replan.py, and steps 5 and 6.
-# Exit status 0 when every check passes. --smoke took 7.6 minutes on 2 cores once set up
-# (2026-12-06); the whole run adds the prefix, preempt and bad-path checks (about 15 minutes
-# before the pressure trigger's checks; not timed since).
+# Exit status 0 when every check passes. --smoke took 10.2 minutes on 2 cores once set up
+# (2026-12-06, with Gemma 3 and the fence); the whole run, which adds parity.py's 8 prompts and
+# the prefix, preempt and bad-path checks, 16.3 minutes.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -62,7 +62,7 @@ for arg in "$@"; do
   case "$arg" in
     --laproxd=*) laproxd="${arg#--laproxd=}" ;;
     --smoke) smoke=1 ;;
-    -h|--help) sed -n '2,47p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,50p' "$0"; exit 0 ;;
     *) echo "unknown argument: $arg (see --help)" >&2; exit 1 ;;
   esac
 done
