@@ -469,7 +469,7 @@ class FenceTest(SchedulerFixture):
     def test_a_deferred_plan_of_an_earlier_generation_is_dropped_and_counted(self):
         old = self.start("A", 160)
         _compact.SCHED.deferred["A"] = _compact.Ready(160, 40, 160, generation=old)
-        _compact.SCHED.begin("A")  # no pop_blocks_for_free in between: the fence alone
+        _compact.SCHED.begin("A")  # no _compact.ended() in between: the fence alone
         self.scheduler.running, self.scheduler.waiting = [], []
         self.scheduler.max_num_running_reqs = 8
         _compact.relieve(self.scheduler)
@@ -555,10 +555,10 @@ class ConnectorTest(SchedulerFixture):
         self.assertEqual((again.orders, again.generations), ({}, {}))
 
     def test_a_deferred_request_that_finishes_is_spared(self):
-        generation = self.start("A", 160)
-        _compact.SCHED.deferred["A"] = _compact.Ready(160, 40, 160, generation=generation)
         from types import SimpleNamespace
 
+        generation = self.start("A", 160)
+        _compact.SCHED.deferred["A"] = _compact.Ready(160, 40, 160, generation=generation)
         self.assertEqual(self.connector.request_finished_all_groups(
             SimpleNamespace(request_id="A"), ([], [])), (False, None))
         self.assertNotIn("A", _compact.SCHED.deferred)
