@@ -15,7 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "service/core/fault_guard.h"
-#include "service/core/leases.h"
+#include "service/core/registry.h"
 #include "service/grpc/laprox_service.h"
 #include "service/grpc/socket_path.h"
 #include "service/health/serving_state.h"
@@ -116,7 +116,8 @@ absl::StatusOr<std::unique_ptr<Core>> BuildCore(const ServerOptions& options) {
 struct Server::Parts {
   std::unique_ptr<HttpExposer> exposer;
   ServingState serving{kReadinessService};
-  std::optional<LeaseTable> leases;
+  // Every registration's life: leases, the model's metrics series, readiness.
+  std::unique_ptr<Registry> registry;
   // The Unix socket's connections, accepted by laproxd itself to learn who each caller is.
   std::optional<SocketClaim> claim;
   std::unique_ptr<UnixListener> listener;
@@ -146,6 +147,11 @@ absl::Status Server::Build() {
   if (options_.heavy_workers > 0) {
     heavy_ = std::make_unique<WorkQueue>(options_.heavy_workers, options_.max_pending);
   }
+  // The control plane's queues, so that registering and unregistering answer while every
+  // compute worker is busy: region opens on one worker; model preparations and region drains on
+  // a few (a drain waits for at most the deadlines of the plans using its region).
+  control_ = std::make_unique<WorkQueue>(/*workers=*/1, /*max_pending=*/256);
+  admin_ = std::make_unique<WorkQueue>(/*workers=*/4, /*max_pending=*/256);
 
   const kernels::Backend& compute = core_->backend();
   std::string active_device;
@@ -180,28 +186,43 @@ absl::Status Server::Build() {
       metrics->SetReady(up);
     }
   });
-  if (options_.lease > absl::ZeroDuration()) p.leases.emplace(options_.lease);
+  Metrics& metrics = *metrics_;
+  p.registry = std::make_unique<Registry>(
+      *core_, options_.lease,
+      RegistryHooks{
+          // A model's metrics series live as long as it does: their memory is the model's too.
+          .model_bytes =
+              [&metrics](const kernels::ModelGeometry& g) { return metrics.ModelSeriesBytes(g); },
+          .model_added =
+              [&metrics](const ModelInfo& m) { return metrics.AddModel(m.id, m.name, m.geometry); },
+          .model_removed = [&metrics](uint64_t id) { metrics.RemoveModel(id); },
+          .models_changed = [this](int64_t models) { parts_->serving.SetModels(models); },
+          .reclaimed =
+              [&metrics](const Reclaimed& r) {
+                metrics.RecordReclaimed(r.regions, r.region_bytes, r.models);
+              }});
   p.service = std::make_unique<LaproxService>(
       *core_, *work_, options_.version,
       [this](const grpc::ServerContextBase& context) {
         return IdentifyCaller(context, parts_->listener.get(), options_.access);
       },
-      ServiceOptions{
-          .metrics = metrics_.get(),
-          .models_changed = [this](int64_t models) { parts_->serving.SetModels(models); },
-          .backend_unhealthy =
-              [this](const absl::Status& cause) {
-                if (parts_->serving.BackendFailed(cause)) {
-                  std::fprintf(stderr,
-                               "laproxd: the backend failed for good, health is NOT_SERVING: "
-                               "%s\n",
-                               cause.ToString().c_str());
-                }
-              },
-          .max_request_bytes = options_.max_request_bytes,
-          .max_response_bytes = options_.max_response_bytes,
-          .leases = p.leases ? &*p.leases : nullptr,
-          .heavy = heavy_.get()});
+      ServiceOptions{.metrics = metrics_.get(),
+                     .registry = p.registry.get(),
+                     .backend_unhealthy =
+                         [this](const absl::Status& cause) {
+                           if (parts_->serving.BackendFailed(cause)) {
+                             std::fprintf(
+                                 stderr,
+                                 "laproxd: the backend failed for good, health is NOT_SERVING: "
+                                 "%s\n",
+                                 cause.ToString().c_str());
+                           }
+                         },
+                     .max_request_bytes = options_.max_request_bytes,
+                     .max_response_bytes = options_.max_response_bytes,
+                     .heavy = heavy_.get(),
+                     .control = control_.get(),
+                     .admin = admin_.get()});
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -249,14 +270,14 @@ absl::Status Server::Build() {
   // Only now: every early return above destroys the gRPC server while nothing else may reach it.
   if (p.listener) p.listener->Start(p.grpc_server.get());
   // Takes back what clients that are gone registered (--lease_seconds).
-  if (p.listener && p.leases) {
+  if (p.listener && options_.lease > absl::ZeroDuration()) {
     p.reclaimer = std::thread([this] {
       Parts& parts = *parts_;
       const auto connected = [&parts](uid_t uid, pid_t pid) {
         return parts.listener->Connected(uid, pid);
       };
       while (!parts.stop_reclaiming.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
-        parts.service->ReclaimLapsed(connected);
+        parts.registry->ReclaimLapsed(connected);
       }
     });
   }
@@ -275,8 +296,12 @@ void Server::Shutdown(absl::Duration grace) {
   if (p.listener) p.listener->Stop();  // no new connections; those open finish below
   if (p.grpc_server) p.grpc_server->Shutdown(absl::ToChronoTime(absl::Now() + grace));
   if (p.health_server) p.health_server->Shutdown();
-  work_.reset();  // runs what was accepted: jobs of cancelled calls end at once
+  // Each queue runs what it accepted (jobs of cancelled calls end at once), before the service
+  // and the registry its jobs use go with parts_.
+  work_.reset();
   heavy_.reset();
+  control_.reset();
+  admin_.reset();
 }
 
 void Server::RemoveSocketFiles() {

@@ -107,6 +107,8 @@ class Server {
   std::unique_ptr<Core> core_;
   std::unique_ptr<WorkQueue> work_;
   std::unique_ptr<WorkQueue> heavy_;
+  std::unique_ptr<WorkQueue> control_;
+  std::unique_ptr<WorkQueue> admin_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<Parts> parts_;
   int tcp_port_ = 0;

@@ -139,13 +139,27 @@ absl::StatusOr<KeepPlanCall> KeepPlanCallFromProto(const v1::ComputeKeepMaskRequ
   return call;
 }
 
-kernels::CudaIpcRegionSpec CudaIpcSpecFromProto(const v1::CudaIpcRegion& proto) {
-  kernels::CudaIpcRegionSpec spec;
-  spec.handle = proto.handle();
-  spec.device_uuid = proto.device_uuid();
-  spec.offset = proto.offset();
-  spec.byte_size = proto.byte_size();
-  return spec;
+absl::StatusOr<RegionSpec> RegionSpecFromProto(const v1::RegisterRegionRequest& proto) {
+  switch (proto.kind_case()) {
+    case v1::RegisterRegionRequest::kShm:
+      return ShmRegionSpec{.name = proto.shm().name(),
+                           .offset = proto.shm().offset(),
+                           .byte_size = proto.shm().byte_size(),
+                           .writable = proto.writable()};
+    case v1::RegisterRegionRequest::kCudaIpc: {
+      const v1::CudaIpcRegion& ipc = proto.cuda_ipc();
+      CudaIpcRegistration registration;
+      registration.writable = proto.writable();
+      registration.spec.handle = ipc.handle();
+      registration.spec.device_uuid = ipc.device_uuid();
+      registration.spec.offset = ipc.offset();
+      registration.spec.byte_size = ipc.byte_size();
+      return registration;
+    }
+    case v1::RegisterRegionRequest::KIND_NOT_SET:
+      break;
+  }
+  return absl::InvalidArgumentError("region kind is missing: give shm or cuda_ipc");
 }
 
 void RegionInfoToProto(const RegionInfo& info, v1::RegionInfo* proto) {

@@ -8,6 +8,7 @@
 #include "laprox/kernels/keep_plan.h"
 #include "laprox/v1/laprox.pb.h"
 #include "service/core/core.h"
+#include "service/core/registry.h"
 
 namespace laprox::service {
 
@@ -15,8 +16,9 @@ namespace laprox::service {
 absl::StatusOr<ModelSpec> ModelSpecFromProto(const v1::RegisterModelRequest& proto);
 absl::StatusOr<KeepPlanCall> KeepPlanCallFromProto(const v1::ComputeKeepMaskRequest& proto);
 
-// Copies the fields as they are; Backend::ImportCudaIpc checks them (handle size first).
-kernels::CudaIpcRegionSpec CudaIpcSpecFromProto(const v1::CudaIpcRegion& proto);
+// The region to open, its fields copied as they are (RegionRegistry and Backend::ImportCudaIpc
+// check them); INVALID_ARGUMENT only when the request names no kind.
+absl::StatusOr<RegionSpec> RegionSpecFromProto(const v1::RegisterRegionRequest& proto);
 
 // Never includes the IPC handle.
 void RegionInfoToProto(const RegionInfo& info, v1::RegionInfo* proto);

@@ -139,10 +139,6 @@ WorkQueue& LaproxService::ComputeQueue(absl::Span<const KeepPlanCall> calls, con
   return *options_.heavy;
 }
 
-void LaproxService::ModelsChanged() {
-  if (options_.models_changed) options_.models_changed(core_.model_totals().count);
-}
-
 void LaproxService::CheckBackendHealth() {
   if (!options_.backend_unhealthy) return;
   if (absl::Status health = core_.backend().Health(); !health.ok()) {
@@ -210,50 +206,22 @@ grpc::ServerUnaryReactor* LaproxService::GetServerInfo(grpc::CallbackServerConte
   });
 }
 
-absl::Status LaproxService::OpenRegion(grpc::CallbackServerContext* context, const Owner& owner,
-                                       const v1::RegisterRegionRequest& request,
-                                       v1::RegisterRegionResponse* response) {
-  absl::StatusOr<uint64_t> id;
-  switch (request.kind_case()) {
-    case v1::RegisterRegionRequest::kShm: {
-      const v1::ShmRegion& shm = request.shm();
-      id = core_.regions().RegisterShm({.name = shm.name(),
-                                        .offset = shm.offset(),
-                                        .byte_size = shm.byte_size(),
-                                        .writable = request.writable()},
-                                       owner);
-      break;
-    }
-    case v1::RegisterRegionRequest::kCudaIpc:
-      // Backend::ImportCudaIpc checks the handle size and the UUID before it asks whether the
-      // backend can open handles at all, so a CPU server answers INVALID_ARGUMENT for a
-      // malformed request and UNIMPLEMENTED for a well-formed one.
-      id = core_.regions().RegisterCudaIpc(CudaIpcSpecFromProto(request.cuda_ipc()),
-                                           request.writable(), owner);
-      break;
-    case v1::RegisterRegionRequest::KIND_NOT_SET:
-      return absl::InvalidArgumentError("region kind is missing: give shm or cuda_ipc");
-  }
-  if (!id.ok()) return id.status();
-  if (context->IsCancelled() || std::chrono::system_clock::now() > context->deadline()) {
-    // The client will never learn the id: nothing may stay registered for it.
-    core_.regions().Unregister(*id, owner).IgnoreError();
-    return absl::DeadlineExceededError("the call ended while the region was opened; it was closed");
-  }
-  response->set_region_id(*id);
-  if (options_.leases != nullptr) options_.leases->Add(owner, LeaseTable::Kind::kRegion, *id);
-  return absl::OkStatus();
-}
-
 grpc::ServerUnaryReactor* LaproxService::RegisterRegion(grpc::CallbackServerContext* context,
                                                         const v1::RegisterRegionRequest* request,
                                                         v1::RegisterRegionResponse* response) {
   // Opening never blocks (shm: O_NONBLOCK, regular files only), but an IPC handle is slow to
   // open (the driver maps the allocation): both off the callback threads.
   return Handle(context, Method::kRegisterRegion, [&](Owner owner) -> absl::StatusOr<Deferred> {
+    absl::StatusOr<RegionSpec> spec = RegionSpecFromProto(*request);
+    if (!spec.ok()) return spec.status();
     return Deferred{&control_,
-                    [this, context, owner = std::move(owner), request, response](const Call&) {
-                      return OpenRegion(context, owner, *request, response);
+                    [this, context, owner = std::move(owner), spec = *std::move(spec),
+                     response](const Call&) -> absl::Status {
+                      absl::StatusOr<uint64_t> id =
+                          registry_.RegisterRegion(spec, CallOf(context, owner));
+                      if (!id.ok()) return id.status();
+                      response->set_region_id(*id);
+                      return absl::OkStatus();
                     }};
   });
 }
@@ -266,11 +234,7 @@ grpc::ServerUnaryReactor* LaproxService::UnregisterRegion(
   // Waits for in-flight requests: off the callback threads, and off the compute queue.
   return Handle(context, Method::kUnregisterRegion, [&](Owner owner) -> absl::StatusOr<Deferred> {
     return Deferred{&admin_, [this, id, deadline, owner = std::move(owner)](const Call&) {
-                      absl::Status status = core_.regions().Unregister(id, owner, deadline);
-                      if (status.ok() && options_.leases != nullptr) {
-                        options_.leases->Remove(LeaseTable::Kind::kRegion, id);
-                      }
-                      return status;
+                      return registry_.UnregisterRegion(id, owner, deadline);
                     }};
   });
 }
@@ -290,53 +254,32 @@ grpc::ServerUnaryReactor* LaproxService::RegisterModel(grpc::CallbackServerConte
                                                        const v1::RegisterModelRequest* request,
                                                        v1::RegisterModelResponse* response) {
   return Handle(context, Method::kRegisterModel, [&](Owner owner) -> absl::StatusOr<Deferred> {
-    return Deferred{
-        &admin_,
-        [this, context, owner = std::move(owner), request, response](const Call&) -> absl::Status {
-          return AddModel(context, owner, *request, response);
-        }};
+    // The spec keeps views of the request (the o_proj bytes), which outlives the job.
+    absl::StatusOr<ModelSpec> spec = ModelSpecFromProto(*request);
+    if (!spec.ok()) return spec.status();
+    return Deferred{&admin_,
+                    [this, context, owner = std::move(owner), spec = *std::move(spec),
+                     response](const Call&) -> absl::Status {
+                      absl::StatusOr<ModelInfo> model =
+                          registry_.RegisterModel(spec, CallOf(context, owner));
+                      if (!model.ok()) return model.status();
+                      response->set_model_id(model->id);
+                      response->set_prepared_bytes(model->prepared_bytes);
+                      return absl::OkStatus();
+                    }};
   });
-}
-
-absl::Status LaproxService::AddModel(grpc::CallbackServerContext* context, const Owner& owner,
-                                     const v1::RegisterModelRequest& request,
-                                     v1::RegisterModelResponse* response) {
-  auto spec = ModelSpecFromProto(request);
-  if (!spec.ok()) return spec.status();
-  // Its metrics series live as long as the model: their memory is the model's too.
-  if (options_.metrics != nullptr) {
-    spec->bookkeeping_bytes = options_.metrics->ModelSeriesBytes(spec->geometry);
-  }
-  auto model = core_.RegisterModel(*spec, CallOf(context, owner));
-  if (!model.ok()) return model.status();
-  if (options_.metrics != nullptr) {
-    if (absl::Status s = options_.metrics->AddModel(model->id, model->name, model->geometry);
-        !s.ok()) {
-      core_.UnregisterModel(model->id, owner).IgnoreError();  // nothing half-registered
-      return s;
-    }
-  }
-  if (options_.leases != nullptr) options_.leases->Add(owner, LeaseTable::Kind::kModel, model->id);
-  ModelsChanged();
-  response->set_model_id(model->id);
-  response->set_prepared_bytes(model->prepared_bytes);
-  return absl::OkStatus();
 }
 
 grpc::ServerUnaryReactor* LaproxService::UnregisterModel(grpc::CallbackServerContext* context,
                                                          const v1::UnregisterModelRequest* request,
                                                          v1::UnregisterModelResponse*) {
-  return Handle(context, Method::kUnregisterModel,
-                [&](const Owner& owner) -> absl::StatusOr<Deferred> {
-                  const uint64_t id = request->model_id();
-                  if (absl::Status s = core_.UnregisterModel(id, owner); !s.ok()) return s;
-                  if (options_.metrics != nullptr) options_.metrics->RemoveModel(id);
-                  if (options_.leases != nullptr) {
-                    options_.leases->Remove(LeaseTable::Kind::kModel, id);
-                  }
-                  ModelsChanged();
-                  return Deferred{};
-                });
+  return Handle(
+      context, Method::kUnregisterModel, [&](const Owner& owner) -> absl::StatusOr<Deferred> {
+        if (absl::Status s = registry_.UnregisterModel(request->model_id(), owner); !s.ok()) {
+          return s;
+        }
+        return Deferred{};
+      });
 }
 
 absl::Status LaproxService::CheckResponseSize(google::protobuf::Message& response) const {
@@ -441,38 +384,6 @@ absl::Status LaproxService::ComputeBatch(grpc::CallbackServerContext* context, c
     }
   }
   return absl::OkStatus();
-}
-
-void LaproxService::ReclaimLapsed(const LeaseTable::Connected& connected) {
-  if (options_.leases == nullptr) return;
-  const std::vector<LeaseTable::Registration> lapsed = options_.leases->Collect(connected);
-  if (lapsed.empty()) return;
-  std::map<uint64_t, int64_t> region_bytes;
-  for (const RegionInfo& info : core_.regions().List(Owner::Laproxd())) {
-    region_bytes[info.id] = info.byte_size;
-  }
-  int64_t regions = 0, bytes = 0, models = 0;
-  for (const LeaseTable::Registration& r : lapsed) {
-    if (r.kind == LeaseTable::Kind::kRegion) {
-      const absl::Status status =
-          core_.regions().Unregister(r.id, Owner::Laproxd(), absl::Now() + absl::Seconds(10));
-      // DEADLINE_EXCEEDED: still draining; it is unmapped when its last plan ends.
-      if (status.ok() || absl::IsDeadlineExceeded(status)) {
-        ++regions;
-        bytes += region_bytes[r.id];
-      }
-    } else if (core_.UnregisterModel(r.id, Owner::Laproxd()).ok()) {
-      ++models;
-      if (options_.metrics != nullptr) options_.metrics->RemoveModel(r.id);
-    }
-  }
-  if (options_.metrics != nullptr) options_.metrics->RecordReclaimed(regions, bytes, models);
-  if (models > 0) ModelsChanged();
-  std::fprintf(stderr,
-               "laproxd: reclaimed %lld regions (%lld bytes) and %lld models of clients that "
-               "are gone\n",
-               static_cast<long long>(regions), static_cast<long long>(bytes),
-               static_cast<long long>(models));
 }
 
 }  // namespace laprox::service

@@ -1,15 +1,18 @@
 // LaproxService: the laprox.v1.Laprox gRPC service on the callback API. It only translates:
-// proto -> domain types, one Core call, domain result -> proto, absl::Status -> grpc::Status.
+// each handler decodes the proto into domain types, makes one call into the core (Core for
+// keep-plans, Registry for registrations: leases, metrics series, readiness and reclaim live
+// there), encodes the result and turns absl::Status into grpc::Status. Around that it does what
+// belongs to an RPC: identifies the caller (every call acts for that Owner: it sees, uses and
+// unregisters only what the same identity registered), counts the call, picks the thread, and
+// after a failed call asks whether the backend still works.
+//
 // Blocking work runs on WorkQueues, never on gRPC's callback threads: keep-plans on the compute
 // queue (`work`, whose backlog bound answers RESOURCE_EXHAUSTED) or, when Core::IsHeavy says
 // they are heavy, on a queue of their own (ServiceOptions::heavy), so that small plans never
-// wait behind long ones; the control plane on
-// queues of its own, so that registering and unregistering answer while every compute worker
-// is busy and the backlog is full: region opens on one, model preparation and region draining
-// (which waits for the plans using the region) on another. No exception leaves a call: an
-// allocation that fails anyway (the host is short of memory) answers RESOURCE_EXHAUSTED.
-// Every call first learns who it comes from (the CallerIdentifier) and then acts for that
-// Owner: it sees, uses and unregisters only what the same identity registered.
+// wait behind long ones; the control plane on the queues laproxd gives it (ServiceOptions::
+// control and admin), so that registering and unregistering answer while every compute worker
+// is busy and the backlog is full. No exception leaves a call: an allocation that fails anyway
+// (the host is short of memory) answers RESOURCE_EXHAUSTED.
 #ifndef LAPROX_SERVICE_GRPC_LAPROX_SERVICE_H_
 #define LAPROX_SERVICE_GRPC_LAPROX_SERVICE_H_
 
@@ -19,7 +22,7 @@
 
 #include "laprox/v1/laprox.grpc.pb.h"
 #include "service/core/core.h"
-#include "service/core/leases.h"
+#include "service/core/registry.h"
 #include "service/core/work_queue.h"
 #include "service/metrics/metrics.h"
 
@@ -31,11 +34,11 @@ using CallerIdentifier = std::function<absl::StatusOr<Owner>(const grpc::ServerC
 
 // How laproxd runs the service; every field is optional.
 struct ServiceOptions {
-  // Every call, every plan and every model (un)registration is recorded here.
+  // Every call and every plan is recorded here.
   Metrics* metrics = nullptr;
-  // Called with the number of registered models after a model was registered or unregistered
-  // (laproxd derives its readiness from it).
-  std::function<void(int64_t models)> models_changed;
+  // Registrations go through it (leases, metrics series, readiness). Unset: a Registry of the
+  // service's own over `core`, with no leases and no hooks. Must outlive the service.
+  Registry* registry = nullptr;
   // Called after a failed call when Backend::Health() is no longer OK (a sticky device error),
   // with that status; possibly many times and from several threads. laproxd then reports
   // NOT_SERVING.
@@ -44,12 +47,14 @@ struct ServiceOptions {
   // ComputeKeepMask response larger than max_response_bytes (> 0) is RESOURCE_EXHAUSTED.
   int64_t max_request_bytes = 0;
   int64_t max_response_bytes = 0;
-  // When set, every region and model a local client registers is recorded here, and
-  // ReclaimLapsed() unregisters those of clients that are gone. Must outlive the service.
-  LeaseTable* leases = nullptr;
   // When set, keep-plan calls that Core::IsHeavy finds heavy run here instead of on `work`
   // (their own workers and backlog). Must outlive the service.
   WorkQueue* heavy = nullptr;
+  // Where region opens (`control`) and model preparations and region drains (`admin`: a drain
+  // waits for at most the deadlines of the plans using its region, so give it a few workers)
+  // run. Unset: on `work`, behind the keep-plans. Must outlive the service.
+  WorkQueue* control = nullptr;
+  WorkQueue* admin = nullptr;
 };
 
 class LaproxService final : public v1::Laprox::CallbackService {
@@ -63,8 +68,12 @@ class LaproxService final : public v1::Laprox::CallbackService {
         work_(work),
         version_(std::move(version)),
         identify_(std::move(identify)),
-        options_(std::move(options)) {}
-  // Destroy only after the server has shut down (region opens still queued are then run).
+        options_(std::move(options)),
+        own_registry_(core, absl::ZeroDuration()),
+        registry_(options_.registry != nullptr ? *options_.registry : own_registry_),
+        control_(options_.control != nullptr ? *options_.control : work),
+        admin_(options_.admin != nullptr ? *options_.admin : work) {}
+  // Destroy only after the server has shut down and its queues ran what they accepted.
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
                                           const v1::GetServerInfoRequest* request,
@@ -90,12 +99,6 @@ class LaproxService final : public v1::Laprox::CallbackService {
   grpc::ServerUnaryReactor* ComputeKeepPlans(grpc::CallbackServerContext* context,
                                              const v1::ComputeKeepPlansRequest* request,
                                              v1::ComputeKeepPlansResponse* response) override;
-
-  // Unregisters the regions and models of the clients options.leases finds gone (`connected`
-  // says which still have a connection open), exactly as UnregisterRegion / UnregisterModel
-  // would: a region drains for at most 10 s, then goes with its last plan. Counts them in the
-  // metrics. Call it periodically from one thread; it blocks while regions drain.
-  void ReclaimLapsed(const LeaseTable::Connected& connected);
 
  private:
   // OK, or (the response cleared) RESOURCE_EXHAUSTED when `response` is larger than
@@ -128,34 +131,23 @@ class LaproxService final : public v1::Laprox::CallbackService {
   absl::Status FillServerInfo(v1::GetServerInfoResponse* response) const;
   // The caller's identity (identify_), counting a refusal in the metrics.
   absl::StatusOr<Owner> Identify(const grpc::CallbackServerContext& context) const;
-  // Registers the region the request describes (on the control queue); a call that stopped
-  // meanwhile leaves nothing registered.
-  absl::Status OpenRegion(grpc::CallbackServerContext* context, const Owner& owner,
-                          const v1::RegisterRegionRequest& request,
-                          v1::RegisterRegionResponse* response);
-  // RegisterModel's job (on the admin queue): prepares the model, adds its metrics series and
-  // its lease.
-  absl::Status AddModel(grpc::CallbackServerContext* context, const Owner& owner,
-                        const v1::RegisterModelRequest& request,
-                        v1::RegisterModelResponse* response);
   // ComputeKeepPlans' job (on a compute queue): the plans, their responses, timing and metrics.
   absl::Status ComputeBatch(grpc::CallbackServerContext* context, const Owner& owner,
                             const std::vector<KeepPlanCall>& calls, const Call& rpc,
                             const v1::ComputeKeepPlansRequest& request,
                             v1::ComputeKeepPlansResponse* response);
-  void ModelsChanged();
   // Asks the backend whether it still works after a failed call (see backend_unhealthy).
   void CheckBackendHealth();
 
   Core& core_;
   WorkQueue& work_;
-  WorkQueue control_{/*workers=*/1, /*max_pending=*/256};  // region opens
-  // RegisterModel (preparation) and UnregisterRegion (draining): a drain waits for at most the
-  // deadlines of the plans using its region, so a few workers keep the others moving.
-  WorkQueue admin_{/*workers=*/4, /*max_pending=*/256};
   const std::string version_;
   const CallerIdentifier identify_;
   const ServiceOptions options_;
+  Registry own_registry_;  // used when options_.registry is unset
+  Registry& registry_;
+  WorkQueue& control_;
+  WorkQueue& admin_;
 };
 
 }  // namespace laprox::service

@@ -28,52 +28,20 @@
 #include "laprox/kernels/registry.h"
 #include "service/core/fault_guard.h"
 #include "service/core/leases.h"
+#include "tests/service/shm_object.h"
 
 namespace laprox::service {
 namespace {
+
+using core_testing::IsStatus;
+using core_testing::ShmObject;
+using core_testing::UniqueName;
 
 // The backend of the shared-memory tests (it opens no cuda_ipc region; the tests that do have a
 // fake device backend of their own).
 kernels::Backend& CpuBackend() {
   static kernels::Backend* const backend = kernels::CreateBackend("cpu")->release();
   return *backend;
-}
-
-// A shared-memory object created for one test and unlinked after it.
-class ShmObject {
- public:
-  ShmObject(const std::string& name, size_t size) : name_(name) {
-    const int fd = shm_open(("/" + name).c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    EXPECT_GE(fd, 0) << std::strerror(errno);
-    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(size)), 0);
-    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    auto* bytes = static_cast<unsigned char*>(p);
-    for (size_t i = 0; i < size; ++i) bytes[i] = static_cast<unsigned char>(i % 251);
-    munmap(p, size);
-    close(fd);
-  }
-  ~ShmObject() { shm_unlink(("/" + name_).c_str()); }
-  const std::string& name() const { return name_; }
-  // What a client may do at any time: shrink (or grow) the object under the server.
-  void Truncate(off_t size) {
-    const int fd = shm_open(("/" + name_).c_str(), O_RDWR, 0);
-    ASSERT_GE(fd, 0);
-    ASSERT_EQ(ftruncate(fd, size), 0);
-    close(fd);
-  }
-
- private:
-  std::string name_;
-};
-
-std::string UniqueName(absl::string_view tag) {
-  static std::atomic<int> counter{0};
-  return absl::StrCat("laprox-test-", getpid(), "-", tag, "-", counter++);
-}
-
-MATCHER_P2(IsStatus, code, substring, "") {
-  *result_listener << "status " << arg;
-  return arg.code() == code && absl::StrContains(arg.message(), substring);
 }
 
 TEST(RegionRegistryTest, MapsAWindowOfTheObject) {
