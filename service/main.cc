@@ -1,6 +1,6 @@
 // laproxd: the laprox sidecar. Serves laprox.v1.Laprox, the standard grpc.health.v1 service and
 // server reflection on a Unix domain socket (mode 0660; by default where the clients look:
-// proto/wire/laprox/v1/endpoint.h), TCP only when asked for;
+// proto/endpoint/laprox/v1/endpoint.h), TCP only when asked for;
 // Prometheus metrics over HTTP on --metrics_listen; optionally grpc.health.v1 alone on a TCP
 // port (--health_listen) for Kubernetes probes. Every flag can also be set through the
 // environment as LAPROXD_<FLAG> (LAPROXD_METRICS_LISTEN=...); the command line wins.

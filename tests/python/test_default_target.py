@@ -1,4 +1,4 @@
-"""One rule for where laproxd listens by default (proto/wire/laprox/v1/endpoint.h), checked on the
+"""One rule for where laproxd listens by default (proto/endpoint/laprox/v1/endpoint.h), checked on the
 three programs that apply it: laproxd --socket=auto, laprox-cli (the C++ client's
 DefaultTarget(), its --target default) and the Python client's default_target(). For each
 environment the three must name the same socket, the one the rule gives; where laproxd can start

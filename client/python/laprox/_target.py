@@ -1,7 +1,7 @@
 """Where laproxd listens by default: laprox.DEFAULT_TARGET.
 
 One rule for laproxd (--socket=auto), the C++ client (laprox::client::DefaultTarget) and this
-package, written in proto/wire/laprox/v1/endpoint.h; tests/python/test_default_target.py runs the
+package, written in proto/endpoint/laprox/v1/endpoint.h; tests/python/test_default_target.py runs the
 three on it."""
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ struct ServerTiming {
 // Where laproxd listens when started without --socket: unix:$XDG_RUNTIME_DIR/laprox/laproxd.sock
 // for a user other than root whose XDG_RUNTIME_DIR is an absolute path (its trailing slashes
 // dropped), else unix:/run/laprox/laproxd.sock. laproxd and the Python client apply the same
-// rule (proto/wire/laprox/v1/endpoint.h).
+// rule (proto/endpoint/laprox/v1/endpoint.h).
 std::string DefaultTarget();
 
 // TLS for a laproxd --listen with --tls_cert_file (PEM text, not file names).

@@ -6,8 +6,8 @@
 //   XDG_RUNTIME_DIR set to an absolute path -> $XDG_RUNTIME_DIR/laprox/laproxd.sock
 //                                              (trailing slashes of the variable dropped)
 //   otherwise                              -> /run/laprox/laproxd.sock (a system-wide laproxd)
-#ifndef LAPROX_WIRE_LAPROX_V1_ENDPOINT_H_
-#define LAPROX_WIRE_LAPROX_V1_ENDPOINT_H_
+#ifndef LAPROX_ENDPOINT_LAPROX_V1_ENDPOINT_H_
+#define LAPROX_ENDPOINT_LAPROX_V1_ENDPOINT_H_
 
 #include <string>
 
@@ -20,4 +20,4 @@ std::string DefaultTarget();
 
 }  // namespace laprox::v1
 
-#endif  // LAPROX_WIRE_LAPROX_V1_ENDPOINT_H_
+#endif  // LAPROX_ENDPOINT_LAPROX_V1_ENDPOINT_H_
