@@ -3,9 +3,11 @@
 
     generate_stubs.py OUTDIR [--proto-root DIR] [--protoc {auto,grpc_tools,system}]
 
-writes into OUTDIR (normally <package>/laprox/_gen) one file, DESCRIPTOR_SET: the serialized
+writes into OUTDIR (normally <package>/laprox/_gen) two files: DESCRIPTOR_SET, the serialized
 google.protobuf.FileDescriptorSet of proto/laprox/v1/laprox.proto and
-proto/grpc/health/v1/health.proto (protoc --descriptor_set_out --include_imports). laprox._proto
+proto/grpc/health/v1/health.proto (protoc --descriptor_set_out --include_imports), and
+SERVICE_CONFIG, a copy of proto/laprox/v1/service_config.json (the gRPC service config every
+client's channel uses: retries; the C++ client compiles in the same file). laprox._proto
 builds the message classes and gRPC stubs from it at import time, so no generated Python code
 is involved: descriptor bytes do not depend on protoc's version nor on the protobuf runtime's,
 and any protoc works with any supported runtime.
@@ -34,8 +36,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # The .proto files under the proto root, in the order they are compiled.
 PROTOS = ("laprox/v1/laprox.proto", "grpc/health/v1/health.proto")
 
-# The file written into OUTDIR; laprox/_proto.py reads it.
+# The files written into OUTDIR; laprox/_proto.py reads them.
 DESCRIPTOR_SET = "descriptors.binpb"
+SERVICE_CONFIG = "service_config.json"
+# Copied from the proto root as they are (to SERVICE_CONFIG), and carried by an sdist.
+SERVICE_CONFIG_SOURCE = "laprox/v1/service_config.json"
 
 
 def find_proto_root(explicit=None):
@@ -43,7 +48,8 @@ def find_proto_root(explicit=None):
     candidates = [explicit] if explicit else [os.path.join(HERE, "proto"),
                                                os.path.join(HERE, "..", "..", "proto")]
     for root in candidates:
-        if root and all(os.path.isfile(os.path.join(root, p)) for p in PROTOS):
+        if root and all(os.path.isfile(os.path.join(root, p))
+                        for p in PROTOS + (SERVICE_CONFIG_SOURCE,)):
             return os.path.abspath(root)
     raise FileNotFoundError(
         "laprox: cannot find the .proto files (looked in %s); pass --proto-root"
@@ -85,8 +91,8 @@ def protoc_command(which="auto"):
 
 
 def generate(outdir, proto_root=None, which="auto", verbose=False):
-    """Writes OUTDIR/DESCRIPTOR_SET (creating `outdir` if needed); returns the compiler used
-    ("grpc_tools" or "system")."""
+    """Writes OUTDIR/DESCRIPTOR_SET and OUTDIR/SERVICE_CONFIG (creating `outdir` if needed);
+    returns the compiler used ("grpc_tools" or "system")."""
     root = find_proto_root(proto_root)
     name, command = protoc_command(which)
     os.makedirs(outdir, exist_ok=True)
@@ -98,6 +104,7 @@ def generate(outdir, proto_root=None, which="auto", verbose=False):
     result = subprocess.run(args, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError("laprox: protoc failed (%s):\n%s" % (name, result.stderr))
+    shutil.copyfile(os.path.join(root, SERVICE_CONFIG_SOURCE), os.path.join(outdir, SERVICE_CONFIG))
     return name
 
 

@@ -1,7 +1,7 @@
 """Build hook of the laprox package: the protobuf descriptor set is compiled, never committed.
 
 build_py runs generate_stubs.py into <build>/laprox/_gen (into the source tree for editable
-installs) from ../../proto (a checkout) or ./proto (an sdist, which sdist copies them into).
+installs: the descriptor set and the gRPC service config) from ../../proto (a checkout) or ./proto (an sdist, which sdist copies them into).
 laprox/_proto.py builds the messages and gRPC stubs from it at import time.
 """
 
@@ -32,19 +32,21 @@ class BuildPyWithDescriptors(build_py):
 
     def get_outputs(self, include_bytecode=True):
         outputs = super().get_outputs(include_bytecode)
-        built = os.path.join(self.build_lib, "laprox", "_gen", generate_stubs.DESCRIPTOR_SET)
-        if os.path.isfile(built):
-            outputs.append(built)
+        for name in (generate_stubs.DESCRIPTOR_SET, generate_stubs.SERVICE_CONFIG):
+            built = os.path.join(self.build_lib, "laprox", "_gen", name)
+            if os.path.isfile(built):
+                outputs.append(built)
         return outputs
 
 
 class SdistWithProtos(sdist):
-    """sdist that carries the .proto files (they live outside this directory)."""
+    """sdist that carries the .proto files and the service config (they live outside this
+    directory)."""
 
     def make_release_tree(self, base_dir, files):
         super().make_release_tree(base_dir, files)
         root = generate_stubs.find_proto_root()
-        for proto in generate_stubs.PROTOS:
+        for proto in generate_stubs.PROTOS + (generate_stubs.SERVICE_CONFIG_SOURCE,):
             target = os.path.join(base_dir, "proto", proto)
             os.makedirs(os.path.dirname(target), exist_ok=True)
             shutil.copyfile(os.path.join(root, proto), target)

@@ -1,6 +1,9 @@
 #include "laprox/v1/plan_wire.h"
 
+#include <bit>
 #include <cstdint>
+#include <cstring>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "laprox/v1/policy_wire.h"
@@ -14,6 +17,21 @@ namespace k = ::laprox::kernels;
 // first one and the end of the range are pinned here.
 static_assert(POLICY_KIND_LAPROX == static_cast<int>(k::PolicyKind::kLaprox) + 1);
 static_assert(PolicyKind_MAX == POLICY_KIND_CAKE);
+
+// positions and scores are copied as they are in memory into little-endian bytes fields.
+static_assert(std::endian::native == std::endian::little);
+
+template <typename T>
+void SetArray(const std::vector<T>& values, std::string* bytes) {
+  bytes->assign(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T));
+}
+
+template <typename T>
+std::vector<T> ArrayOf(const std::string& bytes) {
+  std::vector<T> values(bytes.size() / sizeof(T));
+  if (!values.empty()) std::memcpy(values.data(), bytes.data(), values.size() * sizeof(T));
+  return values;
+}
 
 }  // namespace
 
@@ -99,9 +117,9 @@ void KeepPlanToProto(const k::KeepPlan& plan, const k::PolicySpec& effective_pol
   proto->set_n(plan.n);
   proto->mutable_counts()->Assign(plan.counts.begin(), plan.counts.end());
   proto->mutable_offsets()->Assign(plan.offsets.begin(), plan.offsets.end());
-  proto->mutable_positions()->Assign(plan.positions.begin(), plan.positions.end());
+  SetArray(plan.positions, proto->mutable_positions());
   proto->set_bitmask(plan.bitmask.data(), plan.bitmask.size());
-  proto->mutable_scores()->Assign(plan.scores.begin(), plan.scores.end());
+  SetArray(plan.scores, proto->mutable_scores());
   proto->mutable_layer_sums()->Assign(plan.layer_sums.begin(), plan.layer_sums.end());
   proto->set_window(plan.window);
   proto->set_sinks(plan.sinks);
@@ -140,9 +158,9 @@ k::KeepPlan KeepPlanFromProto(const ComputeKeepMaskResponse& proto) {
   plan.tokens_per_head = proto.tokens_per_head();
   plan.counts.assign(proto.counts().begin(), proto.counts().end());
   plan.offsets.assign(proto.offsets().begin(), proto.offsets().end());
-  plan.positions.assign(proto.positions().begin(), proto.positions().end());
+  plan.positions = PositionsOf(proto);
   plan.bitmask.assign(proto.bitmask().begin(), proto.bitmask().end());
-  plan.scores.assign(proto.scores().begin(), proto.scores().end());
+  plan.scores = ScoresOf(proto);
   plan.layer_sums.assign(proto.layer_sums().begin(), proto.layer_sums().end());
   if (proto.has_blocks()) {
     const BlockPlan& b = proto.blocks();
@@ -162,6 +180,14 @@ k::KeepPlan KeepPlanFromProto(const ComputeKeepMaskResponse& proto) {
                  .score_seconds = timing.score_seconds(),
                  .select_seconds = timing.select_seconds()};
   return plan;
+}
+
+std::vector<int32_t> PositionsOf(const ComputeKeepMaskResponse& proto) {
+  return ArrayOf<int32_t>(proto.positions());
+}
+
+std::vector<float> ScoresOf(const ComputeKeepMaskResponse& proto) {
+  return ArrayOf<float>(proto.scores());
 }
 
 }  // namespace laprox::v1

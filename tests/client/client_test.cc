@@ -10,6 +10,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
@@ -419,6 +420,54 @@ TEST_F(ClientTest, ShareHostBufferRefusesAnExistingName) {
   auto first = client_->ShareHostBuffer(name, 64);
   ASSERT_TRUE(first.ok()) << first.status();
   EXPECT_EQ(client_->ShareHostBuffer(name, 64).status().code(), absl::StatusCode::kAlreadyExists);
+}
+
+// A server whose UnregisterRegion answers `code` to the first `refusals` calls (the busy laproxd
+// a full control queue makes, which a test cannot make on demand) and whose UnregisterModel is
+// always RESOURCE_EXHAUSTED.
+class BusyService final : public v1::Laprox::CallbackService {
+ public:
+  BusyService(int refusals, grpc::StatusCode code) : refusals_(refusals), code_(code) {}
+  grpc::ServerUnaryReactor* UnregisterRegion(grpc::CallbackServerContext* context,
+                                             const v1::UnregisterRegionRequest*,
+                                             v1::UnregisterRegionResponse*) override {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(++region_calls <= refusals_ ? grpc::Status(code_, "busy") : grpc::Status::OK);
+    return reactor;
+  }
+  grpc::ServerUnaryReactor* UnregisterModel(grpc::CallbackServerContext* context,
+                                            const v1::UnregisterModelRequest*,
+                                            v1::UnregisterModelResponse*) override {
+    ++model_calls;
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "busy"));
+    return reactor;
+  }
+  std::atomic<int> region_calls{0}, model_calls{0};
+
+ private:
+  const int refusals_;
+  const grpc::StatusCode code_;
+};
+
+// The client's channel retries UnregisterRegion's RESOURCE_EXHAUSTED (the retry policy of
+// proto/laprox/v1/service_config.json: 5 attempts), and nothing else.
+TEST(ClientRetryTest, ABusyServersUnregisterRegionIsRetried) {
+  for (const auto& [refusals, code, status, calls] :
+       {std::tuple{3, grpc::StatusCode::RESOURCE_EXHAUSTED, absl::StatusCode::kOk, 4},
+        std::tuple{1000, grpc::StatusCode::RESOURCE_EXHAUSTED, absl::StatusCode::kResourceExhausted,
+                   5},
+        std::tuple{1000, grpc::StatusCode::NOT_FOUND, absl::StatusCode::kNotFound, 1}}) {
+    BusyService busy(refusals, code);
+    auto server = laprox::testing::TestServer::Start(&busy, "laprox-busy");
+    ASSERT_NE(server, nullptr);
+    auto client = Client::Connect(server->target(), {.deadline = absl::Seconds(30)});
+    ASSERT_TRUE(client.ok()) << client.status();
+    EXPECT_EQ((*client)->UnregisterRegion(7).code(), status) << refusals << " refusals";
+    EXPECT_EQ(busy.region_calls, calls) << refusals << " refusals";
+    EXPECT_EQ((*client)->UnregisterModel(3).code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_EQ(busy.model_calls, 1);  // not a retried method
+  }
 }
 
 TEST(ClientConnectTest, NothingListeningIsUnavailable) {

@@ -1,9 +1,20 @@
 // plan_wire: a keep plan, its output options and destination, the geometry and the policy kinds
 // survive the trip to the wire and back exactly (what the server sends is what the C++ client
-// reads), and a malformed destination is refused naming its field.
+// reads), and a malformed destination is refused naming its field. Positions and scores travel
+// as bytes fields that a reader of the earlier schema (packed repeated fields) reads unchanged.
 #include "laprox/v1/plan_wire.h"
 
+#include <cstdint>
+#include <memory>
 #include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/descriptor.pb.h>
+#include <google/protobuf/dynamic_message.h>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -31,6 +42,80 @@ kernels::KeepPlan SamplePlan() {
   plan.layer_sums = {0.25, 1e300};
   plan.timing = {.validate_seconds = 0.5, .score_seconds = 1.25, .select_seconds = 2.0};
   return plan;
+}
+
+// The response as the schema said before positions and scores became bytes fields:
+// `repeated sfixed32 positions = 6` and `repeated float scores = 8`, packed (proto3).
+class EarlierSchema {
+ public:
+  EarlierSchema() {
+    google::protobuf::FileDescriptorProto file;
+    file.set_name("laprox_earlier_schema");
+    file.set_package("earlier");
+    file.set_syntax("proto3");
+    google::protobuf::DescriptorProto* message = file.add_message_type();
+    message->set_name("Response");
+    for (const auto& [name, number, type] :
+         {std::tuple{"positions", 6, google::protobuf::FieldDescriptorProto::TYPE_SFIXED32},
+          std::tuple{"scores", 8, google::protobuf::FieldDescriptorProto::TYPE_FLOAT}}) {
+      google::protobuf::FieldDescriptorProto* field = message->add_field();
+      field->set_name(name);
+      field->set_number(number);
+      field->set_type(type);
+      field->set_label(google::protobuf::FieldDescriptorProto::LABEL_REPEATED);
+    }
+    descriptor_ = pool_.BuildFile(file)->message_type(0);
+  }
+
+  // `serialized` parsed as the earlier Response: its positions and scores.
+  std::pair<std::vector<int32_t>, std::vector<float>> Parse(const std::string& serialized) {
+    std::unique_ptr<google::protobuf::Message> message(factory_.GetPrototype(descriptor_)->New());
+    EXPECT_TRUE(message->ParseFromString(serialized));
+    const google::protobuf::Reflection* reflection = message->GetReflection();
+    const auto& positions = reflection->GetRepeatedFieldRef<int32_t>(
+        *message, descriptor_->FindFieldByName("positions"));
+    const auto& scores =
+        reflection->GetRepeatedFieldRef<float>(*message, descriptor_->FindFieldByName("scores"));
+    return {{positions.begin(), positions.end()}, {scores.begin(), scores.end()}};
+  }
+
+  // The earlier Response with these values, serialized.
+  std::string Serialize(const std::vector<int32_t>& positions, const std::vector<float>& scores) {
+    std::unique_ptr<google::protobuf::Message> message(factory_.GetPrototype(descriptor_)->New());
+    const google::protobuf::Reflection* reflection = message->GetReflection();
+    for (int32_t p : positions) {
+      reflection->AddInt32(message.get(), descriptor_->FindFieldByName("positions"), p);
+    }
+    for (float f : scores) {
+      reflection->AddFloat(message.get(), descriptor_->FindFieldByName("scores"), f);
+    }
+    return message->SerializeAsString();
+  }
+
+ private:
+  google::protobuf::DescriptorPool pool_;
+  google::protobuf::DynamicMessageFactory factory_;
+  const google::protobuf::Descriptor* descriptor_ = nullptr;
+};
+
+TEST(PlanWireTest, PositionsAndScoresReadTheSameUnderTheEarlierSchema) {
+  const kernels::KeepPlan plan = SamplePlan();
+  v1::ComputeKeepMaskResponse proto;
+  v1::KeepPlanToProto(plan, kernels::PolicySpec(), &proto);
+  EXPECT_EQ(proto.positions().size(), plan.positions.size() * 4);
+  EarlierSchema earlier;
+  // What this server sends, read by a client of the earlier schema.
+  const auto [positions, scores] = earlier.Parse(proto.SerializeAsString());
+  EXPECT_EQ(positions, plan.positions);
+  EXPECT_EQ(scores, plan.scores);
+  // What a server of the earlier schema sent, read by this client.
+  v1::ComputeKeepMaskResponse from_earlier;
+  ASSERT_TRUE(from_earlier.ParseFromString(earlier.Serialize(plan.positions, plan.scores)));
+  EXPECT_EQ(v1::PositionsOf(from_earlier), plan.positions);
+  EXPECT_EQ(v1::ScoresOf(from_earlier), plan.scores);
+  // A truncated element is not read.
+  from_earlier.mutable_positions()->pop_back();
+  EXPECT_EQ(v1::PositionsOf(from_earlier).size(), plan.positions.size() - 1);
 }
 
 TEST(PlanWireTest, APlanComesBackExactly) {

@@ -261,7 +261,8 @@ class DecodeBadInputTest(DecodeTestCase):
                 case["keys"], case["values"], case["queries"], budget=BUDGET, window=WQ,
                 cache_positions=case["positions"]), staging)
         edit(request)
-        return self.client._stage_and_call(staging, self.client._compute_raw, request, None)
+        return self.client._stage_and_call(staging, self.client._stub.ComputeKeepMask, request,
+                                          None)
 
     def assertRawRefused(self, edit, *needles):
         with self.assertRaises(laprox.LaproxError) as caught:

@@ -43,7 +43,7 @@ TEST_F(BatchServiceTest, BatchPlansEqualTheSinglePlans) {
     const v1::ComputeKeepMaskResponse& got = response.plans(i);
     EXPECT_EQ(got.n(), batch.sequences(i).n());
     EXPECT_THAT(got.counts(), ElementsAreArray(single.counts()));
-    EXPECT_THAT(got.positions(), ElementsAreArray(single.positions()));
+    EXPECT_THAT(v1::PositionsOf(got), ElementsAreArray(v1::PositionsOf(single)));
     EXPECT_EQ(got.bitmask(), single.bitmask());
     EXPECT_THAT(got.layer_sums(), ElementsAreArray(single.layer_sums()));
     EXPECT_EQ(got.effective_policy().SerializeAsString(),
@@ -85,14 +85,14 @@ TEST_F(BatchServiceTest, ABadSequenceFailsTheBatchAndWritesNothing) {
   batch.mutable_sequences(1)->mutable_layers(2)->mutable_keys()->set_shape(1, kN);
   s = Call(&v1::Laprox::Stub::ComputeKeepPlans, batch, &response);
   ASSERT_TRUE(s.ok()) << s.error_message();
-  EXPECT_EQ(response.plans(0).positions_size(), 0);  // in the region instead
-  EXPECT_GT(response.plans(1).positions_size(), 0);
+  EXPECT_EQ(v1::PositionsOf(response.plans(0)).size(), 0);  // in the region instead
+  EXPECT_GT(v1::PositionsOf(response.plans(1)).size(), 0);
   // The region's first int32 is sequence 0's first kept position, as ComputeKeepMask gives it.
   v1::ComputeKeepMaskResponse single;
   v1::ComputeKeepMaskRequest alone = batch.sequences(0);
   alone.mutable_outputs()->clear_destination();
   ASSERT_TRUE(Call(&v1::Laprox::Stub::ComputeKeepMask, alone, &single).ok());
-  EXPECT_EQ(first_word(), single.positions(0));
+  EXPECT_EQ(first_word(), v1::PositionsOf(single).at(0));
 }
 
 TEST_F(BatchServiceTest, RefusesWhatABatchCannotBe) {

@@ -50,7 +50,7 @@ class GrpcIntegrationTest : public ServerTest {
     EXPECT_TRUE(s.ok()) << s.error_message();
     const kernels::KeepPlan direct = DirectPlan(prefill, expected);
     EXPECT_THAT(response.counts(), ::testing::ElementsAreArray(direct.counts));
-    EXPECT_THAT(response.positions(), ::testing::ElementsAreArray(direct.positions));
+    EXPECT_THAT(v1::PositionsOf(response), ::testing::ElementsAreArray(direct.positions));
     EXPECT_EQ(response.window(), direct.window);
     return response.effective_policy();
   }
@@ -82,7 +82,7 @@ TEST_F(GrpcIntegrationTest, KeepPlanOverSharedMemoryEqualsTheLibrary) {
   ASSERT_TRUE(s.ok()) << s.error_message();
   const kernels::KeepPlan direct = DirectPlan(prefill);
   EXPECT_THAT(response.counts(), ::testing::ElementsAreArray(direct.counts));
-  EXPECT_THAT(response.positions(), ::testing::ElementsAreArray(direct.positions));
+  EXPECT_THAT(v1::PositionsOf(response), ::testing::ElementsAreArray(direct.positions));
   EXPECT_THAT(response.layer_sums(), ::testing::ElementsAreArray(direct.layer_sums));
   EXPECT_EQ(response.bitmask().size(), static_cast<size_t>(kL * kHkv * ((kN + 7) / 8)));
   EXPECT_EQ(response.quota(), 64 - kWindow);
@@ -439,8 +439,7 @@ TEST_F(GrpcIntegrationTest, ConcurrentClientsGetIdenticalPlans) {
           ++failures;
           continue;
         }
-        if (!std::equal(response.positions().begin(), response.positions().end(),
-                        direct.positions.begin(), direct.positions.end())) {
+        if (v1::PositionsOf(response) != direct.positions) {
           ++mismatches;
         }
       }
@@ -483,10 +482,10 @@ TEST_F(GrpcIntegrationTest, WritesOutputsIntoAWritableRegion) {
   v1::ComputeKeepMaskResponse response;
   grpc::Status s = Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response);
   ASSERT_TRUE(s.ok()) << s.error_message();
-  EXPECT_EQ(response.positions_size(), 0);  // written to the region instead
+  EXPECT_EQ(v1::PositionsOf(response).size(), 0);  // written to the region instead
   EXPECT_TRUE(response.bitmask().empty());
   EXPECT_THAT(response.counts(), ::testing::ElementsAreArray(reference.counts()));
-  EXPECT_EQ(std::memcmp(out, reference.positions().data(), reference.positions_size() * 4), 0);
+  EXPECT_EQ(std::memcmp(out, reference.positions().data(), reference.positions().size()), 0);
   EXPECT_EQ(std::memcmp(out + 32768, reference.bitmask().data(), reference.bitmask().size()), 0);
 
   // Too small an area and a read-only region are refused.

@@ -97,7 +97,7 @@ TEST_F(PagedServiceTest, ShuffledBlocksGiveTheLibrarysPlan) {
                         PagedRequest(model, region, prefill, ids), &response);
   ASSERT_TRUE(s.ok()) << s.error_message();
   const kernels::KeepPlan direct = DirectPlan(prefill);
-  EXPECT_THAT(response.positions(), ::testing::ElementsAreArray(direct.positions));
+  EXPECT_THAT(v1::PositionsOf(response), ::testing::ElementsAreArray(direct.positions));
   EXPECT_THAT(response.counts(), ::testing::ElementsAreArray(direct.counts));
 
   // The table is what is read: the identity table over the shuffled pool gives another plan.
@@ -106,7 +106,8 @@ TEST_F(PagedServiceTest, ShuffledBlocksGiveTheLibrarysPlan) {
   s = Call(&v1::Laprox::Stub::ComputeKeepMask, PagedRequest(model, region, prefill, identity),
            &response);
   ASSERT_TRUE(s.ok()) << s.error_message();
-  EXPECT_THAT(response.positions(), ::testing::Not(::testing::ElementsAreArray(direct.positions)));
+  EXPECT_THAT(v1::PositionsOf(response),
+              ::testing::Not(::testing::ElementsAreArray(direct.positions)));
 }
 
 // A block-shaped plan over the wire: the kept blocks are the library's on the same numbers, the
@@ -137,7 +138,7 @@ TEST_F(PagedServiceTest, BlocksSharedPlanCarriesTheNewTableAndFreedIds) {
   EXPECT_THAT(blocks.kept_blocks(), ::testing::ElementsAreArray(direct.blocks->kept));
   ASSERT_EQ(blocks.block_scores_size(), kBlocks);  // the window's 32 positions: blocks 13, 14
   for (int b = 0; b < kBlocks; ++b) EXPECT_EQ(std::isinf(blocks.block_scores(b)), b >= 13) << b;
-  EXPECT_THAT(response.positions(), ::testing::ElementsAreArray(direct.positions));
+  EXPECT_THAT(v1::PositionsOf(response), ::testing::ElementsAreArray(direct.positions));
   // 64 tokens per head in blocks of 20: 3 blocks kept, 12 freed.
   ASSERT_EQ(blocks.kept_blocks_size(), 3);
   ASSERT_EQ(blocks.new_block_table_size(), 3);
@@ -203,7 +204,8 @@ TEST_F(PagedServiceTest, TableInARegionGivesThePlanOfTheInlineTable) {
   table->set_ids_count(kBlocks);
   s = Call(&v1::Laprox::Stub::ComputeKeepMask, request, &region_table);
   ASSERT_TRUE(s.ok()) << s.error_message();
-  EXPECT_THAT(region_table.positions(), ::testing::ElementsAreArray(inline_table.positions()));
+  EXPECT_THAT(v1::PositionsOf(region_table),
+              ::testing::ElementsAreArray(v1::PositionsOf(inline_table)));
   EXPECT_THAT(region_table.counts(), ::testing::ElementsAreArray(inline_table.counts()));
 
   struct Bad {
@@ -344,7 +346,8 @@ TEST_F(PagedServiceTest, BadTablesAndLayoutsAreRefusedWithTheirField) {
   grpc::Status s = Call(&v1::Laprox::Stub::ComputeKeepMask,
                         PagedRequest(model, region, prefill, identity), &response);
   ASSERT_TRUE(s.ok()) << s.error_message();
-  EXPECT_THAT(response.positions(), ::testing::ElementsAreArray(DirectPlan(prefill).positions));
+  EXPECT_THAT(v1::PositionsOf(response),
+              ::testing::ElementsAreArray(DirectPlan(prefill).positions));
   ExpectServes(33);
 }
 

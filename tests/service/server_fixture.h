@@ -25,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "laprox/kernels/registry.h"
 #include "laprox/v1/laprox.grpc.pb.h"
+#include "laprox/v1/plan_wire.h"
 #include "service/core/core.h"
 #include "service/core/work_queue.h"
 #include "service/server.h"
@@ -202,7 +203,8 @@ class ServerTest : public ::testing::Test {
     grpc::Status s =
         Call(&v1::Laprox::Stub::ComputeKeepMask, GoodRequest(model, region, prefill), &response);
     ASSERT_TRUE(s.ok()) << s.error_message();
-    EXPECT_THAT(response.positions(), ::testing::ElementsAreArray(DirectPlan(prefill).positions));
+    EXPECT_THAT(v1::PositionsOf(response),
+                ::testing::ElementsAreArray(DirectPlan(prefill).positions));
   }
   void ExpectServes(uint32_t seed) { ExpectServes(Prefill(seed)); }
 

@@ -139,7 +139,8 @@ class StallTest : public ServerTest {
     grpc::Status s =
         other->ComputeKeepMask(&context, GoodRequest(model, region, prefill), &response);
     ASSERT_TRUE(s.ok()) << s.error_message();
-    EXPECT_THAT(response.positions(), ::testing::ElementsAreArray(DirectPlan(prefill).positions));
+    EXPECT_THAT(v1::PositionsOf(response),
+                ::testing::ElementsAreArray(DirectPlan(prefill).positions));
   }
 
   // Waits (at most `limit`) until no request holds request memory: the computation has ended.

@@ -19,6 +19,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "laprox/client/service_config.h"
 #include "laprox/kernels/layer_tensors.h"
 #include "laprox/v1/endpoint.h"
 #include "laprox/v1/laprox.grpc.pb.h"
@@ -126,9 +127,6 @@ ServerTiming ServerTimingOf(const v1::Timing& timing) {
           .total_seconds = timing.total_seconds()};
 }
 
-// How long a SharedBuffer going away retries its unregistration on a busy server.
-constexpr absl::Duration kCleanupRetryFor = absl::Seconds(5);
-
 }  // namespace
 
 struct Client::Impl {
@@ -166,6 +164,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   auto impl = std::make_unique<Impl>();
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
+  // Retries a busy laproxd's RESOURCE_EXHAUSTED to UnregisterRegion (laprox.proto says how).
+  args.SetInt(GRPC_ARG_ENABLE_RETRIES, 1);
+  args.SetServiceConfigJSON(internal::kServiceConfig);
   std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
   if (options.tls) {
     grpc::SslCredentialsOptions ssl;
@@ -254,17 +255,6 @@ absl::Status Client::UnregisterRegion(uint64_t region_id) {
   request.set_region_id(region_id);
   v1::UnregisterRegionResponse response;
   return impl_->Call(&v1::Laprox::Stub::UnregisterRegion, request, &response);
-}
-
-absl::Status Client::UnregisterRegionForCleanup(uint64_t region_id, absl::Duration retry_for) {
-  const absl::Time give_up = absl::Now() + retry_for;
-  absl::Duration delay = absl::Milliseconds(50);
-  while (true) {
-    absl::Status status = UnregisterRegion(region_id);
-    if (!absl::IsResourceExhausted(status) || absl::Now() + delay > give_up) return status;
-    absl::SleepFor(delay);
-    delay = std::min(delay * 2, absl::Seconds(1));
-  }
 }
 
 absl::StatusOr<SharedBuffer> Client::ShareHostBuffer(const std::string& name, size_t bytes,
@@ -445,8 +435,9 @@ SharedBuffer::~SharedBuffer() { Reset(); }
 
 void SharedBuffer::Reset() {
   if (client_ != nullptr && region_id_ != 0) {
-    // A busy server is retried for a while; any other error ends it (the server may be gone).
-    client_->UnregisterRegionForCleanup(region_id_, kCleanupRetryFor).IgnoreError();
+    // A busy server is retried for a while (the channel's retry policy); any other error ends
+    // it (the server may be gone).
+    client_->UnregisterRegion(region_id_).IgnoreError();
   }
   if (data_ != nullptr) {
     munmap(data_, size_);

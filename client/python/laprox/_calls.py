@@ -1,6 +1,7 @@
-"""How the Client calls laproxd: deadlines of keep-plan calls on an engine's path, the timeout of
-the region calls it makes on its own, the region calls and their cleanup (retried while laproxd
-is busy), and releasing what a Client holds."""
+"""How the Client calls laproxd: its channel's options (with the service config whose retry
+policy retries a busy laproxd's UnregisterRegion), deadlines of keep-plan calls on an engine's
+path, the timeout of the region calls it makes on its own, the region calls and their cleanup,
+and releasing what a Client holds."""
 
 from __future__ import annotations
 
@@ -13,8 +14,16 @@ from typing import Any, Callable, Iterator, Optional, Union
 import grpc
 
 from . import _cuda, _shm
-from ._proto import pb
-from .errors import LaproxError, from_rpc_error
+from ._proto import SERVICE_CONFIG, pb
+from .errors import from_rpc_error
+
+# Every channel to laproxd: no message size limit of the client's own (laproxd has its limits),
+# and the service config (retries: RESOURCE_EXHAUSTED of UnregisterRegion, laproxd's control
+# queue being full, up to 5 attempts over about 5 s; laprox.proto says which).
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1),
+                   ("grpc.max_send_message_length", -1),
+                   ("grpc.enable_retries", 1),
+                   ("grpc.service_config", SERVICE_CONFIG)]
 
 # The default deadline of a keep-plan call made on an engine's path (laprox.hf.Compressor,
 # the vLLM plugin), and the number of prompt tokens per call it covers: plan_deadline.
@@ -84,27 +93,10 @@ def _register_cuda(stub: Any, timeout: Timeout, handle: bytes, device_uuid: str,
     return _call(stub.RegisterRegion, request, timeout).region_id
 
 
-# How long cleanup (close(), garbage collection) retries a busy server's RESOURCE_EXHAUSTED.
-CLEANUP_RETRY_S = 5.0
-
-
-def _unregister(stub: Any, timeout: Timeout, region_id: int,
-                retry_for: float = CLEANUP_RETRY_S) -> None:
-    """UnregisterRegion for cleanup: RESOURCE_EXHAUSTED (a busy server) is retried with backoff
-    (50 ms, doubling to 1 s) for `retry_for` seconds; any other error is raised at once."""
-    give_up = time.monotonic() + retry_for
-    delay = 0.05
-    while True:
-        try:
-            _call(stub.UnregisterRegion, pb.UnregisterRegionRequest(region_id=region_id),
-                  timeout)
-            return
-        except LaproxError as e:
-            if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or \
-                    time.monotonic() + delay > give_up:
-                raise
-        time.sleep(delay)
-        delay = min(delay * 2, 1.0)
+def _unregister(stub: Any, timeout: Timeout, region_id: int) -> None:
+    """UnregisterRegion, as cleanup (close(), garbage collection) and the region calls use it:
+    the channel retries RESOURCE_EXHAUSTED (CHANNEL_OPTIONS); any other error is raised."""
+    _call(stub.UnregisterRegion, pb.UnregisterRegionRequest(region_id=region_id), timeout)
 
 
 def _release(arena: _shm.StagingArena, cuda: _cuda.CudaRegions,

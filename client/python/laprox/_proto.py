@@ -28,9 +28,10 @@ from google.protobuf.internal import enum_type_wrapper
 from . import types as t
 from .errors import invalid_argument
 
-# generate_stubs.DESCRIPTOR_SET, as the build installs it.
+# generate_stubs.DESCRIPTOR_SET and SERVICE_CONFIG, as the build installs them.
 _DESCRIPTOR_SET = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_gen",
                                "descriptors.binpb")
+_SERVICE_CONFIG = os.path.join(os.path.dirname(_DESCRIPTOR_SET), "service_config.json")
 
 
 def _load(path: str) -> Tuple[Any, Dict[str, Tuple[bool, bool]]]:
@@ -58,6 +59,21 @@ def _load(path: str) -> Tuple[Any, Dict[str, Tuple[bool, bool]]]:
 
 
 _POOL, _STREAMING = _load(_DESCRIPTOR_SET)
+
+
+def _read_service_config(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except FileNotFoundError as e:  # pragma: no cover - depends on how the package was installed
+        raise ImportError(
+            f"laprox: {path} is missing: reinstall the package (`pip install ./client/python`) "
+            "or run `python3 client/python/generate_stubs.py client/python/laprox/_gen`.") from e
+
+
+# The gRPC service config of every channel to laproxd (proto/laprox/v1/service_config.json:
+# which calls the channel retries, and how), as JSON text.
+SERVICE_CONFIG = _read_service_config(_SERVICE_CONFIG)
 # protobuf 4.21 lacks GetMessageClass; its MessageFactory.GetPrototype is gone from later
 # versions.
 _message_class = getattr(message_factory, "GetMessageClass", None) or \

@@ -23,7 +23,7 @@ Errors: every failure raises laprox.LaproxError with a grpc.StatusCode (`.code`)
 (a mistake found here before sending is also a ValueError or TypeError: errors.py).
 
 The pieces a Client uses: _calls (deadlines, region calls, cleanup), _staging (inputs into
-requests), _wire (responses into KeepPlans), _target (the default target), _tls (credentials).
+requests), _plans (responses into KeepPlans), _target (the default target), _tls (credentials).
 Threads: a Client may be shared; calls that stage host arrays or CUDA regions run one at a time.
 """
 
@@ -40,15 +40,15 @@ import numpy as np
 from . import _cuda, _shm
 from . import types as t
 # Re-exported where they were before the split (laprox.client.plan_deadline and the others).
-from ._calls import (CLEANUP_RETRY_S, PLAN_DEADLINE_S, PLAN_DEADLINE_TOKENS, Timeout,  # noqa: F401
-                     _call, _CallTimeout, _register_cuda, _register_shm, _release, _unregister,
-                     plan_deadline)
+from ._calls import (CHANNEL_OPTIONS, PLAN_DEADLINE_S, PLAN_DEADLINE_TOKENS,  # noqa: F401
+                     Timeout, _call, _CallTimeout, _register_cuda, _register_shm, _release,
+                     _unregister, plan_deadline)
 from ._proto import health_pb2, health_pb2_grpc, laprox_pb2_grpc, pb
 from ._staging import (_bf16_flag, _fill_keep_plan_request, _fill_region_ref, _per_layer,
                        _Staging)
 from ._target import DEFAULT_TARGET, default_target  # noqa: F401
 from ._tls import tls_credentials  # noqa: F401
-from ._wire import _decode_plan, plans_of
+from ._plans import plan_from_proto
 from .errors import LaproxError, invalid_argument
 from .paged import PagedTensor
 
@@ -82,20 +82,10 @@ class Client:
         self.target = target
         self.timeout = float(timeout)
         self.inline_max_bytes = int(inline_max_bytes)
-        options = [("grpc.max_receive_message_length", -1),
-                   ("grpc.max_send_message_length", -1)]
-        self._channel = grpc.insecure_channel(target, options=options) if credentials is None \
-            else grpc.secure_channel(target, credentials, options=options)
+        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS) \
+            if credentials is None else grpc.secure_channel(target, credentials,
+                                                            options=CHANNEL_OPTIONS)
         self._stub = laprox_pb2_grpc.LaproxStub(self._channel)
-        # Plans are decoded here from the response bytes (see _decode_plan).
-        self._compute_raw = self._channel.unary_unary(
-            "/laprox.v1.Laprox/ComputeKeepMask",
-            request_serializer=pb.ComputeKeepMaskRequest.SerializeToString,
-            response_deserializer=None)
-        self._compute_batch_raw = self._channel.unary_unary(
-            "/laprox.v1.Laprox/ComputeKeepPlans",
-            request_serializer=pb.ComputeKeepPlansRequest.SerializeToString,
-            response_deserializer=None)
         self._lock = threading.RLock()
         self._closed = False
         self._call_timeout = _CallTimeout(self.timeout)
@@ -320,8 +310,9 @@ class Client:
         staging = _Staging()
         request = pb.ComputeKeepMaskRequest()
         out, cache = _fill_keep_plan_request(request, model_id, seq, staging)
-        return _decode_plan(self._stage_and_call(staging, self._compute_raw, request, timeout),
-                            out, cache)
+        return plan_from_proto(
+            self._stage_and_call(staging, self._stub.ComputeKeepMask, request, timeout), out,
+            cache)
 
     def compute_keep_plans(self, model_id: int,
                            sequences: Sequence[Union[t.SequenceInputs, Mapping[str, Any]]], *,
@@ -352,12 +343,12 @@ class Client:
                                                     t.SequenceInputs.of(sequence), staging))
             except LaproxError as e:  # the same class (a ValueError stays one), prefixed
                 raise type(e)(e.code, f"sequences[{i}]: {e.message}") from None
-        raw = self._stage_and_call(staging, self._compute_batch_raw, request, timeout)
-        plans = plans_of(raw)
+        plans = self._stage_and_call(staging, self._stub.ComputeKeepPlans, request,
+                                     timeout).plans
         if len(plans) != len(outs):
             raise LaproxError(grpc.StatusCode.INTERNAL, f"laproxd answered {len(plans)} plans "
                               f"for {len(outs)} sequences")
-        return [_decode_plan(plan, out, cache) for plan, (out, cache) in zip(plans, outs)]
+        return [plan_from_proto(plan, out, cache) for plan, (out, cache) in zip(plans, outs)]
 
     # --- helpers ----------------------------------------------------------------------------
 

@@ -5,7 +5,9 @@
 #ifndef LAPROX_PROTO_WIRE_LAPROX_V1_PLAN_WIRE_H_
 #define LAPROX_PROTO_WIRE_LAPROX_V1_PLAN_WIRE_H_
 
+#include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "laprox/kernels/geometry.h"
@@ -39,6 +41,12 @@ void KeepPlanToProto(const kernels::KeepPlan& plan, const kernels::PolicySpec& e
                      ComputeKeepMaskResponse* proto);
 // The plan a response carries, its compute timing included.
 kernels::KeepPlan KeepPlanFromProto(const ComputeKeepMaskResponse& proto);
+
+// A response's positions and scores: little-endian int32 and float32 arrays in `bytes` fields
+// (on the wire the same as a packed sfixed32 / float field). Trailing bytes short of a whole
+// element are ignored.
+std::vector<int32_t> PositionsOf(const ComputeKeepMaskResponse& proto);
+std::vector<float> ScoresOf(const ComputeKeepMaskResponse& proto);
 
 // LayerInputs' five tensors as members that kernels::ForEachLayerTensor walks beside a C++
 // struct of them: the read accessors of a received message, and the mutable ones of a message

@@ -242,12 +242,10 @@ class Client {
   // OUT_OF_RANGE past the allocation, INVALID_ARGUMENT for a malformed export.
   absl::StatusOr<uint64_t> RegisterCudaIpcRegion(const CudaIpcExport& region,
                                                  bool writable = false);
-  // Waits until requests using the region finish.
+  // Waits until requests using the region finish. RESOURCE_EXHAUSTED (laproxd's control queue
+  // is full) is retried by the channel, up to 5 attempts over about 5 s
+  // (proto/laprox/v1/service_config.json); other statuses return at once.
   absl::Status UnregisterRegion(uint64_t region_id);
-  // UnregisterRegion for cleanup (SharedBuffer uses it): a RESOURCE_EXHAUSTED answer is retried
-  // with backoff (50 ms, doubling to 1 s) until `retry_for` has passed; other statuses return
-  // at once.
-  absl::Status UnregisterRegionForCleanup(uint64_t region_id, absl::Duration retry_for);
 
   // Creates the shared-memory object `name` (must not exist; "laprox-" prefix) of `bytes`
   // bytes, maps it, and registers it (`writable`: the server may write plans into it).
