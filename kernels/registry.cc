@@ -30,8 +30,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(BackendKind kind,
 #if LAPROX_HAVE_CUDA
     {
       auto backend =
-          cuda::CudaBackend::Create(options.device, *kernels == "fused" ? cuda::KernelVersion::kV1
-                                                                        : cuda::KernelVersion::kV0);
+          cuda::CudaBackend::Create(options.device, *kernels == "fused" ? cuda::CudaKernels::kFused
+                                                                        : cuda::CudaKernels::kGemm);
       if (!backend.ok()) return backend.status();
       return std::unique_ptr<Backend>(std::move(backend).value());
     }

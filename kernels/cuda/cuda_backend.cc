@@ -79,20 +79,19 @@ absl::Status CheckMagnitudes(const CudaPreparedModel& model, const PolicySpec& p
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device,
-                                                                 KernelVersion kernels) {
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(int device, CudaKernels kernels) {
   LAPROX_ASSIGN_OR_RETURN(const DeviceContext context, CreateDeviceContext(device));
   return std::unique_ptr<CudaBackend>(new CudaBackend(context, kernels));
 }
 
-CudaBackend::CudaBackend(DeviceContext context, KernelVersion kernels)
-    : context_(context), kernels_(kernels), v0_(NewScorerV0()), v1_(NewScorerV1()) {}
+CudaBackend::CudaBackend(DeviceContext context, CudaKernels kernels)
+    : context_(context), kernels_(kernels), gemm_(NewGemmScorer()), fused_(NewFusedScorer()) {}
 
 CudaBackend::~CudaBackend() { DestroyDeviceContext(context_); }
 
 std::string CudaBackend::Describe() const {
   cudaDeviceProp prop{};
-  const std::string kernels = kernels_ == KernelVersion::kV1 ? "fused" : "gemm";
+  const std::string kernels = kernels_ == CudaKernels::kFused ? "fused" : "gemm";
   if (cudaGetDeviceProperties(&prop, context_.device) != cudaSuccess) {
     return absl::StrCat("cuda: device ", context_.device, ", kernels ", kernels);
   }
@@ -234,8 +233,8 @@ absl::StatusOr<KeepPlan> CudaBackend::ComputeKeepPlanImpl(const PreparedModel& m
   LAPROX_RETURN_IF_ERROR(
       Track(CudaStatus(raw_.Reserve(raw_bytes), "allocating the raw score buffer")));
   const bool use_v1 =
-      kernels_ == KernelVersion::kV1 && v1_->Supports(shape, request.policy, layers);
-  Scorer& scorer = use_v1 ? *v1_ : *v0_;
+      kernels_ == CudaKernels::kFused && fused_->Supports(shape, request.policy, layers);
+  Scorer& scorer = use_v1 ? *fused_ : *gemm_;
   LAPROX_RETURN_IF_ERROR(CheckStop(request.stop));
   LAPROX_RETURN_IF_ERROR(
       Track(scorer.Score(context_, prepared, layers, shape, request.policy, raw_.as<float>())));

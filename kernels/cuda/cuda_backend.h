@@ -5,7 +5,7 @@
 // the device first. Every stage runs on one stream of the chosen device:
 //   InputChecker (check.h)   NaN/Inf and probability-row checks, the CPU backend's messages,
 //                            and the inputs' maxima for the magnitude checks (policy/magnitude.h)
-//   Scorer (scorer.h)        raw scores p: v0 (cuBLAS + simple kernels) or v1 (fused kernel)
+//   Scorer (scorer.h)        raw scores p: gemm (cuBLAS + simple kernels) or fused (one kernel)
 //   DeviceSelector (select.h) normalisation, allocation, selection, compaction
 // Implements LAPROX only; the baseline policies are UNIMPLEMENTED here (the CPU backend has
 // them). Requests are serialised by a mutex: one request uses the whole GPU.
@@ -31,16 +31,16 @@
 
 namespace laprox::kernels::cuda {
 
-// Which kernels compute plans: v0 (cuBLAS, radix sort) or v1 (fused kernel, histogram select;
-// requests v1 cannot take — MEAN_HEAD_PRODUCT (the default gqa_value) or EXACT_BLOCK, fp32
-// inputs, given window attention — run on v0).
-enum class KernelVersion { kV0, kV1 };
+// Which kernels compute plans (--cuda_kernels): gemm (cuBLAS, radix sort) or fused (fused kernel,
+// histogram select; requests the fused kernel cannot take — MEAN_HEAD_PRODUCT (the default
+// gqa_value) or EXACT_BLOCK, fp32 inputs, given window attention — run on gemm).
+enum class CudaKernels { kGemm, kFused };
 
 class CudaBackend final : public Backend {
  public:
   // UNAVAILABLE when `device` does not exist or cannot run a kernel; INTERNAL when the stream
   // or the cuBLAS handle cannot be created.
-  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(int device, KernelVersion kernels);
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(int device, CudaKernels kernels);
   ~CudaBackend() override;
 
   BackendKind kind() const override { return BackendKind::kCuda; }
@@ -66,7 +66,7 @@ class CudaBackend final : public Backend {
       const CudaIpcRegionSpec& spec) override;
 
  private:
-  CudaBackend(DeviceContext context, KernelVersion kernels);
+  CudaBackend(DeviceContext context, CudaKernels kernels);
 
   // Copies every host view of `views` to staging_ and rewrites it as a device view (device
   // views are left as they are). Synchronous.
@@ -76,14 +76,14 @@ class CudaBackend final : public Backend {
   absl::Status Track(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const DeviceContext context_;
-  const KernelVersion kernels_;
+  const CudaKernels kernels_;
   mutable absl::Mutex mu_;
   absl::Status sticky_ ABSL_GUARDED_BY(mu_);
   DeviceBuffer staging_ ABSL_GUARDED_BY(mu_);
   DeviceBuffer raw_ ABSL_GUARDED_BY(mu_);
   InputChecker checker_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<Scorer> v0_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<Scorer> v1_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<Scorer> gemm_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<Scorer> fused_ ABSL_GUARDED_BY(mu_);
   DeviceSelector selector_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -1,4 +1,4 @@
-// Block-level pieces of the v1 (fused) scorer's two passes: the CTA shape (kThreads threads, 16
+// Block-level pieces of the fused scorer's two passes: the CTA shape (kThreads threads, 16
 // tokens per warp, kTile tokens per tile), the cp.async loads of key / value tiles, factor terms
 // and window queries into shared memory, the per-warp key fragments and the Q.K^T logits of one
 // row tile; and, on the host, the launch with dynamic shared memory and the argument check both

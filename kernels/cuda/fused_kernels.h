@@ -1,4 +1,4 @@
-// Launchers of the v1 (fused) LaProx scorer's kernels, used by scorer_v1.cc. One algorithm per
+// Launchers of the fused LaProx scorer's kernels, used by fused_scorer.cc. One algorithm per
 // .cu file: fused_split_factors.cu, fused_window_lse.cu (pass 1 and the engine's LSE),
 // fused_score.cu (pass 2), fused_pool.cu; the warp-level (fused_warp.cuh) and block-level
 // (fused_block.cuh) pieces the passes share are headers.
@@ -46,8 +46,8 @@
 // floor (K + V once, 17.2 GB at Llama geometry / 128K): ~1.0x with window_lse, ~1.5x without.
 // L2 -> SM: every CTA streams the upper-triangular blocks of the split factor terms for every
 // 128-token tile (G * 3 * 0.56 * d^2 * 2 B = 221 KB per tile at Llama geometry, 3.4x the tile's
-// K + V bytes); with the FLOPs above this makes v1 compute / L2 bound, not HBM bound, at that
-// geometry (estimate ~10-15 ms at 128K vs the 3.6 ms floor; unmeasured).
+// K + V bytes); with the FLOPs above this makes the fused scorer compute / L2 bound, not HBM bound,
+// at that geometry (estimate ~10-15 ms at 128K vs the 3.6 ms floor; unmeasured).
 //
 // Determinism: no atomics; every reduction has a fixed order for a given grid, and the grid
 // depends only on the shapes and the device's SM count (same device, same bits).

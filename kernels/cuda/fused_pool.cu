@@ -1,4 +1,4 @@
-// The pooling step of the v1 (fused) scorer: raw p = pool(c) * r, or pool(c * r), at the
+// The pooling step of the fused scorer: raw p = pool(c) * r, or pool(c * r), at the
 // candidates, one thread per run of kPoolRun outputs of one head (LaunchPoolScore,
 // fused_kernels.h).
 #include "cuda/fused_kernels.h"

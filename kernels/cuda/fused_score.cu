@@ -1,4 +1,4 @@
-// Pass 2 of the v1 (fused) scorer: per (KV head, token tile) the attention factor c and the
+// Pass 2 of the fused scorer: per (KV head, token tile) the attention factor c and the
 // value factor r from one read of the K and V tiles on tensor cores (LaunchFusedScore; contract
 // in fused_kernels.h).
 //

@@ -1,4 +1,4 @@
-// The factor split of the v1 (fused) scorer: each fp32 factor block M becomes U = triu(M) with
+// The factor split of the fused scorer: each fp32 factor block M becomes U = triu(M) with
 // doubled off-diagonal, scaled by a power of two and split into kFactorTerms 16-bit terms, the
 // V.U input of pass 2 (LaunchSplitFactors; precision in fused_kernels.h).
 #include "cuda/fused_kernels.h"

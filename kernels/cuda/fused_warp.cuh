@@ -1,4 +1,4 @@
-// Warp-level helpers of the v1 (fused) scorer's kernels: shared-memory addresses, ldmatrix,
+// Warp-level helpers of the fused scorer's kernels: shared-memory addresses, ldmatrix,
 // mma.sync m16n8k16 (bf16 / fp16 in, fp32 accumulation), 16-bit conversions and cp.async, as
 // inline PTX. Every lane of the warp must call the ldmatrix and mma wrappers together (.sync).
 // Included only from the fused_*.cu files.

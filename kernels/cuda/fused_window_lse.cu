@@ -1,4 +1,4 @@
-// The window rows' log-sum-exp of the v1 (fused) scorer: pass 1 (LaunchWindowLse: a partial
+// The window rows' log-sum-exp of the fused scorer: pass 1 (LaunchWindowLse: a partial
 // (max, sum) per CTA from Q.K^T, combined in CTA order in fp64) or the engine's own LSE
 // (LaunchLoadLse), both as padded fp32 rows (fused_kernels.h).
 #include "cuda/fused_kernels.h"

@@ -1,7 +1,7 @@
-// Kernels of the v0 scorer (scorer_v0.cc): gathering strided inputs into dense fp32, the
+// Kernels of the GEMM scorer (gemm_scorer.cc): gathering strided inputs into dense fp32, the
 // softmax normaliser of the window rows, per-token attention statistics, quadratic forms of the
 // value factors, and pooling into raw scores. The GEMMs (Q.K^T, V.[factor blocks]) are cuBLAS
-// calls issued by scorer_v0.cc. Each kernel computes what kernels/cpu/score.cc and window.cc
+// calls issued by gemm_scorer.cc. Each kernel computes what kernels/cpu/score.cc and window.cc
 // compute, in fp32 (normaliser sums, attention statistics and average pooling in fp64).
 //
 // Launchers enqueue on `stream`, never synchronise, and return the launch error

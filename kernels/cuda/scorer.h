@@ -1,11 +1,12 @@
 // Scorer: raw LaProx scores p of every (layer, KV head, candidate) on the device.
 //
 // Two implementations share this interface (docs/design.md §5):
-//   v0  cuBLAS batched GEMMs for Q.K^T and V.[factor blocks], simple kernels for the softmax,
-//       group statistics, quadratic forms and pooling (scorer_v0.cc, score_kernels.cu);
-//   v1  one fused kernel per layer that reads K and V once per (KV head, token tile) with
+//   gemm   cuBLAS batched GEMMs for Q.K^T and V.[factor blocks], simple kernels for the softmax,
+//       group statistics, quadratic forms and pooling (gemm_scorer.cc, score_kernels.cu);
+//   fused  one fused kernel per layer that reads K and V once per (KV head, token tile) with
 //       Q.K^T and V.R on tensor cores, after a normaliser pass (or the engine's window LSE)
-//       (scorer_v1.cc, fused_kernels.h). bf16 / fp16 inputs only; v0 handles the rest.
+//       (fused_scorer.cc, fused_kernels.h). bf16 / fp16 inputs only; the GEMM scorer handles the
+//       rest.
 // Both compute what kernels/cpu/score.cc computes (tests/reference/SEMANTICS.md, "Scores"),
 // in fp32 with fp32 accumulation, and are compared with it by tests/cuda/.
 #ifndef LAPROX_KERNELS_CUDA_SCORER_H_
@@ -25,9 +26,9 @@ class Scorer {
  public:
   virtual ~Scorer() = default;
 
-  // Whether Score handles this request (every LAPROX option for v0; v1 needs a group-mean
-  // gqa_value, not MEAN_HEAD_PRODUCT (the default) or EXACT_BLOCK, bf16 or fp16 keys, values
-  // and queries with unit innermost stride, and window_queries, not window_attention).
+  // Whether Score handles this request (every LAPROX option for the GEMM scorer; the fused one
+  // needs a group-mean gqa_value, not MEAN_HEAD_PRODUCT (the default) or EXACT_BLOCK, bf16 or fp16
+  // keys, values and queries with unit innermost stride, and window_queries, not window_attention).
   virtual bool Supports(const RequestShape& shape, const PolicySpec& policy,
                         const std::vector<LayerInputs>& layers) const = 0;
 
@@ -44,8 +45,8 @@ class Scorer {
                              const PolicySpec& policy, float* d_raw) = 0;
 };
 
-std::unique_ptr<Scorer> NewScorerV0();
-std::unique_ptr<Scorer> NewScorerV1();
+std::unique_ptr<Scorer> NewGemmScorer();
+std::unique_ptr<Scorer> NewFusedScorer();
 
 }  // namespace laprox::kernels::cuda
 

@@ -16,8 +16,9 @@
 namespace laprox::kernels::cuda {
 
 enum class SelectAlgorithm {
-  kRadixSort,  // v0: cub::DeviceRadixSort / DeviceSegmentedRadixSort on (score, flat index)
-  kHistogram,  // v1: radix-histogram threshold select, ties to the lowest flat index
+  kRadixSort,  // gemm kernels: cub::DeviceRadixSort / DeviceSegmentedRadixSort on (score, flat
+               // index)
+  kHistogram,  // fused kernels: radix-histogram threshold select, ties to the lowest flat index
 };
 
 class DeviceSelector {

@@ -1,6 +1,6 @@
-// The v1 top-k of the device selection: a radix-histogram threshold select, 8 key bits per
-// pass, that finds each segment's k-th key and marks the keys at or before it, ties going to
-// the lowest flat index (LaunchHistogramSelect; contract in select_kernels.h).
+// The top-k of the device selection with the fused kernels: a radix-histogram threshold select, 8
+// key bits per pass, that finds each segment's k-th key and marks the keys at or before it, ties
+// going to the lowest flat index (LaunchHistogramSelect; contract in select_kernels.h).
 #include "cuda/select_kernels.h"
 
 #include <cstdint>

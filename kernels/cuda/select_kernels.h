@@ -1,10 +1,10 @@
 // Launchers of the device selection (DeviceSelector, cuda/select.h): per-layer sums and
-// normalisation, per-segment top-k by radix sort (v0) or radix-histogram threshold select (v1),
-// and the KeepPlan outputs (per-head counts, offsets, positions, bitmask).
-// One algorithm per .cu file: select_normalize.cu (layer sums, scores), select_quotas.cu
-// (quotas, counts, the head-uniform recount), select_radix_sort.cu (v0), select_histogram.cu
-// (v1), select_outputs.cu (offsets, positions, bitmask); the keys and launch shape they share
-// are in select_keys.cuh.
+// normalisation, per-segment top-k by radix sort (gemm kernels) or radix-histogram threshold select
+// (fused), and the KeepPlan outputs (per-head counts, offsets, positions, bitmask). One algorithm
+// per .cu file: select_normalize.cu (layer sums, scores), select_quotas.cu (quotas, counts, the
+// head-uniform recount), select_radix_sort.cu (gemm), select_histogram.cu (fused),
+// select_outputs.cu (offsets, positions, bitmask); the keys and launch shape they share are in
+// select_keys.cuh.
 //
 // Every launcher works on the flat score space [L, Hkv, n] of one request, described by
 // SelectGeometry. Indices: flat f = (l * Hkv + g) * n + i (< 2^32); candidate index
@@ -93,13 +93,13 @@ cudaError_t LaunchResetCandidates(const SelectGeometry& geometry, uint8_t* d_kep
 // Scores must not be NaN (the order is then still total and memory-safe, but not the CPU's).
 // Deterministic: the selected set is unique under this strict total order.
 
-// v0: 64-bit keys (descending-order score bits << b | j, b = bit width of C) are built with
-// ineligible candidates as all-ones sentinels, sorted with cub::DeviceRadixSort::SortKeys
-// (one segment) or cub::DeviceSegmentedRadixSort::SortKeys (batches of segments of at most
-// 2^31 - 1 keys), and rank < d_k within each segment marks.
-// d_keys_a, d_keys_b: [C] uint64 scratch. d_segment_offsets: [C / segment_size + 1] int scratch
-// (only used when there is more than one segment). d_temp: temp_bytes of scratch, at least what
-// RadixSortSelectTempBytes reports for the same geometry and segment_size.
+// gemm kernels: 64-bit keys (descending-order score bits << b | j, b = bit width of C) are built
+// with ineligible candidates as all-ones sentinels, sorted with cub::DeviceRadixSort::SortKeys (one
+// segment) or cub::DeviceSegmentedRadixSort::SortKeys (batches of segments of at most 2^31 - 1
+// keys), and rank < d_k within each segment marks. d_keys_a, d_keys_b: [C] uint64 scratch.
+// d_segment_offsets: [C / segment_size + 1] int scratch (only used when there is more than one
+// segment). d_temp: temp_bytes of scratch, at least what RadixSortSelectTempBytes reports for the
+// same geometry and segment_size.
 cudaError_t RadixSortSelectTempBytes(const SelectGeometry& geometry, uint64_t segment_size,
                                      size_t* temp_bytes);
 cudaError_t LaunchRadixSortSelect(const SelectGeometry& geometry, const float* d_scores,
@@ -116,13 +116,13 @@ struct RadixSelectState {
   int32_t unused = 0;
 };
 
-// v1: radix select on the same keys without sorting: per segment, passes of 8 bits from the top
-// build a 256-bin histogram of the eligible keys that match the resolved prefix (block-shared
-// integer histograms flushed with integer atomics: exact counts), one thread per segment then
-// picks the bin holding the k-th key, and a segment stops as soon as the k-th key closes a bin.
-// Finally every eligible key <= the k-th key is marked. At most 8 passes over the candidates;
-// no sort, no scan. d_histograms: [C / segment_size * 256] uint32 scratch; d_states:
-// [C / segment_size] scratch.
+// fused kernels: radix select on the same keys without sorting: per segment, passes of 8 bits from
+// the top build a 256-bin histogram of the eligible keys that match the resolved prefix
+// (block-shared integer histograms flushed with integer atomics: exact counts), one thread per
+// segment then picks the bin holding the k-th key, and a segment stops as soon as the k-th key
+// closes a bin. Finally every eligible key <= the k-th key is marked. At most 8 passes over the
+// candidates; no sort, no scan. d_histograms: [C / segment_size * 256] uint32 scratch; d_states: [C
+// / segment_size] scratch.
 cudaError_t LaunchHistogramSelect(const SelectGeometry& geometry, const float* d_scores,
                                   uint64_t segment_size, const uint32_t* d_k,
                                   uint32_t* d_histograms, RadixSelectState* d_states,

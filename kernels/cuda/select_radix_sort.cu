@@ -1,7 +1,7 @@
-// The v0 top-k of the device selection: per segment, a radix sort of unique (score, index) keys
-// (cub::DeviceRadixSort for one segment, DeviceSegmentedRadixSort in batches otherwise), then
-// the first k of every segment marked (RadixSortSelectTempBytes, LaunchRadixSortSelect;
-// contracts in select_kernels.h).
+// The top-k of the device selection with the gemm kernels: per segment, a radix sort of unique
+// (score, index) keys (cub::DeviceRadixSort for one segment, DeviceSegmentedRadixSort in batches
+// otherwise), then the first k of every segment marked (RadixSortSelectTempBytes,
+// LaunchRadixSortSelect; contracts in select_kernels.h).
 #include "cuda/select_kernels.h"
 
 #include <climits>

@@ -2,7 +2,7 @@
 // the effective gqa_value (SEMANTICS.md, "Indicators" and "GQA"), how the window attention of a
 // KV group is summarised per token and how the values enter, and which blocks of the prepared
 // factors the value product reads. The CPU scorer (cpu/score.cc) and both CUDA scorers
-// (cuda/scorer_v0.cc, cuda/scorer_v1.cc) and the device launchers (cuda/score_kernels.h) all
+// (cuda/gemm_scorer.cc, cuda/fused_scorer.cc) and the device launchers (cuda/score_kernels.h) all
 // read this table.
 //
 // Plain data and a declaration only (PolicySpec is forward-declared): includable from .cu files.

@@ -9,8 +9,8 @@
 //     of the selection threshold of their competition (docs/design.md §13);
 //   - counts add up, layer sums agree to 1e-4, the bitmask matches the positions.
 // With LAPROX_CUDA_TEST_SMALL set, cases above n = 4096 are left out (for compute-sanitizer).
-// Runs with both kernel versions (v1 falls back to v0 for requests it does not take, among them
-// the default MEAN_HEAD_PRODUCT), with host inputs (staged by the backend) and with device
+// Runs with both kernel versions (fused falls back to gemm for requests it does not take, among
+// them the default MEAN_HEAD_PRODUCT), with host inputs (staged by the backend) and with device
 // inputs (copies in the client library's DeviceAllocation).
 //
 // Without a CUDA device every test is skipped with the reason. Run on a GPU machine through
@@ -442,8 +442,9 @@ void ExpectSamePlan(const Case& c, const KeepPlan& cpu, const KeepPlan& gpu) {
 std::vector<Case> Cases() {
   std::vector<Case> cases;
   uint32_t seed = 1000;
-  // A case that leaves gqa_value unset runs twice: with the default (MEAN_HEAD_PRODUCT, which v1
-  // hands to v0) and with MEAN_HEAD_NORM, so that v1 still sees every shape and option.
+  // A case that leaves gqa_value unset runs twice: with the default (MEAN_HEAD_PRODUCT, which the
+  // fused kernels hand to gemm) and with MEAN_HEAD_NORM, so that fused still sees every shape and
+  // option.
   auto add = [&](Case c) {
     c.seed = ++seed;
     cases.push_back(c);
@@ -495,8 +496,8 @@ std::vector<Case> Cases() {
     c.n = 1500;
     add(c);
   }
-  // Both pool targets with every attention summary and value factor (v1 runs the group-mean
-  // modes, v0 the rest).
+  // Both pool targets with every attention summary and value factor (fused runs the group-mean
+  // modes, gemm the rest).
   for (PoolTarget target : {PoolTarget::kAttention, PoolTarget::kScore}) {
     for (auto [i, q] : {std::pair{Indicator::kAttentionXProjectedValue, GqaValue::kMeanHeadNorm},
                         {Indicator::kAttentionXProjectedValue, GqaValue::kSummedProjection},

@@ -1,4 +1,4 @@
-// ScorerV0: per layer, cuBLAS GEMMs for Q.K^T and V.[factor blocks] and the simple kernels of
+// GemmScorer: per layer, cuBLAS GEMMs for Q.K^T and V.[factor blocks] and the simple kernels of
 // score_kernels.h, on dense fp32 copies of whatever the engine's tensors look like.
 //
 // Per layer (one at a time, on context.stream, no synchronisation):
@@ -87,7 +87,7 @@ absl::Status Gemm(const DeviceContext& context, cublasOperation_t op_a, cublasOp
       what);
 }
 
-class ScorerV0 final : public Scorer {
+class GemmScorer final : public Scorer {
  public:
   bool Supports(const RequestShape&, const PolicySpec&,
                 const std::vector<LayerInputs>&) const override {
@@ -139,8 +139,8 @@ class ScorerV0 final : public Scorer {
   DeviceBuffer workspace_;
 };
 
-absl::Status ScorerV0::ComputeLogits(const DeviceContext& context, const Plan& p, const Arrays& a,
-                                     const TensorView& keys, int64_t col0, int64_t count) {
+absl::Status GemmScorer::ComputeLogits(const DeviceContext& context, const Plan& p, const Arrays& a,
+                                       const TensorView& keys, int64_t col0, int64_t count) {
   const bool in_place = UsableInPlace(keys, p.d);
   for (int64_t j0 = col0; j0 < col0 + count; j0 += p.key_chunk) {
     const int64_t keys_now = std::min(p.key_chunk, col0 + count - j0);
@@ -166,8 +166,8 @@ absl::Status ScorerV0::ComputeLogits(const DeviceContext& context, const Plan& p
   return absl::OkStatus();
 }
 
-absl::Status ScorerV0::AttentionStatistics(const DeviceContext& context, const Plan& p,
-                                           const Arrays& a, const LayerInputs& in, float scale) {
+absl::Status GemmScorer::AttentionStatistics(const DeviceContext& context, const Plan& p,
+                                             const Arrays& a, const LayerInputs& in, float scale) {
   cudaStream_t stream = context.stream;
   const int64_t first_row = p.window_rows - p.window;  // the last we of the wq given rows
   if (p.window == 0) {
@@ -230,9 +230,9 @@ absl::Status ScorerV0::AttentionStatistics(const DeviceContext& context, const P
   return absl::OkStatus();
 }
 
-absl::Status ScorerV0::ValueStatistics(const DeviceContext& context, const Plan& p, const Arrays& a,
-                                       const CudaPreparedModel& model, int64_t layer,
-                                       const TensorView& values) {
+absl::Status GemmScorer::ValueStatistics(const DeviceContext& context, const Plan& p,
+                                         const Arrays& a, const CudaPreparedModel& model,
+                                         int64_t layer, const TensorView& values) {
   cudaStream_t stream = context.stream;
   if (p.modes.value == ValueStat::kNone) return absl::OkStatus();
   if (p.modes.value == ValueStat::kNorm) {
@@ -271,9 +271,9 @@ absl::Status ScorerV0::ValueStatistics(const DeviceContext& context, const Plan&
   return absl::OkStatus();
 }
 
-absl::Status ScorerV0::Score(const DeviceContext& context, const CudaPreparedModel& model,
-                             const std::vector<LayerInputs>& layers, const RequestShape& shape,
-                             const PolicySpec& policy, float* d_raw) {
+absl::Status GemmScorer::Score(const DeviceContext& context, const CudaPreparedModel& model,
+                               const std::vector<LayerInputs>& layers, const RequestShape& shape,
+                               const PolicySpec& policy, float* d_raw) {
   Plan p{};
   p.kv_heads = shape.num_kv_heads;
   p.group = shape.group_size;
@@ -313,7 +313,7 @@ absl::Status ScorerV0::Score(const DeviceContext& context, const CudaPreparedMod
       !FitsInt(F * p.d) || !FitsInt(model.row_stride())) {
     return absl::InvalidArgumentError(
         absl::StrCat("request shape (Hkv ", p.kv_heads, ", G ", p.group, ", d ", p.d, ", we ",
-                     p.window, ") is too large for the CUDA v0 scorer's GEMMs"));
+                     p.window, ") is too large for the CUDA GEMM scorer's GEMMs"));
   }
 
   bool gather_keys = false, gather_values = false;
@@ -338,7 +338,7 @@ absl::Status ScorerV0::Score(const DeviceContext& context, const CudaPreparedMod
   const size_t x_at = layout.Add<float>(count(pool_rows * p.prefix));
   const size_t pooled_at = layout.Add<float>(count(p.pool_heads ? pool_rows * p.prefix : 0));
   LAPROX_RETURN_IF_ERROR(
-      CudaStatus(workspace_.Reserve(layout.total()), "allocating the v0 scorer workspace"));
+      CudaStatus(workspace_.Reserve(layout.total()), "allocating the GEMM scorer workspace"));
   std::byte* base = workspace_.as<std::byte>();
   const auto floats = [base](size_t at) { return reinterpret_cast<float*>(base + at); };
   const Arrays a{.queries = floats(queries_at),
@@ -389,6 +389,6 @@ absl::Status ScorerV0::Score(const DeviceContext& context, const CudaPreparedMod
 
 }  // namespace
 
-std::unique_ptr<Scorer> NewScorerV0() { return std::make_unique<ScorerV0>(); }
+std::unique_ptr<Scorer> NewGemmScorer() { return std::make_unique<GemmScorer>(); }
 
 }  // namespace laprox::kernels::cuda

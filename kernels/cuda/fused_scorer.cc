@@ -1,4 +1,4 @@
-// The v1 scorer: per layer a factor split, the window LSE (given or pass 1), the fused pass and
+// The fused scorer: per layer a factor split, the window LSE (given or pass 1), the fused pass and
 // the pooling kernel, all on context.stream (kernel design in fused_kernels.h and the
 // fused_*.cu files).
 //
@@ -11,7 +11,7 @@
 // SUMMED_PROJECTION; any pooling, kernel, pool_target, sinks, allocation; window_lse (any dtype)
 // or not.
 // Everything else (MEAN_HEAD_PRODUCT, the default gqa_value, EXACT_BLOCK, fp32 inputs, ...) runs
-// on v0.
+// on the GEMM scorer.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -30,17 +30,18 @@
 namespace laprox::kernels::cuda {
 namespace {
 
-// The value factor of the policy, or false when v1 does not implement the combination.
+// The value factor of the policy, or false when the fused scorer does not implement the
+// combination.
 bool ChooseValueMode(const PolicySpec& policy, FusedValueMode* mode) {
   // The fused kernel keeps one group-mean attention statistic per token. It takes the indicators
   // without projected values only at the default gqa_value, as it always has (the score ignores
-  // gqa_value there, so other values go to v0 only for caution).
+  // gqa_value there, so other values go to the GEMM scorer only for caution).
   if (policy.indicator != Indicator::kAttentionXProjectedValue &&
       policy.EffectiveGqaValue() != GqaValue::kMeanHeadNorm) {
     return false;
   }
   const ScoreModes modes = ChooseScoreModes(policy, /*group=*/1);
-  if (modes.attention != AttentionStat::kGroupMean) return false;  // per-head statistics: v0
+  if (modes.attention != AttentionStat::kGroupMean) return false;  // per-head statistics: gemm
   switch (modes.value) {
     case ValueStat::kNone:
       *mode = FusedValueMode::kNone;
@@ -98,7 +99,7 @@ int PoolingCode(Pooling pooling) {
   return 0;
 }
 
-class ScorerV1 final : public Scorer {
+class FusedScorer final : public Scorer {
  public:
   bool Supports(const RequestShape& shape, const PolicySpec& policy,
                 const std::vector<LayerInputs>& layers) const override {
@@ -138,7 +139,8 @@ class ScorerV1 final : public Scorer {
                      const PolicySpec& policy, float* d_raw) override {
     FusedValueMode mode = FusedValueMode::kNone;
     if (!ChooseValueMode(policy, &mode)) {
-      return absl::InternalError("ScorerV1: called for an option combination it does not support");
+      return absl::InternalError(
+          "FusedScorer: called for an option combination it does not support");
     }
     const int64_t n = shape.n, we = shape.window, prefix = n - we;
     const int hkv = shape.num_kv_heads, group = shape.group_size, d = shape.head_dim;
@@ -166,7 +168,7 @@ class ScorerV1 final : public Scorer {
     const size_t split_at = layout.Add<uint16_t>(split_elements);
     const size_t inv_at = layout.Add<float>(Projected(mode) ? size_t{1} * hkv * blocks : 0);
     LAPROX_RETURN_IF_ERROR(
-        CudaStatus(workspace_.Reserve(layout.total()), "ScorerV1: allocating the workspace"));
+        CudaStatus(workspace_.Reserve(layout.total()), "FusedScorer: allocating the workspace"));
     auto* base = workspace_.as<unsigned char>();
     auto* lse = reinterpret_cast<float*>(base + lse_at);
     auto* partials = reinterpret_cast<float2*>(base + partial_at);
@@ -197,7 +199,7 @@ class ScorerV1 final : public Scorer {
       args.window_rows = shape.window_rows;
       args.window = static_cast<int>(we);
       args.scale = scale;
-      const std::string where = absl::StrCat("ScorerV1 layer ", l);
+      const std::string where = absl::StrCat("FusedScorer layer ", l);
 
       if (Projected(mode)) {
         LAPROX_RETURN_IF_ERROR(
@@ -235,6 +237,6 @@ class ScorerV1 final : public Scorer {
 
 }  // namespace
 
-std::unique_ptr<Scorer> NewScorerV1() { return std::make_unique<ScorerV1>(); }
+std::unique_ptr<Scorer> NewFusedScorer() { return std::make_unique<FusedScorer>(); }
 
 }  // namespace laprox::kernels::cuda
