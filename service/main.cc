@@ -175,7 +175,8 @@ uint64_t RandomFirstId() {
   return (static_cast<uint64_t>(r & 0x7fffffffu) << 20) + 1;
 }
 
-// An octal permission mode ("0660", "660") in [0, 0777].
+// An octal number of at most 4 digits ("0660", "660"); Server checks that it is a permission
+// mode, in [0, 0777].
 std::optional<mode_t> ParseMode(const std::string& text) {
   if (text.empty() || text.size() > 4) return std::nullopt;
   mode_t mode = 0;
@@ -183,7 +184,6 @@ std::optional<mode_t> ParseMode(const std::string& text) {
     if (c < '0' || c > '7') return std::nullopt;
     mode = mode * 8 + static_cast<mode_t>(c - '0');
   }
-  if (mode > 0777) return std::nullopt;
   return mode;
 }
 
@@ -230,7 +230,7 @@ absl::StatusOr<laprox::service::ServerOptions> OptionsFromFlags() {
   const std::optional<mode_t> socket_mode = ParseMode(absl::GetFlag(FLAGS_socket_mode));
   if (!socket_mode) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--socket_mode=", absl::GetFlag(FLAGS_socket_mode), " is not an octal mode in [0, 0777]"));
+        "--socket_mode=", absl::GetFlag(FLAGS_socket_mode), " is not an octal number"));
   }
   o.socket_mode = *socket_mode;
   for (const auto& [name, flag, ids] :
@@ -243,12 +243,7 @@ absl::StatusOr<laprox::service::ServerOptions> OptionsFromFlags() {
     if (!parsed.ok()) return parsed.status();
     ids->assign(parsed->begin(), parsed->end());
   }
-  const double lease_seconds = absl::GetFlag(FLAGS_lease_seconds);
-  if (!(lease_seconds >= 0.0 && lease_seconds <= 1e9)) {  // NaN too
-    return absl::InvalidArgumentError(
-        absl::StrCat("--lease_seconds=", lease_seconds, " must be in [0, 1e9] (0: never reclaim)"));
-  }
-  o.lease = absl::Seconds(lease_seconds);
+  o.lease_seconds = absl::GetFlag(FLAGS_lease_seconds);  // checked with the others by Server
   o.listen = absl::GetFlag(FLAGS_listen);
   o.tls = {.cert_file = absl::GetFlag(FLAGS_tls_cert_file),
            .key_file = absl::GetFlag(FLAGS_tls_key_file),

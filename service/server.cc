@@ -13,6 +13,7 @@
 #include <prometheus/registry.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/notification.h"
 #include "service/core/fault_guard.h"
 #include "service/core/registry.h"
@@ -33,7 +34,7 @@ absl::Status CheckOptions(const ServerOptions& o) {
   }
   if (o.socket_mode > 0777) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--socket_mode=0", absl::Hex(o.socket_mode), " is not in [0, 0777]"));
+        absl::StrFormat("--socket_mode=0%o is not in [0, 0777]", o.socket_mode));
   }
   if (o.max_response_bytes < 1 || o.max_response_bytes > (int64_t{1} << 31) - 1) {
     return absl::InvalidArgumentError(
@@ -71,10 +72,9 @@ absl::Status CheckOptions(const ServerOptions& o) {
   if (o.max_pending < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--max_pending=", o.max_pending, " is < 0"));
   }
-  if (o.lease < absl::ZeroDuration() || o.lease > absl::Seconds(1e9)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--lease_seconds=", absl::ToDoubleSeconds(o.lease),
-                     " must be in [0, 1e9] (0: never reclaim)"));
+  if (!(o.lease_seconds >= 0.0 && o.lease_seconds <= 1e9)) {  // NaN too
+    return absl::InvalidArgumentError(absl::StrCat("--lease_seconds=", o.lease_seconds,
+                                                   " must be in [0, 1e9] (0: never reclaim)"));
   }
   return absl::OkStatus();
 }
@@ -188,7 +188,7 @@ absl::Status Server::Build() {
   });
   Metrics& metrics = *metrics_;
   p.registry = std::make_unique<Registry>(
-      *core_, options_.lease,
+      *core_, absl::Seconds(options_.lease_seconds),
       RegistryHooks{
           // A model's metrics series live as long as it does: their memory is the model's too.
           .model_bytes =
@@ -270,7 +270,7 @@ absl::Status Server::Build() {
   // Only now: every early return above destroys the gRPC server while nothing else may reach it.
   if (p.listener) p.listener->Start(p.grpc_server.get());
   // Takes back what clients that are gone registered (--lease_seconds).
-  if (p.listener && options_.lease > absl::ZeroDuration()) {
+  if (p.listener && options_.lease_seconds > 0) {
     p.reclaimer = std::thread([this] {
       Parts& parts = *parts_;
       const auto connected = [&parts](uid_t uid, pid_t pid) {

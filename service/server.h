@@ -52,7 +52,7 @@ struct ServerOptions {
   mode_t socket_mode = 0660;
   AccessPolicy access = AccessPolicy::OwnUser();
   // Registrations of local clients that are gone are reclaimed after this; zero: never.
-  absl::Duration lease = absl::Seconds(30);
+  double lease_seconds = 30;
   std::string listen;  // TCP host:port for the whole API; empty: none
   TcpSecurityOptions tls;
   int64_t max_request_bytes = int64_t{256} << 20;

@@ -14,7 +14,10 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cmath>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -489,6 +492,28 @@ TEST_F(RobustnessTest, ResponseAboveTheLimitIsResourceExhausted) {
   request.mutable_outputs()->set_bitmask(false);
   s = Call(&v1::Laprox::Stub::ComputeKeepMask, request, &response);
   EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
+// Every out-of-range option is refused by Server::Start (the one place laproxd's flags are
+// checked) with INVALID_ARGUMENT naming the flag, before anything starts.
+TEST(ServerOptionsTest, OutOfRangeOptionsAreRefusedNamingTheFlag) {
+  const auto refused = [](const std::function<void(ServerOptions&)>& edit,
+                          const std::string& flag) {
+    ServerOptions options;
+    options.socket = testing::TestServer::TempSocketPath("laprox-opts");
+    edit(options);
+    absl::StatusOr<std::unique_ptr<Server>> server = Server::Start(std::move(options));
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument) << flag;
+    EXPECT_THAT(server.status().message(), HasSubstr(flag));
+  };
+  refused([](ServerOptions& o) { o.lease_seconds = -1; }, "--lease_seconds=-1");
+  refused([](ServerOptions& o) { o.lease_seconds = std::nan(""); }, "--lease_seconds=nan");
+  refused([](ServerOptions& o) { o.lease_seconds = 2e9; }, "--lease_seconds=2e+09");
+  refused([](ServerOptions& o) { o.heavy_workers = 1025; }, "--heavy_workers=1025");
+  refused([](ServerOptions& o) { o.workers = 0; }, "--workers=0");
+  refused([](ServerOptions& o) { o.max_pending = -1; }, "--max_pending=-1");
+  refused([](ServerOptions& o) { o.max_request_bytes = 0; }, "--max_request_bytes=0");
+  refused([](ServerOptions& o) { o.socket_mode = 07777; }, "--socket_mode=07777 is not in");
 }
 
 // No identity by default: a service built without a caller identifier serves no call, rather
