@@ -439,6 +439,10 @@ class PlanFieldsTest(unittest.TestCase):
         plan = _plans.plan_from_proto(response, laprox.Outputs(positions=True, scores=True))
         np.testing.assert_array_equal(plan.positions, positions)
         np.testing.assert_array_equal(plan.scores.reshape(-1), scores)
+        # A truncated element is not read (as in the C++ client).
+        response.positions = response.positions[:-1]
+        plan = _plans.plan_from_proto(response, laprox.Outputs(positions=True))
+        np.testing.assert_array_equal(plan.positions, positions[:-1])
 
 
 class SegmentTest(unittest.TestCase):

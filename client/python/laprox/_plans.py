@@ -12,13 +12,19 @@ from . import types as t
 from ._proto import policy_from_proto
 
 
+def _array(data: bytes, dtype: str) -> np.ndarray:
+    """A bytes field as its 4-byte elements; trailing bytes short of one are ignored (as the C++
+    client's v1::PositionsOf does)."""
+    return np.frombuffer(data, dtype=dtype, count=len(data) // 4)
+
+
 def plan_from_proto(r: Any, outputs: t.Outputs,
                     cache_positions: Optional[List[np.ndarray]] = None) -> t.KeepPlan:
     """A KeepPlan from a ComputeKeepMaskResponse (with the `outputs` requested; a decode
     re-plan's with the cache positions sent)."""
     L, Hkv, n = r.num_layers, r.num_kv_heads, r.n
-    positions = np.frombuffer(r.positions, dtype="<i4") if outputs.positions else None
-    scores = np.frombuffer(r.scores, dtype="<f4") if outputs.scores else None
+    positions = _array(r.positions, "<i4") if outputs.positions else None
+    scores = _array(r.scores, "<f4") if outputs.scores else None
     bitmask = None
     if outputs.bitmask:
         bitmask = np.frombuffer(r.bitmask, dtype=np.uint8).reshape(L, Hkv, (n + 7) // 8)
