@@ -109,8 +109,8 @@ start "$dir/mode.log" --socket="$dir/mode.sock" --socket_mode=0600
 [[ "$(stat -c '%a' "$dir/mode.sock")" == 600 ]] || fail "socket_mode 0600 not applied"
 kill -TERM "$pid"
 wait "$pid" || true
-refused "--socket_mode=0999 is not an octal mode" --socket="$dir/bad.sock" --socket_mode=0999
-refused "--socket_mode=1777 is not an octal mode" --socket="$dir/bad.sock" --socket_mode=1777
+refused "--socket_mode=0999 is not an octal number" --socket="$dir/bad.sock" --socket_mode=0999
+refused "--socket_mode=01777 is not in [0, 0777]" --socket="$dir/bad.sock" --socket_mode=1777
 
 # 7. The default path of a non-root laproxd: $XDG_RUNTIME_DIR/laprox/laproxd.sock.
 if [[ $(id -u) -eq 0 ]] && command -v setpriv >/dev/null; then
