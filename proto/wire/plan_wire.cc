@@ -23,6 +23,10 @@ static_assert(std::endian::native == std::endian::little);
 
 template <typename T>
 void SetArray(const std::vector<T>& values, std::string* bytes) {
+  if (values.empty()) {
+    bytes->clear();
+    return;
+  }
   bytes->assign(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T));
 }
 
