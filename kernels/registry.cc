@@ -48,7 +48,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(absl::string_view name,
   if (name == "cuda") return CreateBackend(BackendKind::kCuda, options);
   if (name == "auto") {
     // The CUDA backend has not yet run on a GPU (tests/gpu/run.sh); until it has passed there,
-    // "auto" means the CPU backend (README, --backend).
+    // "auto" means the CPU backend (docs/daemon.md, --backend).
     return CreateBackend(BackendKind::kCpu, options);
   }
   return absl::InvalidArgumentError(

@@ -19,7 +19,9 @@ names (`tests/crosscheck/kvpress/`: ... its `RESULTS.md`), or as the only file o
 not the last for LOCAL_ONLY names (`DESIGN.md`: the project's is docs/design.md, the vLLM
 plugin's is its own). A bare source name must be the name of some file of the tree.
 `docs/design.md §N` (or `section N`), after any Markdown file, must name a heading `## N. ...`
-of that file.
+of that file. In a Markdown file, a link `[text](path#anchor)` to a repository file must resolve
+from the citing file's folder (as a reader's browser resolves it), and its anchor (also
+`(#anchor)` within the file) must be a heading's GitHub anchor in the file it names.
 Not references: URLs (and the text of a Markdown link to one), absolute paths
 (`/run/laprox/...`), `~/` and `$VAR/` paths, placeholders (`OUT_DIR/...`, `TAG.md`), build trees
 (`build/...`, `build-asan/...`), generated protobuf files (`*.pb.h`, `*_pb2.py`), globs and
@@ -72,6 +74,7 @@ BARE_SRC_RE = re.compile(
 SECTION_RE = re.compile(r"^`?,?\s*(?:section|§)\s*(\d+)")
 GENERATED_RE = re.compile(r"(\.pb\.(h|cc)|_pb2(_grpc)?\.py|\.grpc\.pb\.(h|cc))$")
 URL_LINK_RE = re.compile(r"\[[^\]]*\]\((?:https?|ftp|mailto):[^)]*\)")
+MD_LINK_RE = re.compile(r"\]\(([^)\s]+)\)")
 INCLUDE_RE = re.compile(r"^\s*#\s*include\b")
 
 
@@ -133,6 +136,57 @@ def headings(path, cache={}):
     return cache[path]
 
 
+def anchor_of(heading):
+    """GitHub's anchor of a Markdown heading's text: lower case, punctuation dropped, spaces to
+    hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(lines):
+    """The anchors of the headings among `lines` (outside code fences); a repeated heading gets
+    -1, -2, ... as GitHub numbers them."""
+    found, seen, fenced = set(), {}, False
+    for line in lines:
+        if line.startswith("```"):
+            fenced = not fenced
+        m = None if fenced else re.match(r"#+\s+(.*?)\s*#*\s*$", line)
+        if m:
+            base = anchor_of(m.group(1))
+            count = seen.get(base, 0)
+            seen[base] = count + 1
+            found.add(base if count == 0 else f"{base}-{count}")
+    return found
+
+
+def file_anchors(path, cache={}):
+    if path not in cache:
+        with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+            cache[path] = anchors(f.readlines())
+    return cache[path]
+
+
+def check_md_links(tree, path, lines, line, where, problems):
+    """A Markdown file's links to repository files: the file, and the heading an anchor names."""
+    citing_dir = os.path.dirname(path)
+    for m in MD_LINK_RE.finditer(line):
+        link = m.group(1)
+        if re.match(r"^[a-z]+:", link):
+            continue  # a URL
+        target, _, anchor = link.partition("#")
+        if target:
+            resolved = os.path.normpath(os.path.join(citing_dir, target))
+            if not tree.exists(resolved):
+                problems.append(f"{where}: link {link}: {resolved} is not in the repository")
+                continue
+        else:
+            resolved = path
+        if anchor and resolved.endswith(".md"):
+            known = anchors(lines) if resolved == path else file_anchors(resolved)
+            if anchor not in known:
+                problems.append(f"{where}: link {link}: {resolved} has no heading with anchor "
+                                f"#{anchor}")
+
+
 def check_section(tree, target, rest, where, problems, token):
     if not rest.strip() and CONTINUATION[0] is not None:  # "docs/design.md\n// §2"
         rest = re.sub(r"^\s*(?://+|#+|\*|--)?\s*", "", CONTINUATION[0])
@@ -158,6 +212,8 @@ def check_lines(tree, path, lines, problems):
         if INCLUDE_RE.match(line):
             continue
         where = f"{path}:{number}"
+        if path.endswith(".md"):
+            check_md_links(tree, path, lines, line, where, problems)
         line = URL_LINK_RE.sub("", line)  # [text](https://...): the text names the URL's file
         for m in PATH_RE.finditer(line):
             token = m.group(1)
@@ -227,17 +283,31 @@ SELFTEST = """\
 // Not references: build/tests/x.h, $OUT/a/b.json, OUT_DIR/source.json, vllm/v1/x.py (0)
 // Not references: laprox/v1/laprox.pb.h, tests/fuzz/<name>_fuzzer.cc, layers.{l}/keys.h (0)
 """
+# The same for Markdown links, as if in docs/x.md (which has the heading "# Here").
+SELFTEST_MD = """\
+# Here
+A link to no file: [a](no_such_file.md) (1)
+An anchor the file lacks: [a](design.md#no-such-heading) (1)
+A link from the wrong folder: [a](docs/design.md) (1)
+An anchor this file lacks: [a](#not-here) (1)
+Resolving: [a](design.md#1-layout-and-dependency-direction), [b](../README.md), [c](#here) (0)
+Not checked: [a](https://example.com/x.md#y), [b](mailto:a@b) (0)
+"""
 
 
 def selftest(tree):
     failed = False
-    for number, line in enumerate(SELFTEST.splitlines(), 1):
+    md_lines = SELFTEST_MD.splitlines()
+    cases = [("kernels/cpu/x.cc", [line]) for line in SELFTEST.splitlines()]
+    cases += [("docs/x.md", [md_lines[0], line]) for line in md_lines[1:]]
+    for number, (path, lines) in enumerate(cases, 1):
         problems = []
-        check_lines(tree, "kernels/cpu/x.cc", [line], problems)
+        check_lines(tree, path, lines, problems)
+        line = lines[-1]
         want = int(re.search(r"\((\d+)\)$", line).group(1))
         if len(problems) != want:
             failed = True
-            print(f"selftest line {number}: {len(problems)} problems, expected {want}: {line}")
+            print(f"selftest case {number}: {len(problems)} problems, expected {want}: {line}")
             for p in problems:
                 print(f"  {p}")
     print("references selftest:", "FAILED" if failed else "every planted reference caught")

@@ -48,8 +48,8 @@ ABSL_FLAG(std::string, socket, "auto",
           "default too: laprox/v1/endpoint.h); empty to disable. A stale socket "
           "there is replaced; a live one, or anything that is not a socket, stops start-up");
 ABSL_FLAG(std::string, socket_mode, "0660",
-          "the socket's permission bits, octal (who may connect; see the README's security "
-          "section)");
+          "the socket's permission bits, octal (who may connect; see docs/daemon.md, \"The "
+          "socket and who can call\")");
 ABSL_FLAG(absl::Duration, shutdown_timeout, absl::Seconds(30),
           "after SIGTERM or SIGINT, how long in-flight calls may take before they are cancelled");
 ABSL_FLAG(std::string, allowed_uids, "",
@@ -311,6 +311,14 @@ int main(int argc, char** argv) {
   laprox::service::Server& server = **started;
   std::printf("laproxd %s: %s; listening on %s\n", laprox::service::kLaproxdVersion,
               server.core().backend().Describe().c_str(), server.Endpoints().c_str());
+  if (!server.socket().empty()) {
+    // What can reach it, each with the address it needs (the default socket needs none).
+    const std::string target = "unix:" + server.socket();
+    std::printf(
+        "laproxd: clients reach it as %s: laprox-cli --target=%s, laprox.Client(\"%s\") and "
+        "laprox.hf (Python), LAPROX_VLLM_TARGET=%s for vLLM's plugin\n",
+        target.c_str(), target.c_str(), target.c_str(), target.c_str());
+  }
   std::fflush(stdout);
 
   int signal = 0;

@@ -164,7 +164,13 @@ int Main(int argc, char** argv) {
     if (const std::string save = absl::GetFlag(FLAGS_save); !save.empty()) {
       if (absl::Status s = WriteSafeTensors(save, file); !s.ok()) return Fail(s);
     }
-    return RunPlan(std::move(file));
+    const int rc = RunPlan(std::move(file));
+    if (rc == 0 && !absl::GetFlag(FLAGS_json)) {
+      std::printf(
+          "next: your own KV dump (laprox-cli plan DUMP.safetensors), or laprox inside an engine: "
+          "docs/integrations/hf.md (transformers), docs/integrations/vllm.md (vLLM)\n");
+    }
+    return rc;
   }
   std::fprintf(stderr, "usage: %s\n", kUsage);
   return 2;

@@ -50,6 +50,14 @@ void PrintTable(const kernels::KeepPlan& plan) {
     }
     std::printf(" | %5.2f\n", sum / plan.num_kv_heads);
   }
+  int64_t kept = 0;
+  for (int32_t c : plan.counts) kept += c;
+  const int64_t entries = plan.n * plan.num_layers * plan.num_kv_heads;
+  std::printf(
+      "kept %lld of %lld (layer, KV head, token) entries (%.1f%%): the budget went where "
+      "the shares above are > 1.00\n",
+      static_cast<long long>(kept), static_cast<long long>(entries),
+      entries > 0 ? 100.0 * static_cast<double>(kept) / static_cast<double>(entries) : 0.0);
 }
 
 }  // namespace laprox::cli

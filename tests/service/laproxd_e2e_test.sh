@@ -22,6 +22,8 @@ for _ in $(seq 1 200); do  # bounded wait for the listening line (at most ~20 s)
   sleep 0.1
 done
 grep -q "listening on unix:$socket" "$dir/log" || { cat "$dir/log"; echo "FAIL: not listening"; exit 1; }
+grep -qF "LAPROX_VLLM_TARGET=unix:$socket" "$dir/log" ||
+  { cat "$dir/log"; echo "FAIL: no line on how clients reach it"; exit 1; }
 mode=$(stat -c '%a' "$socket")
 [[ "$mode" == 660 ]] || { echo "FAIL: socket mode $mode, expected 660"; exit 1; }
 
@@ -29,6 +31,11 @@ target=unix:$socket
 "$cli" info --target="$target" | grep -q "laproxd 0.1.0" || { echo "FAIL: info"; exit 1; }
 "$cli" demo --target="$target" --save="$dir/demo.safetensors" | tee "$dir/table"
 grep -q "budget share" "$dir/table" || { echo "FAIL: demo table"; exit 1; }
+# The demo's last lines: what the plan kept (the demo's default budget, 128 per head, over its
+# 8 layers x 3 KV heads of 2,048 tokens) and where to go next.
+grep -q "^kept 3072 of 49152 (layer, KV head, token) entries (6.2%)" "$dir/table" ||
+  { echo "FAIL: demo summary line"; exit 1; }
+grep -q "^next: .*docs/integrations/hf.md" "$dir/table" || { echo "FAIL: demo next line"; exit 1; }
 "$cli" plan "$dir/demo.safetensors" --target="$target" --json --budget=200 >"$dir/remote.json"
 "$cli" plan "$dir/demo.safetensors" --local --json --budget=200 >"$dir/local.json"
 cmp "$dir/remote.json" "$dir/local.json" || { echo "FAIL: laproxd plan != library plan"; exit 1; }

@@ -28,7 +28,7 @@ struct BackendOptions {
   std::string cuda_kernels = "gemm";
 };
 
-// "cpu" or "cuda"; "auto" is cpu for now (README: until the CUDA backend has passed
+// "cpu" or "cuda"; "auto" is cpu for now (docs/daemon.md: until the CUDA backend has passed
 // tests/gpu/run.sh on a GPU, then cuda when built and a device is present).
 // INVALID_ARGUMENT for an unknown name; UNIMPLEMENTED when cuda is asked for but not built;
 // UNAVAILABLE when cuda is built but no device is usable.
