@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-scripts/install-deps.sh
+scripts/install-deps.sh --run
 build_dir=${BUILD_DIR:-build-release}
 jobs=$(nproc)
 # shellcheck disable=SC2086  # LAPROX_CMAKE_ARGS is a list of flags

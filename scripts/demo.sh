@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-scripts/install-deps.sh
+scripts/install-deps.sh --run
 build_dir=${BUILD_DIR:-build}
 cmake -S . -B "$build_dir" -G Ninja ${LAPROX_CMAKE_ARGS:-} >/dev/null
 cmake --build "$build_dir" -j "$(nproc)" --target laproxd laprox-cli
