@@ -578,3 +578,80 @@ class ConnectorTest(SchedulerFixture):
         self.assertIsNone(self.connector.build_connector_worker_meta())  # nothing new
         self.connector.update_connector_output(SimpleNamespace(kv_connector_worker_meta=reports))
         self.assertEqual(_compact.SCHED.arrived, {"A": found})
+
+
+# What install() replaces in vLLM, counted in a fresh interpreter: every function attribute of
+# every vLLM class loaded (vllm.*), before and after laprox.vllm._runner.install.
+_WRAPPED_PROBE = r"""
+import inspect, json, os, sys
+os.environ["LAPROX_VLLM_TARGET"] = "unix:/nowhere"
+os.environ["LAPROX_VLLM_MODE"] = sys.argv[1]
+from vllm.v1.attention.backends import cpu_attn  # noqa: F401
+from vllm.v1.core import single_type_kv_cache_manager  # noqa: F401
+from vllm.v1.core.sched import scheduler  # noqa: F401
+from vllm.v1.worker import gpu_model_runner  # noqa: F401
+from laprox.vllm import _runner
+from laprox.vllm._state import Config
+
+
+def functions():
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("vllm") or module is None:
+            continue
+        for cls_name, cls in list(vars(module).items()):
+            if inspect.isclass(cls) and cls.__module__ == name:
+                for attr, value in list(vars(cls).items()):
+                    if callable(value):
+                        found[f"{cls_name}.{attr}"] = value
+    return found
+
+
+before = functions()
+_runner.install(Config.from_env())
+after = functions()
+print(json.dumps(sorted(k for k in before if after.get(k) is not before[k])))
+"""
+
+
+class WrappedSymbolsTest(unittest.TestCase):
+    """The vLLM functions the plugin still wraps are exactly those DESIGN.md section 11's table
+    lists, with its modes (`both`, `compact`), and its count ("Still wrapped: N symbols (M in
+    mask mode)") and docs/integrations/vllm.md's are theirs: install() is run against the real
+    vLLM in a fresh interpreter per mode, and every vLLM class's functions compared."""
+
+    @staticmethod
+    def table():
+        import os
+        import re
+        path = os.path.join(support.REPO, "client", "python", "laprox", "vllm", "DESIGN.md")
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        section = text[text.index("**Still wrapped:"):]
+        head = re.match(r"\*\*Still wrapped: (\d+) symbols \((\d+) in mask mode\)", section)
+        rows = re.findall(r"^\| `([\w.]+)` \| (both|compact) \|", section, re.M)
+        return int(head.group(1)), int(head.group(2)), rows
+
+    def wrapped(self, mode):
+        import json
+        import subprocess
+        import sys
+        done = subprocess.run([sys.executable, "-c", _WRAPPED_PROBE, mode], capture_output=True,
+                              text=True, timeout=600)
+        self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+        return set(json.loads(done.stdout.strip().splitlines()[-1]))
+
+    def test_the_table_lists_what_install_wraps(self):
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            self.skipTest("vLLM not installed")
+        total, mask_mode, rows = self.table()
+        self.assertEqual(total, len(rows), "the count in DESIGN.md is not its table's rows")
+        self.assertEqual(mask_mode, sum(mode == "both" for _, mode in rows))
+        self.assertEqual(self.wrapped("compact"), {symbol for symbol, _ in rows})
+        self.assertEqual(self.wrapped("mask"),
+                         {symbol for symbol, mode in rows if mode == "both"})
+        words = {3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine"}
+        with open(f"{support.REPO}/docs/integrations/vllm.md", encoding="utf-8") as f:
+            self.assertIn(f"{words.get(total, total)} vLLM functions are still wrapped", f.read())
