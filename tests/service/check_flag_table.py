@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The flag table of docs/daemon.md against the laproxd binary (`laproxd --helpfull`): every flag
+"""The flag table of docs/daemon.md against the laproxd binary (its `--help`): every flag
 a row names exists, with the default the row says, and every laproxd flag is named somewhere in
 docs/daemon.md. Exit 1 naming each difference.
 
@@ -13,24 +13,12 @@ all). Defaults are compared after spelling them as laproxd prints them: `none` i
 
 import os
 import re
-import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def laproxd_flags(laproxd):
-    """{name: default as printed} of the flags laproxd defines itself (service/main.cc)."""
-    text = subprocess.run([laproxd, "--helpfull"], capture_output=True, text=True).stdout
-    flags = {}
-    for section in text.split("Flags from "):
-        if not section.split(":", 1)[0].endswith("service/main.cc"):
-            continue
-        section = section.split("\n\n", 1)[0]  # the section ends at its first blank line
-        body = " ".join(line.strip() for line in section.splitlines()[1:])
-        for m in re.finditer(r"--(\w+) \(.*?\); default: (.*?);(?= --|\s*$)", body):
-            flags[m.group(1)] = m.group(2).strip('"')
-    return flags
+# laproxd's flags and defaults as tests/deploy/check_flags.py reads them off `--help`.
+sys.path.insert(0, os.path.join(REPO, "tests", "deploy"))
+from check_flags import read_flags  # noqa: E402
 
 
 def spelled(value):
@@ -109,10 +97,7 @@ def main(argv):
     doc = "docs/daemon.md"
     if "--doc" in argv:
         doc = argv[argv.index("--doc") + 1]
-    flags = laproxd_flags(argv[0])
-    if not flags:
-        print(f"no flags read from {argv[0]} --helpfull")
-        return 1
+    flags = read_flags(argv[0])  # exits naming the program when it lists no flags
     with open(os.path.join(REPO, doc), encoding="utf-8") as f:
         text = f.read()
     if selftesting:
