@@ -6,6 +6,8 @@
 #include <variant>
 #include <vector>
 
+#include "service/core/sequence.h"
+
 namespace laprox::service {
 
 Registry::Registry(Core& core, absl::Duration lease, RegistryHooks hooks)
@@ -24,8 +26,9 @@ absl::StatusOr<uint64_t> Registry::RegisterRegion(const RegionSpec& spec,
       ipc != nullptr ? core_.regions().RegisterCudaIpc(ipc->spec, ipc->writable, owner)
                      : core_.regions().RegisterShm(std::get<ShmRegionSpec>(spec), owner);
   if (!id.ok()) return id.status();
-  if ((context.cancelled && context.cancelled()) || absl::Now() > context.deadline) {
-    // The client will never learn the id: nothing may stay registered for it.
+  if (!CheckCall(context, "").ok()) {
+    // The call was cancelled or is past its deadline: the client will never learn the id, so
+    // nothing may stay registered for it.
     core_.regions().Unregister(*id, owner).IgnoreError();
     return absl::DeadlineExceededError("the call ended while the region was opened; it was closed");
   }
