@@ -86,12 +86,35 @@ class Laproxd:
     @contextlib.contextmanager
     def paused(self):
         """Within the block the server is stopped (SIGSTOP): its socket and connections stay
-        open, calls wait unanswered until their deadline. SIGCONT when the block ends."""
+        open, calls wait unanswered until their deadline. SIGCONT when the block ends.
+
+        A stop takes effect thread by thread, each when it next runs: on a loaded machine
+        laproxd has answered a call 3 ms after kill() returned. The block begins once every
+        thread of the process reads as stopped in /proc (or fails after 10 s)."""
         self.process.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not self._stopped():
+            if time.monotonic() > deadline:
+                self.process.send_signal(signal.SIGCONT)
+                raise RuntimeError(f"laproxd (pid {self.process.pid}) did not stop in 10 s")
+            time.sleep(0.001)
         try:
             yield self
         finally:
             self.process.send_signal(signal.SIGCONT)
+
+    def _stopped(self):
+        """Whether every thread of the process is in state T (stopped) in /proc."""
+        tasks = f"/proc/{self.process.pid}/task"
+        for tid in os.listdir(tasks):
+            try:
+                with open(os.path.join(tasks, tid, "stat")) as fh:
+                    # The state follows the command name's closing parenthesis.
+                    if fh.read().rpartition(")")[2].split()[0] not in "tT":
+                        return False
+            except FileNotFoundError:  # a thread that ended
+                continue
+        return True
 
     def stop(self):
         if self.process.poll() is None:
