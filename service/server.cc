@@ -1,5 +1,6 @@
 #include "service/server.h"
 
+#include <memory>
 #include <optional>
 #include <thread>
 #include <tuple>
@@ -7,6 +8,7 @@
 #include <vector>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
@@ -27,6 +29,17 @@ namespace {
 
 // The health service name that reports readiness (a model is registered).
 constexpr char kReadinessService[] = "laprox.v1.Laprox";
+
+// Takes every plugin out of a ServerBuilder. The reflection plugin, once linked, adds itself to
+// every builder in the process: without this the health port would also answer
+// grpc.reflection (and describe laprox.v1 to whoever reaches the probe port).
+class WithoutPlugins final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments* /*args*/) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    plugins->clear();
+  }
+};
 
 absl::Status CheckOptions(const ServerOptions& o) {
   if (o.socket.empty() && o.listen.empty()) {
@@ -123,7 +136,10 @@ struct Server::Parts {
   std::unique_ptr<UnixListener> listener;
   std::unique_ptr<LaproxService> service;
   std::unique_ptr<grpc::Server> grpc_server;
-  // A second server with only the health service, so a probe port exposes nothing else.
+  // A second server with only the health service, so a probe port exposes nothing else: no
+  // plugins (WithoutPlugins), and gRPC's own generic service, which answers every other method
+  // UNIMPLEMENTED (and gives the server the polled queue it must have to start).
+  grpc::CallbackGenericService health_unimplemented;
   std::unique_ptr<grpc::Server> health_server;
   absl::Notification stop_reclaiming;
   std::thread reclaimer;
@@ -258,6 +274,8 @@ absl::Status Server::Build() {
   p.serving.AddPublisher(publish_to(p.grpc_server->GetHealthCheckService()));
   if (!options_.health_listen.empty()) {
     grpc::ServerBuilder health_builder;
+    health_builder.SetOption(std::make_unique<WithoutPlugins>());  // grpc.health.v1 only
+    health_builder.RegisterCallbackGenericService(&p.health_unimplemented);
     health_builder.AddListeningPort(options_.health_listen, grpc::InsecureServerCredentials(),
                                     &health_port_);
     p.health_server = health_builder.BuildAndStart();

@@ -14,7 +14,8 @@ hermetic (no fixed ports) and needs no GPU. Then:
   - grpc.health.v1 on the Unix socket and on the health port: service "" is SERVING;
     "laprox.v1.Laprox" is NOT_SERVING (no model registered), which is what keeps the pod's
     readiness probe from passing before the engine registered its model;
-  - the health port serves nothing but health (GetServerInfo there is UNIMPLEMENTED);
+  - the health port serves nothing but health (GetServerInfo and grpc.reflection there are
+    UNIMPLEMENTED);
   - `laprox-cli health --target=unix:SOCKET` (the image HEALTHCHECK) exits 0, and non-zero
     once laproxd stopped, when laprox-cli has the health command;
   - SIGTERM stops laproxd with exit status 0.
@@ -38,6 +39,11 @@ import yaml
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 SERVING, NOT_SERVING = 1, 2
 READINESS_SERVICE = "laprox.v1.Laprox"
+# Called with one empty message: a served method answers (reflection: an error message in an
+# OK stream), one that is not there UNIMPLEMENTED.
+NOT_ON_THE_HEALTH_PORT = ("/laprox.v1.Laprox/GetServerInfo",
+                          "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                          "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo")
 START_TIMEOUT_S = 20
 
 
@@ -137,9 +143,11 @@ def check_config(name, variables, laproxd, laprox_cli, with_cli, fail):
                 if (status := health(target, READINESS_SERVICE)) != NOT_SERVING:
                     fail(name, f"{target}: readiness without a model is {status}, "
                          "not NOT_SERVING")
-            code = call_code(tcp, "/laprox.v1.Laprox/GetServerInfo")
-            if code != grpc.StatusCode.UNIMPLEMENTED:
-                fail(name, f"the health port answers GetServerInfo with {code}, not UNIMPLEMENTED")
+            for method in NOT_ON_THE_HEALTH_PORT:
+                code = call_code(tcp, method)
+                if code != grpc.StatusCode.UNIMPLEMENTED:
+                    fail(name, f"the health port answers {method} with {code}, "
+                         "not UNIMPLEMENTED")
             if with_cli:
                 cli = subprocess.run([laprox_cli, "health", f"--target={unix}"],
                                      capture_output=True, text=True, timeout=30)
