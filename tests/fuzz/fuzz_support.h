@@ -62,7 +62,8 @@ std::unique_ptr<service::Core> NewCore();
 // `output` writable (expects kOutputRegionId). Aborts on failure.
 void RegisterWorldRegions(service::Core& core, const ShmObject* output);
 
-// Registers fuzz_world.h's kModels with inline o_proj bytes (expects ids 1, 2). Aborts on failure.
+// Registers fuzz_world.h's kModels with inline o_proj bytes (expects ids 1, 2, ... in order).
+// Aborts on failure.
 void RegisterWorldModels(service::Core& core);
 
 // The world of the keep-plan targets, set up once in LLVMFuzzerInitialize: a NewCore() with

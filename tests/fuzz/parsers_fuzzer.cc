@@ -9,8 +9,9 @@
 //      accept is replaced by 0 first, so the fuzzer never takes a fixed port on this machine.
 //   3  tensor extents: shape and strides (int64, little-endian, rank from the next byte) through
 //      kernels::ContiguousStrides and TensorView::ElementExtent, as every tensor reference is.
-// laproxd's --socket and --listen are not parsed by laprox: service/main.cc hands them to
-// grpc::ServerBuilder::AddListeningPort as they are.
+// Not here: --listen, which service/server.cc hands to grpc::ServerBuilder::AddListeningPort
+// after service/net/host_port's split for the loopback check (tcp_security.cc), and --socket,
+// which laproxd's UnixListener binds (service/grpc/peer_identity.h).
 #include <cstdint>
 #include <cstring>
 #include <string>
