@@ -5,8 +5,12 @@ environment the three must name the same socket, the one the rule gives; where l
 there, both clients reach it without being told where.
 
 The rule differs for root and for other users, so as root the cases run twice: as root, and as
-the user nobody (uid 65534) through subprocess's `user=`. As another user they run once, as that
-user. The C++ side needs laprox-cli: $LAPROX_CLI, else build/client/laprox-cli beside
+the user nobody (uid 65534) through setpriv(1) (util-linux, in every Debian). Not subprocess's
+`user=`: that makes Python fork() this process, which holds gRPC threads from the earlier tests,
+and gRPC 1.51's fork handlers (Debian 12's python3-grpcio) can then hang the fork or abort the
+process (an abort in `thread_pool.cc` failed CI once; 2 hangs in 5 runs of 300 such forks beside
+two threads making calls, none in 3 runs of 1000 through setpriv). As another user they run once,
+as that user. The C++ side needs laprox-cli: $LAPROX_CLI, else build/client/laprox-cli beside
 build/service/laproxd.
 """
 
@@ -79,9 +83,16 @@ class DefaultTargetContractTest(unittest.TestCase):
             env["PYTHONPATH"] = self.package
         return env
 
+    @staticmethod
+    def as_user(uid, argv):
+        """argv run as uid (real and effective, groups unchanged, as `user=` would), by
+        exec'ing setpriv: subprocess then starts it without running fork handlers here."""
+        if uid == os.geteuid():
+            return argv
+        return ["setpriv", f"--reuid={uid}", "--", *argv]
+
     def run_as(self, uid, argv, env, **kwargs):
-        user = None if uid == os.geteuid() else uid
-        return subprocess.run(argv, env=env, user=user, capture_output=True, text=True,
+        return subprocess.run(self.as_user(uid, argv), env=env, capture_output=True, text=True,
                               timeout=60, **kwargs)
 
     def python_target(self, uid, env):
@@ -100,11 +111,10 @@ class DefaultTargetContractTest(unittest.TestCase):
     def start_server(self, uid, env):
         """laproxd --socket=auto: (the socket it serves, the process) when it starts, or (the path
         its error names, None) when it cannot."""
-        user = None if uid == os.geteuid() else uid
         process = subprocess.Popen(
-            [support.laproxd_path(), "--socket=auto", "--metrics_listen=", "--backend=cpu",
-             "--lease_seconds=0"], env=env, user=user, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True)
+            self.as_user(uid, [support.laproxd_path(), "--socket=auto", "--metrics_listen=",
+                               "--backend=cpu", "--lease_seconds=0"]),
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         line = process.stdout.readline()  # the "listening on" line, or the error
         found = re.search(r"listening on unix:(\S+)", line)
         if found:
