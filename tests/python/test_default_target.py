@@ -8,7 +8,7 @@ The rule differs for root and for other users, so as root the cases run twice: a
 the user nobody (uid 65534) through setpriv(1) (util-linux, in every Debian). Not subprocess's
 `user=`: that makes Python fork() this process, which holds gRPC threads from the earlier tests,
 and gRPC 1.51's fork handlers (Debian 12's python3-grpcio) can then hang the fork or abort the
-process (an abort in `thread_pool.cc` failed CI once; 2 hangs in 5 runs of 300 such forks beside
+process (an abort in gRPC's thread pool failed CI once; 2 hangs in 5 runs of 300 such forks beside
 two threads making calls, none in 3 runs of 1000 through setpriv). As another user they run once,
 as that user. The C++ side needs laprox-cli: $LAPROX_CLI, else build/client/laprox-cli beside
 build/service/laproxd.
@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import unittest
 
 import support
